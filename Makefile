@@ -1,0 +1,29 @@
+# Two commands for a newcomer:  `make demo` (the main job) and `make test` (the test suite).
+# Each one sets up .venv on first use; later runs reuse it (re-installing only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@# keep an existing torch (e.g. a CUDA build on a GPU box); otherwise take the pinned CPU-friendly release
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m lean_transformer.demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info
