@@ -138,6 +138,8 @@ class LeanTransformerConfig(PretrainedConfig):
             raise ValueError("adapter_dim > 0 needs share_large_matrices=True (adapters specialize shared matrices)")
         if self.lowrank_dim and self.weight_layout is None:
             raise ValueError("lowrank_dim > 0 needs a block-sparse weight_layout")
+        if self.weight_layout is not None and self.share_large_matrices:
+            raise ValueError("weight_layout (block-sparse matrices) cannot be combined with share_large_matrices")
         if self.weight_layout is not None:
             from lean_transformer.modules.blocksparse import parse_layout  # raises ValueError on bad strings
 
@@ -148,6 +150,10 @@ class LeanGPTConfig(LeanTransformerConfig):
     """A decoder-only causal language model."""
 
     model_type = "lean_gpt"
+
+    def __init__(self, **kwargs):
+        # an explicit __init__: transformers 5 would otherwise replace it by a dataclass one that skips ours
+        super().__init__(**kwargs)
 
 
 class LeanAlbertConfig(LeanTransformerConfig):

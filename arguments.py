@@ -1,0 +1,339 @@
+"""Command-line arguments of the swarm's peers, as dataclasses parsed by one ``HfArgumentParser``.
+
+The groups are peer-agnostic where they can be: ``NetworkArguments`` and ``CollaborationArguments`` are shared by
+every peer of a run (trainers and auxiliary peers), ``TaskArguments`` by every peer that builds the model, and
+``TrainingArguments`` only by trainers. Each field validates itself on construction and raises ``ValueError``
+naming the command-line flag, so that a CLI can print one clear line instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Literal, NoReturn, Optional, Sequence, Union
+
+from transformers import HfArgumentParser
+
+from lean_transformer.swarm.dht import validate_maddrs, validate_run_id
+
+Compression = Literal["size_adaptive", "none", "float16", "scaled_float16", "uniform8bit", "quantile8bit",
+                      "blockwise8bit"]
+
+
+def _require(condition: bool, flag: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"--{flag}: {message}")
+
+
+@dataclass
+class NetworkArguments:
+    """How this peer joins the swarm: who it talks to and how others reach it."""
+
+    _argument_group_name = "network (every peer)"
+
+    run_id: str = field(metadata={"help": "Name of the training run; every peer of one swarm uses the same run_id. "
+                                          "It prefixes all DHT keys (letters, digits, '_', '-', '.')."})
+    initial_peers: list[str] = field(default_factory=list, metadata={
+        "help": "Multiaddrs of peers already in the swarm, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... "
+                "(copy the --initial_peers line another peer printed). Empty: start a new swarm."})
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata={
+        "help": "Multiaddrs to listen on. Use a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) for a stable address."})
+    announce_maddrs: list[str] = field(default_factory=list, metadata={
+        "help": "Multiaddrs other peers should use to reach this one (e.g. your public IP and port), "
+                "if they differ from the listening ones."})
+    identity_path: Optional[str] = field(default=None, metadata={
+        "help": "File with this peer's private key; created if missing. Keeps the peer ID (and so the address "
+                "printed for --initial_peers) the same across restarts."})
+    client_mode: bool = field(default=False, metadata={
+        "help": "Do not accept incoming connections (for peers behind NAT or a firewall). Client peers still "
+                "train and average through full peers."})
+    use_relay: bool = field(default=True, metadata={
+        "help": "Allow reaching peers behind NAT through libp2p circuit relays."})
+    use_auto_relay: bool = field(default=False, metadata={
+        "help": "Look for relays to become reachable when this peer is behind NAT."})
+    bandwidth: Optional[float] = field(default=None, metadata={
+        "help": "This peer's network bandwidth in Mbit/s; all-reduce gives faster peers a larger share of the work."})
+    startup_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds to wait for the DHT to start and reach --initial_peers before giving up with an error."})
+
+    def __post_init__(self):
+        validate_run_id(self.run_id)
+        validate_maddrs(self.initial_peers, "initial_peers", require_peer_id=True)
+        validate_maddrs(self.host_maddrs, "host_maddrs")
+        validate_maddrs(self.announce_maddrs, "announce_maddrs")
+        _require(self.bandwidth is None or self.bandwidth > 0, "bandwidth", f"must be positive, got {self.bandwidth}")
+        _require(self.startup_timeout > 0, "startup_timeout", f"must be positive, got {self.startup_timeout}")
+        if self.identity_path is not None:
+            parent = os.path.dirname(os.path.abspath(self.identity_path))
+            _require(os.path.isdir(parent), "identity_path", f"directory {parent} does not exist")
+
+
+@dataclass
+class CollaborationArguments:
+    """How the peers of one run average: these must agree across the swarm (except the offload/delay options)."""
+
+    _argument_group_name = "collaboration (every peer)"
+
+    target_batch_size: int = field(default=4096, metadata={
+        "help": "Samples the whole swarm accumulates per optimizer step (one 'epoch' in hivemind's terms)."})
+    matchmaking_time: float = field(default=15.0, metadata={
+        "help": "Seconds to wait for peers to join an averaging group (3-5 on a LAN, 10-15 over the internet)."})
+    averaging_timeout: float = field(default=60.0, metadata={
+        "help": "Cancel an averaging round that takes longer than this many seconds and go on with local state."})
+    next_chunk_timeout: Optional[float] = field(default=None, metadata={
+        "help": "Seconds to wait for the next chunk of a tensor in all-reduce (default: matchmaking_time)."})
+    load_state_timeout: float = field(default=600.0, metadata={
+        "help": "Seconds to wait while downloading the swarm's state from a peer."})
+    average_state_every: int = field(default=1, metadata={
+        "help": "Average parameters and optimizer statistics with peers every this many epochs."})
+    offload_optimizer: bool = field(default=True, metadata={
+        "help": "Keep the optimizer and its state in host memory (saves accelerator memory)."})
+    delay_optimizer_step: bool = field(default=False, metadata={
+        "help": "Run the optimizer step in the background and apply it one step late (needs offload_optimizer)."})
+    delay_grad_averaging: bool = field(default=False, metadata={
+        "help": "Average gradients in the background, one step late (needs delay_optimizer_step)."})
+    reuse_grad_buffers: bool = field(default=False, metadata={
+        "help": "Accumulate gradients in the model's .grad buffers (saves memory; always on with --fp16)."})
+    grad_compression: Compression = field(default="size_adaptive", metadata={
+        "help": "How gradients are sent in all-reduce. size_adaptive: float16 for small tensors, uniform 8-bit "
+                "for tensors with at least --size_adaptive_threshold elements."})
+    state_compression: Compression = field(default="none", metadata={
+        "help": "How parameters and optimizer state are sent when averaging state or loading it from peers."})
+    size_adaptive_threshold: int = field(default=2**16, metadata={
+        "help": "Tensors with at least this many elements use 8-bit compression under size_adaptive."})
+    metrics_expiration: float = field(default=600.0, metadata={
+        "help": "Seconds a peer's published metrics stay in the DHT; a peer silent for longer counts as gone."})
+
+    def __post_init__(self):
+        _require(self.target_batch_size > 0, "target_batch_size", f"must be positive, got {self.target_batch_size}")
+        for name in ("matchmaking_time", "averaging_timeout", "load_state_timeout", "metrics_expiration"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        _require(self.next_chunk_timeout is None or self.next_chunk_timeout > 0, "next_chunk_timeout",
+                 f"must be positive, got {self.next_chunk_timeout}")
+        _require(self.average_state_every > 0, "average_state_every",
+                 f"must be positive, got {self.average_state_every}")
+        _require(self.size_adaptive_threshold > 0, "size_adaptive_threshold",
+                 f"must be positive, got {self.size_adaptive_threshold}")
+        _require(not self.delay_optimizer_step or self.offload_optimizer, "delay_optimizer_step",
+                 "needs --offload_optimizer")
+        _require(not self.delay_grad_averaging or self.delay_optimizer_step, "delay_grad_averaging",
+                 "needs --delay_optimizer_step")
+
+
+@dataclass
+class TaskArguments:
+    """What the swarm trains: the objective, the model architecture, the tokenizer and the data."""
+
+    _argument_group_name = "task (every peer that builds the model)"
+
+    task: str = field(default="causal_lm", metadata={
+        "help": "Training objective: causal_lm (LeanGPT) or mlm (LeanAlbert: whole-word masked LM and "
+                "sentence-order prediction)."})
+    model_config_path: Optional[str] = field(default=None, metadata={
+        "help": "JSON file with the model's architecture (default: the task's tiny config in tasks/configs/). "
+                "vocab_size is always set from the tokenizer."})
+    tokenizer_path: Optional[str] = field(default=None, metadata={
+        "help": "Directory of a Hugging Face tokenizer (loaded offline). Default: the built-in byte-level one."})
+    dataset: str = field(default="embedded", metadata={
+        "help": "Training text: 'embedded' (a generated corpus with a known entropy floor, no internet needed), "
+                "a glob of local text files (e.g. 'data/**/*.txt'), or 'hf:NAME[:CONFIG]' to stream a Hugging "
+                "Face dataset."})
+    dataset_split: str = field(default="train", metadata={"help": "Split of a Hugging Face dataset."})
+    dataset_text_field: str = field(default="text", metadata={"help": "Text column of a Hugging Face dataset."})
+    shuffle_buffer_size: int = field(default=10_000, metadata={
+        "help": "Documents held in the shuffle buffer; each peer shuffles with a seed derived from its identity."})
+    corpus_seed: int = field(default=0, metadata={
+        "help": "Seed of the embedded corpus's Markov chain; every peer must use the same one."})
+
+    def __post_init__(self):
+        from tasks import TASKS  # the registry; imported here so that `arguments` stays cheap to import
+
+        _require(self.task in TASKS, "task", f"unknown task {self.task!r}, choose one of {', '.join(TASKS)}")
+        for name in ("model_config_path", "tokenizer_path"):
+            path = getattr(self, name)
+            _require(path is None or os.path.exists(path), name, f"{path} does not exist")
+        _require(self.shuffle_buffer_size > 0, "shuffle_buffer_size",
+                 f"must be positive, got {self.shuffle_buffer_size}")
+
+
+@dataclass
+class TrainingArguments:
+    """How this trainer computes gradients: batch, schedule, precision, memory options and local state."""
+
+    _argument_group_name = "training (trainer peers)"
+
+    per_device_batch_size: int = field(default=8, metadata={"help": "Samples per forward/backward pass."})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "help": "Forward/backward passes accumulated locally before reporting them to the swarm."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate of LAMB."})
+    warmup_steps: int = field(default=100, metadata={"help": "Epochs (optimizer steps) of linear LR warmup."})
+    total_steps: int = field(default=10_000, metadata={
+        "help": "Epochs (optimizer steps) after which the LR reaches zero; training stops there too."})
+    lr_schedule: Literal["linear", "cosine"] = field(default="linear", metadata={
+        "help": "Decay of the LR after warmup."})
+    weight_decay: float = field(default=0.01, metadata={
+        "help": "Weight decay (not applied to biases and LayerNorm weights)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB's beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "LAMB's beta2."})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB's epsilon."})
+    max_grad_norm: Optional[float] = field(default=1.0, metadata={
+        "help": "Clip the averaged gradient to this global norm (none: no clipping)."})
+    clamp_value: float = field(default=10_000.0, metadata={"help": "LAMB's upper bound on the trust ratio."})
+    min_8bit_size: int = field(default=4096, metadata={
+        "help": "Optimizer statistics of tensors with at least this many elements are stored in 8 bits."})
+    fp16: bool = field(default=False, metadata={
+        "help": "Mixed precision with float16 and hivemind's gradient scaler (GPU)."})
+    bf16: bool = field(default=False, metadata={"help": "Mixed precision with bfloat16."})
+    gradient_checkpointing: str = field(default="false", metadata={
+        "help": "Recompute activations in backward: false, true, or an integer N (checkpoint every N layers)."})
+    checkpoint_attention_core: bool = field(default=False, metadata={
+        "help": "Also recompute the attention core (saves memory on long sequences)."})
+    ffn_custom_grad: bool = field(default=True, metadata={
+        "help": "Use the hand-written, memory-saving backward pass of the feedforward layers."})
+    preserve_rng_state: bool = field(default=True, metadata={
+        "help": "Replay dropout exactly when recomputing checkpointed activations."})
+    initial_sequence_length: Optional[int] = field(default=None, metadata={
+        "help": "Sequence length at epoch 0 of the sequence-length warmup (default: max_sequence_length)."})
+    max_sequence_length: int = field(default=128, metadata={"help": "Sequence length after the warmup."})
+    sequence_length_warmup_steps: int = field(default=0, metadata={
+        "help": "Epochs over which the sequence length grows linearly to max_sequence_length."})
+    pad_to_multiple_of: int = field(default=8, metadata={
+        "help": "Sequence lengths are multiples of this (faster matmuls)."})
+    seed: int = field(default=0, metadata={
+        "help": "Seed of the model's initialization (same on every peer); data order is seeded per peer."})
+    output_dir: str = field(default="outputs/trainer", metadata={
+        "help": "Local backups and the final state on exit are written here."})
+    backup_every_epochs: int = field(default=10, metadata={
+        "help": "Write a local backup every this many epochs (0: never); restored if parameters turn non-finite."})
+    keep_backups: int = field(default=2, metadata={"help": "How many local backups to keep."})
+    resume_from: Optional[str] = field(default=None, metadata={
+        "help": "Checkpoint directory (or a folder of them: the newest is used) to load before joining; "
+                "the newer of it and the swarm's state wins."})
+    max_epochs: Optional[int] = field(default=None, metadata={
+        "help": "Stop once this peer reaches this epoch (default: total_steps)."})
+    device: Optional[str] = field(default=None, metadata={"help": "Torch device (default: cuda if available)."})
+    progress_every: float = field(default=5.0, metadata={"help": "Seconds between progress lines."})
+    shutdown_timeout: float = field(default=25.0, metadata={
+        "help": "On Ctrl+C / SIGTERM, seconds to finish the current step and leave the swarm before abandoning it."})
+
+    def __post_init__(self):
+        for name in ("per_device_batch_size", "gradient_accumulation_steps", "total_steps", "max_sequence_length",
+                     "pad_to_multiple_of", "keep_backups"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        for name in ("warmup_steps", "sequence_length_warmup_steps", "backup_every_epochs", "weight_decay",
+                     "min_8bit_size"):
+            _require(getattr(self, name) >= 0, name, f"must be non-negative, got {getattr(self, name)}")
+        for name in ("learning_rate", "adam_epsilon", "clamp_value", "progress_every", "shutdown_timeout"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
+        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
+                 f"must be positive, got {self.max_grad_norm}")
+        _require(not (self.fp16 and self.bf16), "fp16", "--fp16 and --bf16 are mutually exclusive")
+        _require(self.initial_sequence_length is None or 0 < self.initial_sequence_length <= self.max_sequence_length,
+                 "initial_sequence_length", f"must be in [1, max_sequence_length], got {self.initial_sequence_length}")
+        _require(self.max_epochs is None or self.max_epochs > 0, "max_epochs", f"must be positive, got {self.max_epochs}")
+        _require(self.resume_from is None or os.path.isdir(self.resume_from), "resume_from",
+                 f"{self.resume_from} is not a directory")
+        self.checkpointing_option()  # validates the string
+
+    def checkpointing_option(self) -> Union[bool, int]:
+        """``gradient_checkpointing`` as ``model.set_optimizations`` takes it: False, True or a layer interval."""
+        value = self.gradient_checkpointing.strip().lower()
+        if value in ("false", "0", "no"):
+            return False
+        if value in ("true", "yes"):
+            return True
+        _require(value.isdigit(), "gradient_checkpointing", f"must be false, true or an integer, got {value!r}")
+        return int(value)
+
+    @property
+    def stop_epoch(self) -> int:
+        return self.max_epochs if self.max_epochs is not None else self.total_steps
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show defaults, keep the description's line breaks."""
+
+
+class ArgumentParser(HfArgumentParser):
+    """``HfArgumentParser`` that reports a bad command line in one line on stderr (no usage wall)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_arguments(dataclass_types: Sequence[type], argv: Optional[Sequence[str]] = None, *,
+                    description: Optional[str] = None) -> tuple:
+    """Parse ``argv`` into one instance of each dataclass; a bad value exits with one line on stderr (code 2)."""
+    parser = ArgumentParser(dataclass_types, description=description, formatter_class=_HelpFormatter)
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+@dataclass
+class AuxTrainingArguments(TrainingArguments):
+    """The trainers' optimizer and schedule flags: an aux peer needs the same ones, because they shape the optimizer
+    state it downloads and writes into checkpoints (pass it the flags you pass the trainers)."""
+
+    _argument_group_name = "optimizer and schedule (the same flags as the trainers)"
+
+    resume_from: Optional[str] = field(default=None, metadata={
+        "help": "Seed the swarm from this checkpoint: a checkpoint directory, a folder of them (the newest is "
+                "used), or a Hugging Face Hub repo id (owner/name) that an aux peer uploaded to. Trainers that "
+                "join continue from its epoch and weights."})
+
+    def __post_init__(self):
+        from lean_transformer.swarm.hub import is_hub_repo_id
+
+        resume_from, self.resume_from = self.resume_from, None  # TrainingArguments accepts directories only
+        super().__post_init__()
+        self.resume_from = resume_from
+        _require(resume_from is None or os.path.isdir(resume_from) or is_hub_repo_id(resume_from), "resume_from",
+                 f"{resume_from} is neither a directory nor a Hub repo id (owner/name)")
+
+
+@dataclass
+class AuxPeerArguments:
+    """What the auxiliary peer does: metrics, checkpoints, Hub upload, averaging help."""
+
+    _argument_group_name = "auxiliary peer"
+
+    refresh_period: float = field(default=30.0, metadata={
+        "help": "Seconds between reads of the trainers' metrics from the DHT."})
+    metrics_path: str = field(default="outputs/aux/swarm_metrics.jsonl", metadata={
+        "help": "JSONL file that gets one row of swarm statistics per epoch; the plot (.png) is redrawn next to it."})
+    history_window: int = field(default=10_000, metadata={
+        "help": "Epochs kept in memory for the plot (the JSONL file keeps all of them)."})
+    wandb_project: str = field(default="lean_transformer", metadata={
+        "help": "Weights & Biases project ('' to disable). Online with an API key (WANDB_API_KEY or `wandb login`), "
+                "else offline (upload later with `wandb sync`)."})
+    wandb_dir: Optional[str] = field(default=None, metadata={
+        "help": "Directory for wandb's files (default: WANDB_DIR or ./wandb)."})
+    checkpoint_dir: str = field(default="outputs/aux/checkpoints", metadata={
+        "help": "Where the swarm's checkpoints are written (epoch-NNNNNN/ subdirectories)."})
+    checkpoint_every_epochs: int = field(default=10, metadata={
+        "help": "Download the swarm's state and write a checkpoint every this many epochs (0: never)."})
+    keep_checkpoints: int = field(default=3, metadata={"help": "How many of the newest checkpoints to keep."})
+    hub_repo_id: Optional[str] = field(default=None, metadata={
+        "help": "Hugging Face Hub model repo (owner/name) to mirror the newest checkpoint to (needs HF_TOKEN or "
+                "`huggingface-cli login`). A failed upload is logged and retried with a later checkpoint."})
+    hub_upload_interval: float = field(default=3600.0, metadata={
+        "help": "Minimum seconds between two Hub uploads."})
+    assist_in_averaging: bool = field(default=False, metadata={
+        "help": "Take part in all-reduce without gradients of its own (hivemind's auxiliary mode), so that "
+                "client-mode trainers have a full peer to average through. Needs incoming connections."})
+    assist_refresh_period: float = field(default=0.5, metadata={
+        "help": "Seconds between checks for an averaging round to join, with --assist_in_averaging."})
+
+    def __post_init__(self):
+        from lean_transformer.swarm.hub import looks_like_repo_id
+
+        for name in ("refresh_period", "assist_refresh_period", "history_window", "keep_checkpoints"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        for name in ("checkpoint_every_epochs", "hub_upload_interval"):
+            _require(getattr(self, name) >= 0, name, f"must be non-negative, got {getattr(self, name)}")
+        _require(self.hub_repo_id is None or looks_like_repo_id(self.hub_repo_id), "hub_repo_id",
+                 f"{self.hub_repo_id!r} is not a Hub repo id (owner/name)")

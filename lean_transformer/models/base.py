@@ -1,0 +1,107 @@
+"""What every lean model shares: weight init, runtime memory options, and the base model (embeddings + body)."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from lean_transformer.config import LeanTransformerConfig
+from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask
+from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
+from lean_transformer.modules.ffn import LeanFFN
+from lean_transformer.modules.linear import LinearOp, SharedMatrix
+from lean_transformer.modules.transformer import LeanTransformer
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+class LeanPreTrainedModel(PreTrainedModel):
+    config_class = LeanTransformerConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = False  # we have our own, see set_optimizations
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (LinearOp, SharedMatrix)):
+            module.reset_parameters(std)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, LeanLMHead):
+            if module.weight is not None:
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    @property
+    def body(self) -> LeanTransformer:
+        return self.base_model.encoder
+
+    def set_optimizations(self, *, gradient_checkpointing: Union[bool, int] = False,
+                          checkpoint_attention_core: bool = False, ffn_custom_grad: bool = True,
+                          preserve_rng_state: bool = True) -> None:
+        """Trade compute for memory; none of these options changes predictions or gradients.
+
+        :param gradient_checkpointing: False; True to keep only each layer's input (one checkpoint per layer:
+            checkpointing attention and feed-forward separately would keep twice the inputs for the same
+            recomputation); or an int N to keep only the inputs of N equal segments of layers.
+        :param checkpoint_attention_core: recompute the attention core (SDPA) in backward.
+        :param ffn_custom_grad: use the feed-forward's hand-written backward (keeps 5 d-words per token instead of
+            about 10 for a 4x-wide plain-autograd feed-forward).
+        :param preserve_rng_state: replay the RNG in recomputations so that dropout masks match the forward pass.
+            Turning it off is only faster, and wrong with dropout.
+        Each call sets every option; omitted ones return to their defaults.
+        """
+        num_layers = self.config.num_hidden_layers
+        if isinstance(gradient_checkpointing, bool):
+            pass
+        elif not isinstance(gradient_checkpointing, int) or not 1 <= gradient_checkpointing <= num_layers:
+            raise ValueError(f"gradient_checkpointing must be a bool or a number of segments in [1, {num_layers}], "
+                             f"got {gradient_checkpointing!r}")
+        if gradient_checkpointing is not False and self.config.reversible:
+            raise ValueError("gradient_checkpointing cannot be combined with reversible=True: a reversible stack "
+                             "already keeps no per-layer activations")
+        for name, value in (("checkpoint_attention_core", checkpoint_attention_core),
+                            ("ffn_custom_grad", ffn_custom_grad), ("preserve_rng_state", preserve_rng_state)):
+            _require_bool(name, value)
+        self.body.gradient_checkpointing = gradient_checkpointing
+        self.body.preserve_rng_state = preserve_rng_state
+        for module in self.body.modules():
+            if isinstance(module, LeanSelfAttention):
+                module.checkpoint_core = checkpoint_attention_core
+                module.preserve_rng_state = preserve_rng_state
+            elif isinstance(module, LeanFFN):
+                module.custom_grad = ffn_custom_grad
+
+
+class LeanTransformerModel(LeanPreTrainedModel):
+    """Embeddings and the transformer body; returns the final (layer-normed) hidden states."""
+
+    def __init__(self, config: LeanTransformerConfig):
+        super().__init__(config)
+        self.embeddings = LeanEmbeddings(config, type_vocab_size=getattr(config, "type_vocab_size", 0))
+        self.encoder = LeanTransformer(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+        """:param attention_mask: [batch, seq] with 1 for tokens and 0 for padding (None: no padding)."""
+        hidden = self.embeddings(input_ids, token_type_ids)
+        mask = make_attention_mask(attention_mask, input_ids.shape[1], causal)
+        return self.encoder(hidden, mask, causal)

@@ -1,0 +1,206 @@
+"""Large projections behind one small protocol, so that hand-written backward passes work for every kind.
+
+The protocol (``LinearOp``)
+---------------------------
+Every large projection (attention q/k/v and output, feed-forward in and out) is a ``LinearOp``:
+
+``op_params() -> tuple[Tensor, ...]``
+    The tensors the matmul depends on, always in the same order and never ``None`` (a layer without bias
+    returns a shorter tuple). The feed-forward's ``autograd.Function`` receives them flattened next to its
+    input and gives each sub-module back the ``len(op_params())`` tensors it handed over.
+``op_forward(x, params) -> Tensor``
+    ``y = x @ W^T (+ b)`` over the last dimension of ``x``, computed only from ``params`` (not from ``self``'s
+    attributes), so that it can run on detached copies. It must also be differentiable by plain autograd.
+``op_backward(x, grad_y, params) -> (grad_x, grads)``
+    The explicit backward of ``op_forward`` given its input ``x`` (which the caller saved or recomputed) and the
+    output gradient; ``grads`` matches ``params`` one to one, ``None`` where a tensor needs no gradient. It must
+    not recompute the forward matmul, so ``x`` is the only activation a caller keeps for it. Gradients are
+    returned in each parameter's own dtype (under autocast the products run in half precision).
+``reset_parameters(std)``
+    Initializes the weights (normal with standard deviation ``std``, biases zero); the models call it.
+``forward(x)`` is ``op_forward(x, op_params())``.
+
+Kinds: ``DenseLinear`` (a plain matrix), ``SharedLinear`` (a matrix shared by several layers plus this layer's own
+low-rank adapter and bias) and, in ``blocksparse.py``, ``BlockSparseLinear``. ``make_linear`` picks one from the config.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lean_transformer.config import LeanTransformerConfig
+
+Grads = tuple[Optional[Tensor], ...]
+
+
+def _flat(t: Tensor) -> Tensor:
+    """Fold every leading dimension into one: (..., n) -> (N, n)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def matmul_backward(x: Tensor, grad_y: Tensor, weight: Tensor, bias: Optional[Tensor]
+                    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``y = x @ weight^T + bias`` with respect to x, weight and bias."""
+    grad_x = grad_y @ weight
+    grad_w = (_flat(grad_y).t() @ _flat(x)).to(weight.dtype) if weight.requires_grad else None
+    grad_b = None
+    if bias is not None and bias.requires_grad:
+        grad_b = _flat(grad_y).sum(0).to(bias.dtype)
+    return grad_x, grad_w, grad_b
+
+
+class LinearOp(nn.Module):
+    """Base class of every large projection; see the module docstring for the protocol."""
+
+    in_features: int
+    out_features: int
+
+    def op_params(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def op_forward(self, x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+        raise NotImplementedError
+
+    def op_backward(self, x: Tensor, grad_y: Tensor, params: tuple[Tensor, ...]) -> tuple[Tensor, Grads]:
+        raise NotImplementedError
+
+    def reset_parameters(self, std: float) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.op_forward(x, self.op_params())
+
+
+class DenseLinear(LinearOp):
+    """A plain dense projection, ``y = x @ weight^T + bias`` (weight stored as [out_features, in_features])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.reset_parameters(0.02)
+
+    def op_params(self) -> tuple[Tensor, ...]:
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+    def op_forward(self, x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+        return F.linear(x, *params)
+
+    def op_backward(self, x: Tensor, grad_y: Tensor, params: tuple[Tensor, ...]) -> tuple[Tensor, Grads]:
+        weight, bias = params[0], (params[1] if len(params) > 1 else None)
+        grad_x, grad_w, grad_b = matmul_backward(x, grad_y, weight, bias)
+        return grad_x, (grad_w,) if bias is None else (grad_w, grad_b)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class SharedMatrix(nn.Module):
+    """One weight matrix used by several layers. It is registered once (in the model's body), and every
+    ``SharedLinear`` that uses it holds a plain reference, so it appears once in ``state_dict`` and is built per
+    model: two models never share it."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.reset_parameters(0.02)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+
+
+class SharedLinear(LinearOp):
+    """``y = x @ W_shared^T + (x @ A^T) @ B^T + bias``: a shared matrix specialized by this layer's own rank-``r``
+    adapter (A: [r, in], B: [out, r]; B starts at zero so a fresh layer computes exactly the shared projection)."""
+
+    def __init__(self, shared: SharedMatrix, adapter_dim: int = 0, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = shared.in_features, shared.out_features
+        self._shared = (shared,)  # a tuple, so that nn.Module does not register the shared matrix here again
+        self.adapter_dim = adapter_dim
+        if adapter_dim:
+            self.adapter_in = nn.Parameter(torch.empty(adapter_dim, self.in_features))
+            self.adapter_out = nn.Parameter(torch.zeros(self.out_features, adapter_dim))
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        self.reset_parameters(0.02)
+
+    @property
+    def shared(self) -> SharedMatrix:
+        return self._shared[0]
+
+    def op_params(self) -> tuple[Tensor, ...]:
+        params = [self.shared.weight]
+        if self.adapter_dim:
+            params += [self.adapter_in, self.adapter_out]
+        if self.bias is not None:
+            params.append(self.bias)
+        return tuple(params)
+
+    def _split(self, params: tuple[Tensor, ...]) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        weight, rest = params[0], list(params[1:])
+        adapter_in, adapter_out = (rest.pop(0), rest.pop(0)) if self.adapter_dim else (None, None)
+        bias = rest.pop(0) if self.bias is not None else None
+        return weight, adapter_in, adapter_out, bias
+
+    def op_forward(self, x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+        weight, adapter_in, adapter_out, bias = self._split(params)
+        y = F.linear(x, weight, bias)
+        if adapter_in is not None:
+            y = y + F.linear(F.linear(x, adapter_in), adapter_out)
+        return y
+
+    def op_backward(self, x: Tensor, grad_y: Tensor, params: tuple[Tensor, ...]) -> tuple[Tensor, Grads]:
+        weight, adapter_in, adapter_out, bias = self._split(params)
+        grad_x, grad_w, grad_b = matmul_backward(x, grad_y, weight, bias)
+        grads: list[Optional[Tensor]] = [grad_w]
+        if adapter_in is not None:
+            hidden = F.linear(x, adapter_in)  # rank-r, cheap to recompute
+            grad_hidden, grad_adapter_out, _ = matmul_backward(hidden, grad_y, adapter_out, None)
+            grad_x_adapter, grad_adapter_in, _ = matmul_backward(x, grad_hidden, adapter_in, None)
+            grad_x = grad_x + grad_x_adapter
+            grads += [grad_adapter_in, grad_adapter_out]
+        if bias is not None:
+            grads.append(grad_b)
+        return grad_x, tuple(grads)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """Initializes this layer's own tensors; the shared matrix is initialized by its owner."""
+        if self.adapter_dim:
+            nn.init.normal_(self.adapter_in, mean=0.0, std=std)
+            nn.init.zeros_(self.adapter_out)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"adapter_dim={self.adapter_dim}, bias={self.bias is not None}")
+
+
+def make_linear(config: LeanTransformerConfig, in_features: int, out_features: int, bias: bool = True,
+                shared: Optional[SharedMatrix] = None) -> LinearOp:
+    """The projection kind the config asks for: block-sparse when ``weight_layout`` is set, a shared matrix with
+    this layer's adapter when ``shared`` is given, dense otherwise."""
+    if config.weight_layout is not None:
+        from lean_transformer.modules.blocksparse import BlockSparseLinear
+
+        return BlockSparseLinear(in_features, out_features, layout=config.weight_layout,
+                                 lowrank_dim=config.lowrank_dim, bias=bias)
+    if shared is not None:
+        if (shared.in_features, shared.out_features) != (in_features, out_features):
+            raise ValueError(f"shared matrix is {shared.out_features}x{shared.in_features}, "
+                             f"expected {out_features}x{in_features}")
+        return SharedLinear(shared, config.adapter_dim, bias=bias)
+    return DenseLinear(in_features, out_features, bias=bias)

@@ -1,0 +1,120 @@
+"""The transformer body shared by every model: layers (with ALBERT-style sharing), residual stream, and the
+memory options (checkpointing in segments, reversible coupling)."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lean_transformer.config import LeanTransformerConfig
+from lean_transformer.modules.attention import LeanSelfAttention
+from lean_transformer.modules.checkpoint import checkpoint, reversible, reversible_couple
+from lean_transformer.modules.ffn import LeanFFN
+from lean_transformer.modules.linear import SharedLinear, SharedMatrix
+
+
+class SharedMatrices(nn.Module):
+    """One set of the large matrices of a layer, shared by every layer that uses this set."""
+
+    def __init__(self, config: LeanTransformerConfig):
+        super().__init__()
+        d, inner = config.hidden_size, config.intermediate_size
+        self.qkv = SharedMatrix(d, 3 * d)
+        self.attention_out = SharedMatrix(d, d)
+        self.ffn_in = SharedMatrix(d, inner * (2 if config.is_gated else 1))
+        self.ffn_out = SharedMatrix(inner, d)
+
+
+class LeanTransformerLayer(nn.Module):
+    """A pre-norm layer: self-attention then feed-forward, each a residual sub-layer."""
+
+    def __init__(self, config: LeanTransformerConfig, shared: Optional[SharedMatrices] = None):
+        super().__init__()
+        self.attention = LeanSelfAttention(config, shared and shared.qkv, shared and shared.attention_out)
+        self.ffn = LeanFFN(config, shared and shared.ffn_in, shared and shared.ffn_out)
+
+
+class LeanTransformer(nn.Module):
+    """``num_hidden_layers`` layers drawn from ``num_hidden_groups * num_inner_groups`` distinct ones."""
+
+    def __init__(self, config: LeanTransformerConfig):
+        super().__init__()
+        self.config = config
+        self.shared_matrices = None
+        if config.share_large_matrices:
+            # built here, once per model, and handed to the layers by reference
+            self.shared_matrices = nn.ModuleList(SharedMatrices(config) for _ in range(config.num_shared_matrices))
+        num_distinct = config.num_hidden_groups * config.num_inner_groups
+        self.layers = nn.ModuleList(
+            LeanTransformerLayer(config, self.shared_matrices[i % config.num_shared_matrices]
+                                 if self.shared_matrices is not None else None)
+            for i in range(num_distinct))
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing: Union[bool, int] = False
+        self.preserve_rng_state = True
+
+    def layer_order(self) -> list[int]:
+        """Which distinct layer runs at each depth: groups of consecutive layers cycle through their inner layers."""
+        per_group = self.config.num_hidden_layers // self.config.num_hidden_groups
+        inner = self.config.num_inner_groups
+        return [(i // per_group) * inner + (i % per_group) % inner for i in range(self.config.num_hidden_layers)]
+
+    def sublayers(self, attention_mask: Optional[Tensor], causal: bool) -> list[Callable[[Tensor], Tensor]]:
+        """The residual branches in order of depth: attention, feed-forward, attention, ..."""
+        result = []
+        for index in self.layer_order():
+            layer = self.layers[index]
+            result.append(functools.partial(layer.attention, attention_mask=attention_mask, causal=causal))
+            result.append(layer.ffn)
+        return result
+
+    def trainable_tensors(self, modules: list[nn.Module]) -> list[Tensor]:
+        """Parameters used by ``modules`` that need gradients, shared matrices included, each once."""
+        found: dict[int, Tensor] = {}
+        for module in modules:
+            for sub in module.modules():
+                tensors = list(sub.parameters(recurse=False))
+                if isinstance(sub, SharedLinear):
+                    tensors.append(sub.shared.weight)
+                found.update((id(t), t) for t in tensors if t.requires_grad)
+        return list(found.values())
+
+    def _add(self, residual: Tensor, branch: Tensor) -> Tensor:
+        # under autocast the branch is half precision: keep the sum in float32 only if asked to
+        total = residual + branch
+        return total if self.config.fp32_residual else total.to(branch.dtype)
+
+    def _run(self, sublayers: list[Callable[[Tensor], Tensor]], x: Tensor) -> Tensor:
+        for sublayer in sublayers:
+            x = self._add(x, sublayer(x))
+        return x
+
+    def forward(self, hidden: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+        if self.config.fp32_residual:
+            hidden = hidden.float()
+        sublayers = self.sublayers(attention_mask, causal)
+        grad_needed = torch.is_grad_enabled()
+        if self.config.reversible:
+            if grad_needed:
+                x0, x1 = reversible(sublayers, hidden, hidden, self.trainable_tensors([self.layers]))
+            else:
+                x0, x1 = reversible_couple(sublayers, hidden, hidden)
+            hidden = (x0 + x1) / 2
+        elif self.gradient_checkpointing and grad_needed:
+            hidden = self._checkpointed(sublayers, hidden)
+        else:
+            hidden = self._run(sublayers, hidden)
+        return self.final_norm(hidden)
+
+    def _checkpointed(self, sublayers: list[Callable[[Tensor], Tensor]], hidden: Tensor) -> Tensor:
+        num_layers = self.config.num_hidden_layers
+        segments = num_layers if self.gradient_checkpointing is True else int(self.gradient_checkpointing)
+        order = self.layer_order()
+        bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            segment = sublayers[2 * start:2 * end]
+            params = self.trainable_tensors([self.layers[i] for i in set(order[start:end])])
+            hidden = checkpoint(functools.partial(self._run, segment), (hidden,), params, self.preserve_rng_state)
+        return hidden

@@ -1,0 +1,336 @@
+"""LAMB (You et al., 2019) on the CPU with both moments kept in 8 bits (Dettmers et al., 2021).
+
+Per parameter tensor ``w`` with gradient ``g`` (optionally scaled by global norm clipping), step ``t``::
+
+    m = b1 * m + (1 - b1) * g                  v = b2 * v + (1 - b2) * g**2
+    r = (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + eps)      # bias correction is optional
+    u = r + weight_decay * w                                    # decoupled weight decay
+    w = w - lr * clamp(||w||, 0, clamp_value) / ||u|| * u       # trust ratio is 1 if either norm is 0
+
+Large tensors keep ``m`` and ``v`` as block-wise quantized bytes (see ``quantization.py``): a step decodes
+one cache-sized tile at a time, updates it in float32, re-encodes it and writes the tile of ``u``. Because
+the trust ratio needs ``||u||`` of the whole tensor before any weight moves, ``u`` goes to a float32 buffer
+for tensors of up to ``chunk_size`` elements; bigger tensors are walked twice (norms first, then the update
+recomputed tile by tile from the same old state), so the extra memory never exceeds ``4 * chunk_size``
+bytes. Both routes run the same per-tile arithmetic and give bit-identical results.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from lean_transformer.optim.quantization import (
+    SIGNED_LEVELS,
+    UNSIGNED_LEVELS,
+    amax_blocks,
+    decode_signed_,
+    decode_unsigned_,
+    encode_signed_,
+    encode_unsigned_from_sqrt_,
+    num_blocks,
+)
+
+# elements per tile: small enough that the ~5 float32 tiles a step touches stay in L2, large enough that
+# per-op dispatch overhead (a few microseconds) stays small next to the arithmetic
+DEFAULT_TILE_SIZE = 2**16
+QUANTIZED_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class _StepConstants:
+    """The scalars of one parameter's step."""
+
+    beta1: float
+    beta2: float
+    clip: float  # gradient scale from global norm clipping
+    bias_correction1: float  # 1 - b1**t, or 1 without bias correction
+    bias_correction2: float
+    eps: float
+    weight_decay: float
+
+
+@dataclass(frozen=True)
+class _FoldedConstants:
+    """The same step rewritten so that a tile needs as few sweeps as possible.
+
+    A tile works on M = m / ((1 - b1) * clip) and V = v / ((1 - b2) * clip**2), which makes the moment updates
+    ``M = g + decay_m * m_old`` and ``V = g**2 + decay_v * v_old`` (one fused op each), and computes
+    U = u / update_scale as ``w + value * M / (sqrt(V) + eps)`` (or without ``w`` if there is no weight decay).
+    """
+
+    m_decode: float  # times the stored absmax: decodes q * |q| straight into decay_m * m_old in M units
+    v_decode: float
+    m_store: float  # stored absmax = m_store * max|M| over the block
+    v_store: float
+    eps: float
+    add_weight: bool
+    value: float
+    update_scale: float
+
+    @classmethod
+    def from_step(cls, k: _StepConstants) -> "_FoldedConstants":
+        m_unit, v_unit = (1 - k.beta1) * k.clip, (1 - k.beta2) * k.clip**2
+        sqrt_v_unit = math.sqrt(v_unit / k.bias_correction2)  # sqrt(v_hat) = sqrt_v_unit * sqrt(V)
+        correction = m_unit / k.bias_correction1 / sqrt_v_unit  # r = correction * M / (sqrt(V) + eps)
+        return cls(
+            m_decode=k.beta1 / (m_unit * SIGNED_LEVELS**2),
+            v_decode=k.beta2 / (v_unit * float(UNSIGNED_LEVELS) ** 4),
+            m_store=m_unit,
+            v_store=v_unit,
+            eps=k.eps / sqrt_v_unit,
+            add_weight=k.weight_decay > 0,
+            value=correction / k.weight_decay if k.weight_decay else 1.0,
+            update_scale=k.weight_decay if k.weight_decay else correction,
+        )
+
+
+class CPULAMB8Bit(torch.optim.Optimizer):
+    """LAMB with block-wise 8-bit moments for float32 CPU parameters (e.g. hivemind's offloaded copies).
+
+    :param min_8bit_size: tensors with fewer elements keep float32 moments (their state is negligible)
+    :param block_size: values per quantization block; state costs ``2 + 8 / block_size`` bytes per parameter
+    :param chunk_size: the largest tensor updated in a single pass; the float32 buffer this needs is the
+      optimizer's only sizeable scratch memory (``4 * chunk_size`` bytes at most)
+    :param max_grad_norm: if set, gradients are scaled as by ``clip_grad_norm_`` over all parameters of all
+      groups (without modifying ``.grad``)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clamp_value: float = 10.0,
+        bias_correction: bool = True,
+        max_grad_norm: Optional[float] = None,
+        min_8bit_size: int = 4096,
+        block_size: int = 256,
+        chunk_size: int = 2**24,
+        tile_size: int = DEFAULT_TILE_SIZE,
+    ):
+        for name, value in (("min_8bit_size", min_8bit_size), ("block_size", block_size), ("chunk_size", chunk_size), ("tile_size", tile_size)):
+            if not isinstance(value, int) or value < (0 if name == "min_8bit_size" else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'min_8bit_size' else 'positive'} int, got {value!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
+        self.min_8bit_size, self.block_size, self.chunk_size = min_8bit_size, block_size, chunk_size
+        self.tile_size = max(block_size, tile_size // block_size * block_size)  # tiles hold whole blocks
+        self._update_buffer = torch.empty(0)
+        self._tile_buffers = [torch.empty(self.tile_size) for _ in range(3)]
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparameters(group)
+        for index, param in enumerate(group["params"]):
+            if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
+                raise ValueError(
+                    f"param_groups[{len(self.param_groups) - 1}]['params'][{index}] must be a contiguous float32 CPU "
+                    f"tensor (got {param.dtype} on {param.device}); keep low-precision or GPU weights in OffloadedOptimizer"
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group_index, group in enumerate(self.param_groups):
+            for index, param in enumerate(group["params"]):
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise ValueError(f"param_groups[{group_index}]['params'][{index}] has a sparse gradient; CPULAMB8Bit needs dense gradients")
+                if param.grad.shape != param.shape:
+                    raise ValueError(f"param_groups[{group_index}]['params'][{index}]: grad shape {tuple(param.grad.shape)} != param shape {tuple(param.shape)}")
+                work.append((group, param))
+        clip = self._clip_coefficient([param.grad for _, param in work])
+        for group, param in work:
+            state = self.state[param]
+            if not state:
+                self._init_state(param, state)
+            state["step"] += 1
+            constants = self._step_constants(group, state, clip)
+            if state["exp_avg"].dtype == torch.uint8:
+                self._update_quantized(param, state, group, constants)
+            else:
+                self._update_full_precision(param, state, group, constants)
+        return loss
+
+    def _clip_coefficient(self, grads: list[torch.Tensor]) -> float:
+        if self.max_grad_norm is None or not grads:
+            return 1.0
+        total_norm = math.sqrt(sum(torch.linalg.vector_norm(grad, dtype=torch.float32).item() ** 2 for grad in grads))
+        return min(1.0, self.max_grad_norm / (total_norm + 1e-6))
+
+    def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        state["step"] = 0
+        if param.numel() < self.min_8bit_size:
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+            return
+        blocks = num_blocks(param.numel(), self.block_size)
+        for key in QUANTIZED_KEYS:
+            state[key] = torch.zeros(param.shape, dtype=torch.uint8)
+            state[f"{key}_absmax"] = torch.zeros(blocks)
+
+    def _step_constants(self, group: dict[str, Any], state: dict[str, Any], clip: float) -> _StepConstants:
+        beta1, beta2 = group["betas"]
+        step = state["step"]
+        return _StepConstants(
+            beta1=beta1,
+            beta2=beta2,
+            clip=clip,
+            bias_correction1=1 - beta1**step if group["bias_correction"] else 1.0,
+            bias_correction2=1 - beta2**step if group["bias_correction"] else 1.0,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    @staticmethod
+    def _apply(param_flat: torch.Tensor, tiles: Iterable[tuple[int, int, torch.Tensor]], update_norms: torch.Tensor, update_scale: float, group: dict[str, Any]) -> None:
+        """w -= lr * trust_ratio * update_scale * U for each tile of U, given the per-tile norms of U."""
+        weight_norm = torch.linalg.vector_norm(param_flat).item()
+        update_norm = update_scale * torch.linalg.vector_norm(update_norms.double()).item()
+        trust_ratio = min(weight_norm, group["clamp_value"]) / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+        alpha = -group["lr"] * trust_ratio * update_scale
+        for start, end, update in tiles:
+            param_flat[start:end].add_(update, alpha=alpha)
+
+    def _update_full_precision(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
+        grad, m, v = param.grad, state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(k.beta1).add_(grad, alpha=(1 - k.beta1) * k.clip)
+        v.mul_(k.beta2).addcmul_(grad, grad, value=(1 - k.beta2) * k.clip**2)
+        update = (m / k.bias_correction1).div_((v / k.bias_correction2).sqrt_().add_(k.eps))
+        if k.weight_decay:
+            update.add_(param, alpha=k.weight_decay)
+        update = update.view(-1)
+        self._apply(param.view(-1), [(0, param.numel(), update)], torch.linalg.vector_norm(update).reshape(1), 1.0, group)
+
+    def _update_quantized(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
+        numel, tile = param.numel(), self.tile_size
+        folded = _FoldedConstants.from_step(k)
+        grad, weight = param.grad.reshape(-1), param.view(-1)
+        decode_scales = (state["exp_avg_absmax"] * folded.m_decode, state["exp_avg_sq_absmax"] * folded.v_decode)
+        bounds = [(start, min(start + tile, numel)) for start in range(0, numel, tile)]
+        update_norms = torch.empty(len(bounds))
+
+        if numel <= self.chunk_size:
+            if self._update_buffer.numel() < numel:
+                self._update_buffer = torch.empty(numel)
+            updates = [self._update_buffer[start:end] for start, end in bounds]
+            for i in range(len(bounds)):
+                self._tile_step(grad, weight, state, decode_scales, *bounds[i], folded, updates[i], store=True)
+                torch.linalg.vector_norm(updates[i], out=update_norms[i])
+            tiles = ((start, end, update) for (start, end), update in zip(bounds, updates))
+        else:
+            scratch = torch.empty(tile)
+            for i in range(len(bounds)):
+                update = scratch[: bounds[i][1] - bounds[i][0]]
+                self._tile_step(grad, weight, state, decode_scales, *bounds[i], folded, update, store=False)
+                torch.linalg.vector_norm(update, out=update_norms[i])
+
+            def recomputed_tiles() -> Iterator[tuple[int, int, torch.Tensor]]:
+                # the state of a tile is replaced only here, so this repeats the first pass exactly
+                for start, end in bounds:
+                    update = scratch[: end - start]
+                    self._tile_step(grad, weight, state, decode_scales, start, end, folded, update, store=True)
+                    yield start, end, update
+
+            tiles = recomputed_tiles()
+        self._apply(weight, tiles, update_norms, folded.update_scale, group)
+
+    def _tile_step(
+        self,
+        grad: torch.Tensor,
+        weight: torch.Tensor,
+        state: dict[str, Any],
+        decode_scales: tuple[torch.Tensor, torch.Tensor],
+        start: int,
+        end: int,
+        k: _FoldedConstants,
+        update: torch.Tensor,
+        store: bool,
+    ) -> None:
+        """Write U (see _FoldedConstants) for elements [start, end) into ``update``; if ``store``, save the new moments."""
+        size, block = end - start, self.block_size
+        blocks = slice(start // block, num_blocks(end, block))
+        m, v, scratch = (buffer[:size] for buffer in self._tile_buffers)
+        g, w = grad[start:end], weight[start:end]
+        m_codes, v_codes = state["exp_avg"].view(-1)[start:end].view(torch.int8), state["exp_avg_sq"].view(-1)[start:end]
+
+        decode_signed_(m_codes, decode_scales[0][blocks], block, out=m, scratch=scratch, add=g)
+        decode_unsigned_(v_codes, decode_scales[1][blocks], block, out=v).addcmul_(g, g)
+        if store:
+            m_absmax, v_absmax = state["exp_avg_absmax"][blocks], state["exp_avg_sq_absmax"][blocks]
+            amax_blocks(torch.abs(m, out=scratch), block, out=m_absmax)
+            amax_blocks(v, block, out=v_absmax)
+        v.sqrt_()
+        torch.add(v, k.eps, out=update)
+        if k.add_weight:
+            torch.addcdiv(w, m, update, value=k.value, out=update)
+        else:
+            torch.div(m, update, out=update)
+        if store:
+            encode_signed_(m, scratch, m_absmax, block, m_codes)
+            m_absmax.mul_(k.m_store)
+            encode_unsigned_from_sqrt_(v, v_absmax, block, v_codes)
+            v_absmax.mul_(k.v_store)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, rejecting one saved for a different parameter layout or block size."""
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(len(a["params"]) != len(b["params"]) for a, b in zip(groups, saved_groups)):
+            raise ValueError("state_dict has a different number of parameter groups or parameters per group than this optimizer")
+        params = [param for group in groups for param in group["params"]]
+        saved_ids = [param_id for group in saved_groups for param_id in group["params"]]
+        for param, param_id in zip(params, saved_ids):
+            saved = state_dict["state"].get(param_id)
+            if saved is not None:
+                self._check_saved_state(param, saved, param_id)
+        super().load_state_dict(state_dict)
+        for param in params:  # torch casts every floating-point param's state to the param's dtype: undo for codes
+            state = self.state.get(param)
+            if state and "exp_avg_absmax" in state:
+                for key in QUANTIZED_KEYS:
+                    state[key] = state[key].to(torch.uint8)
+
+    def _check_saved_state(self, param: torch.Tensor, saved: dict[str, Any], param_id: Any) -> None:
+        quantized = "exp_avg_absmax" in saved
+        expected = {key: tuple(param.shape) for key in QUANTIZED_KEYS}
+        if quantized:
+            blocks = (num_blocks(param.numel(), self.block_size),)
+            expected.update({f"{key}_absmax": blocks for key in QUANTIZED_KEYS})
+        for key, shape in expected.items():
+            value = saved.get(key)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                raise ValueError(f"state_dict['state'][{param_id!r}][{key!r}] is {got}, expected shape {shape} for a parameter of shape {tuple(param.shape)} with block_size={self.block_size}")
+            if quantized and key in QUANTIZED_KEYS and value.dtype != torch.uint8:
+                raise ValueError(f"state_dict['state'][{param_id!r}][{key!r}] must be uint8 codes, got {value.dtype}")
+
+    def state_bytes(self) -> int:
+        """Bytes held by optimizer state tensors (the codes, absmax values and float32 moments)."""
+        return sum(value.numel() * value.element_size() for state in self.state.values() for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    checks = {
+        "lr": group["lr"] >= 0,
+        "eps": group["eps"] >= 0,
+        "weight_decay": group["weight_decay"] >= 0,
+        "clamp_value": group["clamp_value"] > 0,
+        "betas": len(group["betas"]) == 2 and all(0 <= beta < 1 for beta in group["betas"]),
+    }
+    for name, ok in checks.items():
+        if not ok:
+            raise ValueError(f"invalid {name}: {group[name]!r}")

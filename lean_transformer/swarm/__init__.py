@@ -1,0 +1,2 @@
+"""Everything a peer needs to take part in a swarm: the DHT, signed metrics, the hivemind optimizer, checkpoints
+and the trainer's loop. The auxiliary peer reuses the DHT, metrics and checkpoint modules."""

@@ -1,0 +1,100 @@
+"""Turns the per-peer metrics records that trainers publish into one row of swarm-wide statistics per epoch."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Dict, Hashable, List, Mapping, Optional, Protocol, Sequence
+
+
+class PeerRecord(Protocol):
+    """What the aggregation reads from a trainer's (already validated) metrics record."""
+
+    epoch: int
+    samples_per_second: float
+    samples_accumulated: int
+    loss_sum: float
+    mini_steps: int
+
+
+@dataclass(frozen=True)
+class SwarmStats:
+    """The swarm's progress in one global epoch.
+
+    ``loss`` is the swarm-wide mean loss per mini-step, i.e. sum of the peers' loss sums over the sum of their
+    mini-steps (not a mean of per-peer means, which would over-weight slow peers); NaN if no mini-step was reported.
+    """
+
+    epoch: int
+    alive_peers: int
+    loss: float
+    samples_per_second: float
+    samples_in_epoch: int
+    mini_steps: int
+    time: float
+
+    def to_dict(self) -> dict:
+        row = asdict(self)
+        if math.isnan(self.loss):
+            row["loss"] = None  # JSON has no NaN
+        return row
+
+    @classmethod
+    def from_dict(cls, row: Mapping) -> "SwarmStats":
+        loss = row.get("loss")
+        return cls(
+            epoch=int(row["epoch"]),
+            alive_peers=int(row["alive_peers"]),
+            loss=float("nan") if loss is None else float(loss),
+            samples_per_second=float(row["samples_per_second"]),
+            samples_in_epoch=int(row["samples_in_epoch"]),
+            mini_steps=int(row.get("mini_steps", 0)),
+            time=float(row["time"]),
+        )
+
+
+def aggregate(epoch: int, records: Sequence[PeerRecord], now: float) -> SwarmStats:
+    """Combine the records that peers published for one epoch."""
+    mini_steps = sum(record.mini_steps for record in records)
+    loss_sum = sum(record.loss_sum for record in records)
+    return SwarmStats(
+        epoch=epoch,
+        alive_peers=len(records),
+        loss=loss_sum / mini_steps if mini_steps > 0 else float("nan"),
+        samples_per_second=float(sum(record.samples_per_second for record in records)),
+        samples_in_epoch=sum(record.samples_accumulated for record in records),
+        mini_steps=mini_steps,
+        time=now,
+    )
+
+
+class EpochCollector:
+    """Collects the records of each epoch across refreshes and releases an epoch's statistics once it is complete.
+
+    Each peer keeps one record in the DHT and overwrites it every epoch, so records are copied into per-epoch buckets
+    as they are seen. Epoch E is complete when every alive peer has reported E or later, or when some peer has already
+    reported an epoch after E (by then every peer that trained in E has had a whole epoch to report it).
+    Released epochs are dropped, so memory does not grow with the length of the run.
+    """
+
+    def __init__(self, last_released_epoch: int = -1):
+        self.last_released_epoch = last_released_epoch
+        self._buckets: Dict[int, Dict[Hashable, PeerRecord]] = {}
+
+    def update(self, records: Mapping[Hashable, PeerRecord], now: float) -> List[SwarmStats]:
+        """Add the records currently in the DHT (peer key -> record); return the statistics of newly complete epochs,
+        oldest first."""
+        for peer, record in records.items():
+            if record.epoch > self.last_released_epoch:
+                self._buckets.setdefault(record.epoch, {})[peer] = record
+        if not records:
+            return []
+        newest_epoch = max(record.epoch for record in records.values())
+        slowest_epoch = min(record.epoch for record in records.values())
+
+        released = []
+        for epoch in sorted(self._buckets):
+            if not (epoch <= slowest_epoch or epoch < newest_epoch):
+                break
+            released.append(aggregate(epoch, list(self._buckets.pop(epoch).values()), now))
+            self.last_released_epoch = epoch
+        return released

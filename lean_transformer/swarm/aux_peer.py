@@ -1,0 +1,218 @@
+"""The auxiliary peer: a long-lived member of the swarm that needs no GPU.
+
+It records the swarm's progress (wandb, a JSONL file and a PNG plot), keeps checkpoints that outlive every volunteer
+(optionally mirrored to the Hugging Face Hub), can seed a new swarm from a checkpoint, and with
+``--assist_in_averaging`` takes part in all-reduce without gradients of its own. Read top to bottom:
+:func:`run_aux_peer` builds everything, :class:`AuxPeer` is the loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import hivemind
+from transformers import PreTrainedModel
+
+from lean_transformer.swarm.aggregation import EpochCollector, SwarmStats
+from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.dht import build_dht, initial_peers_line, peer_private_key
+from lean_transformer.swarm.hub import HubUploader, resolve_checkpoint
+from lean_transformer.swarm.metrics import fetch_metrics, make_validators
+from lean_transformer.swarm.optimizer import build_optimizer
+from lean_transformer.swarm.plot import redraw_plot
+from lean_transformer.swarm.run_history import RunHistory
+from lean_transformer.swarm.shutdown import GracefulShutdown
+from lean_transformer.swarm.training_state import load_training_state, save_training_state
+from tasks import get_task
+
+if TYPE_CHECKING:
+    from arguments import AuxPeerArguments, CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+class AuxiliaryOptimizer(hivemind.Optimizer):
+    """A ``hivemind.Optimizer`` whose parameters are a snapshot of the swarm's state (downloaded from peers or read
+    from a checkpoint) that its own steps never update.
+
+    It shares the snapshot with newcomers only while the snapshot is current. hivemind advances an auxiliary peer's
+    epoch together with the swarm; a download after that would pair old parameters with the new epoch, so sharing
+    stops right before this peer's first epoch transition after a snapshot.
+    """
+
+    def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+        self.state_averager.allow_state_sharing = False
+        super()._update_global_epoch(grad_scaler)
+
+    def share_snapshot(self) -> None:
+        """Offer the current parameters to newcomers, ranked by their epoch (trainers that are further along win)."""
+        if not self.client_mode:  # a client cannot serve downloads
+            self.state_averager.state_sharing_priority = self.local_epoch
+            self.state_averager.allow_state_sharing = True
+
+    @contextlib.contextmanager
+    def snapshot_from_peers(self) -> Iterator[Optional[int]]:
+        """Download the newest state that a peer shares and yield its epoch (None if no peer sent one).
+
+        Inside the block ``local_epoch`` is the downloaded state's epoch, so a checkpoint written there is labelled
+        with the epoch of its parameters; afterwards this peer's epoch follows the swarm again. Unlike
+        ``load_state_from_peers`` it never relabels a state with a newer epoch, and gives up after
+        ``load_state_timeout`` instead of retrying forever.
+        """
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)  # do not keep a pre-scheduled round waiting
+            self.scheduled_grads = None
+        averager = self.state_averager
+        epoch_before, was_sharing = averager.local_epoch, averager.allow_state_sharing
+        averager.allow_state_sharing = False  # the tensors are about to be replaced
+        averager.local_epoch = -1  # accept a state of any epoch; stays -1 when nothing was loaded
+        try:
+            averager.load_state_from_peers(timeout=self.load_state_timeout)
+        except TimeoutError:
+            logger.warning(f"Loading the swarm's state took longer than {self.load_state_timeout:g} s")
+        loaded_epoch = averager.local_epoch if averager.local_epoch >= 0 else None
+        if loaded_epoch is None:
+            averager.local_epoch = epoch_before
+            averager.allow_state_sharing = was_sharing
+            yield None
+            return
+        try:
+            yield loaded_epoch
+        finally:
+            averager.local_epoch = max(epoch_before, loaded_epoch)
+            if averager.local_epoch == loaded_epoch:
+                self.share_snapshot()
+
+
+class AuxPeer:
+    """The loop: every refresh, aggregate the trainers' metrics and log them; every N epochs, checkpoint."""
+
+    def __init__(self, dht: hivemind.DHT, model: PreTrainedModel, optimizer: AuxiliaryOptimizer,
+                 network: NetworkArguments, aux: AuxPeerArguments, config: dict, shutdown: GracefulShutdown):
+        self.dht, self.model, self.optimizer = dht, model, optimizer
+        self.run_id, self.aux, self.shutdown = network.run_id, aux, shutdown
+        self.history = RunHistory(aux.metrics_path, max_rows=aux.history_window)
+        self.plot_path = Path(aux.metrics_path).with_suffix(".png")
+        last_logged = self.history.last_epoch
+        self.collector = EpochCollector(last_released_epoch=-1 if last_logged is None else last_logged)
+        self.checkpoints = CheckpointDir(aux.checkpoint_dir, keep_last=aux.keep_checkpoints)
+        latest = self.checkpoints.latest()
+        self.last_checkpoint_epoch = max(optimizer.local_epoch, latest[0] if latest else 0)
+        self.hub = HubUploader(aux.hub_repo_id, aux.hub_upload_interval) if aux.hub_repo_id else None
+        self.wandb = None
+        if aux.wandb_project:
+            from lean_transformer.swarm.wandb_log import WandbLogger
+
+            self.wandb = WandbLogger(aux.wandb_project, run_name=f"{self.run_id}-aux", config=config,
+                                     directory=aux.wandb_dir)
+        self.lock = threading.Lock()  # one user of the optimizer at a time: the assist thread or a checkpoint
+
+    def run(self) -> None:
+        assistant = None
+        if self.aux.assist_in_averaging:
+            assistant = threading.Thread(target=self._assist, name="assist-averaging", daemon=True)
+            assistant.start()
+        try:
+            while not self.shutdown.requested.is_set():
+                self.refresh()
+                self.shutdown.requested.wait(self.aux.refresh_period)
+        finally:
+            if assistant is not None:
+                assistant.join(self.optimizer.averaging_timeout)
+            if self.wandb is not None:
+                self.wandb.finish()
+            if self.hub is not None:
+                self.hub.wait(timeout=self.shutdown.timeout / 2)
+
+    def refresh(self) -> None:
+        records = fetch_metrics(self.dht, self.run_id)
+        completed = self.collector.update(records, now=time.time())
+        for stats in completed:
+            self.history.append(stats)
+            if self.wandb is not None:
+                self.wandb.log(stats)
+        if completed:
+            redraw_plot(self.history.rows, self.plot_path, title=self.run_id)
+
+        swarm_epoch = max([self.optimizer.tracker.global_epoch, *(record.epoch for record in records.values())])
+        logger.info(status_line(swarm_epoch, len(records), self.history.rows[-1] if self.history.rows else None))
+        every = self.aux.checkpoint_every_epochs
+        if every and swarm_epoch // every > self.last_checkpoint_epoch // every:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Download the swarm's state and write it as a checkpoint (then maybe upload it)."""
+        with self.lock, self.optimizer.snapshot_from_peers() as epoch:
+            if epoch is None:
+                logger.warning("No peer shared the swarm's state; will try to checkpoint again at the next refresh")
+                return
+            logger.info(f"Writing the checkpoint of epoch {epoch}")
+            path = self.checkpoints.save(epoch, lambda directory: save_training_state(directory, self.model,
+                                                                                      self.optimizer))
+        self.last_checkpoint_epoch = epoch
+        logger.info(f"Saved the swarm's state at epoch {epoch} to {path}")
+        if self.hub is not None:
+            self.hub.maybe_upload(path, epoch)
+
+    def _assist(self) -> None:
+        """Join every averaging round without gradients of our own (hivemind's auxiliary mode)."""
+        while not self.shutdown.requested.is_set():
+            with self.lock:
+                try:
+                    self.optimizer.step()
+                except Exception as error:  # one failed round must not end the assistance
+                    logger.warning(f"Assisting in averaging failed: {type(error).__name__}: {error}")
+            self.shutdown.requested.wait(self.aux.assist_refresh_period)
+
+
+def status_line(swarm_epoch: int, alive_peers: int, last: Optional[SwarmStats]) -> str:
+    line = f"swarm epoch {swarm_epoch} | {alive_peers} peer{'s' if alive_peers != 1 else ''} reporting"
+    if last is not None:
+        loss = f"{last.loss:.4f}" if math.isfinite(last.loss) else "n/a"
+        line += (f" | epoch {last.epoch}: loss {loss}, {last.samples_per_second:.1f} samples/s, "
+                 f"{last.samples_in_epoch} samples, {last.alive_peers} peers")
+    return line
+
+
+def run_aux_peer(network: NetworkArguments, collaboration: CollaborationArguments, task_args: TaskArguments,
+                 training: TrainingArguments, aux: AuxPeerArguments) -> None:
+    """Run an aux peer until Ctrl+C / SIGTERM. Bad input raises ValueError / FileNotFoundError (naming the flag) or
+    SwarmConnectionError before the peer joins."""
+    shutdown = GracefulShutdown(training.shutdown_timeout)
+    if aux.assist_in_averaging and network.client_mode:
+        raise ValueError("--assist_in_averaging: averaging through this peer needs incoming connections; "
+                         "drop --client_mode")
+    task = get_task(task_args.task)(task_args, training)
+    checkpoint = None
+    if training.resume_from is not None:
+        checkpoint = resolve_checkpoint(training.resume_from, Path(aux.checkpoint_dir) / "downloaded")
+
+    private_key = peer_private_key(network)
+    dht = build_dht(network, make_validators(network.run_id, private_key))
+    try:
+        if not network.client_mode:
+            print(initial_peers_line(dht), flush=True)
+        model = task.build_model()
+        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
+                                    auxiliary=not network.client_mode, optimizer_class=AuxiliaryOptimizer)
+        try:
+            if checkpoint is not None:
+                epoch = load_training_state(checkpoint, model, optimizer)
+                optimizer.share_snapshot()
+                logger.info(f"Seeding the swarm with {checkpoint} (epoch {epoch}): trainers that join continue "
+                            f"from it")
+            config = {name: value for args in (network, collaboration, task_args, training, aux)
+                      for name, value in dataclasses.asdict(args).items()}
+            AuxPeer(dht, model, optimizer, network, aux, config, shutdown).run()
+        finally:
+            logger.info("Leaving the swarm")
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+    logger.info("Shut down cleanly")

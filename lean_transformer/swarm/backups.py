@@ -1,0 +1,79 @@
+"""A trainer's local backups: its state every N epochs (and on exit), written atomically, restored when its
+parameters turn non-finite."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import hivemind
+import torch
+from transformers import PreTrainedModel
+
+from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.training_state import load_training_state, save_training_state
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteParametersError(RuntimeError):
+    """The parameters became NaN or infinite and no usable local backup could replace them."""
+
+
+def parameters_are_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(param).all()) for param in model.parameters())
+
+
+class LocalBackups:
+    """Backups in ``directory/epoch-NNNNNN/`` (the newest ``keep`` of them), one every ``every_epochs`` epochs.
+
+    ``max_restores`` bounds how often the parameters may be restored in a row without getting past the epoch where
+    they broke, so that a run that diverges deterministically stops instead of looping.
+    """
+
+    def __init__(self, directory: os.PathLike, every_epochs: int, keep: int, max_restores: int = 3):
+        self.checkpoints = CheckpointDir(directory, keep_last=keep)
+        self.every_epochs, self.max_restores = every_epochs, max_restores
+        self.restores_in_a_row, self.broken_at_epoch = 0, -1
+
+    @property
+    def directory(self) -> Path:
+        return self.checkpoints.root
+
+    def save(self, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> Optional[Path]:
+        """Back up the current state, unless it is non-finite (which would only replace a good backup)."""
+        if not parameters_are_finite(model):
+            logger.warning("Not backing up non-finite parameters")
+            return None
+        path = self.checkpoints.save(optimizer.local_epoch, lambda tmp: save_training_state(tmp, model, optimizer))
+        logger.info(f"Backed up epoch {optimizer.local_epoch} to {path}")
+        return path
+
+    def on_new_epoch(self, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> None:
+        """Called once per epoch: restore a backup if the parameters broke, else back up when it is time."""
+        if not parameters_are_finite(model):
+            self.restore(model, optimizer)
+            return
+        if optimizer.local_epoch > self.broken_at_epoch:
+            self.restores_in_a_row = 0  # got past the epoch where the parameters broke
+        if self.every_epochs and optimizer.local_epoch % self.every_epochs == 0:
+            self.save(model, optimizer)
+
+    def restore(self, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> int:
+        epoch = optimizer.local_epoch
+        latest = self.checkpoints.latest()
+        if latest is None:
+            raise NonFiniteParametersError(
+                f"parameters became non-finite at epoch {epoch} and there is no local backup in {self.directory} "
+                f"(--backup_every_epochs); lower --learning_rate or --resume_from a checkpoint")
+        if self.restores_in_a_row >= self.max_restores:
+            raise NonFiniteParametersError(
+                f"parameters became non-finite again at epoch {epoch} after {self.restores_in_a_row} restores of "
+                f"{latest[1]}; training diverges, lower --learning_rate")
+        self.restores_in_a_row += 1
+        self.broken_at_epoch = max(self.broken_at_epoch, epoch)
+        restored_epoch = load_training_state(latest[1], model, optimizer)
+        logger.warning(f"Parameters became non-finite at epoch {epoch}; restored the backup of epoch "
+                       f"{restored_epoch} from {latest[1]}")
+        return restored_epoch

@@ -1,0 +1,108 @@
+"""Joining the swarm: building the hivemind DHT from the network arguments, with every bad input reported as one
+clear exception (``ValueError`` for malformed arguments, ``SwarmConnectionError`` for peers that cannot be reached)
+within a bounded time instead of a hang."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import hivemind
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
+
+if TYPE_CHECKING:
+    from arguments import NetworkArguments
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_.\-]+")
+_LOG_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} ")
+
+
+class SwarmConnectionError(RuntimeError):
+    """The DHT could not start, or could not reach any of its initial peers in time."""
+
+
+def validate_run_id(run_id: str) -> None:
+    if not _RUN_ID.fullmatch(run_id or ""):
+        raise ValueError(f"--run_id: {run_id!r} must be non-empty and use only letters, digits, '_', '-' and '.'")
+
+
+def validate_maddrs(maddrs: Sequence[str], flag: str, *, require_peer_id: bool = False) -> None:
+    """Raise ValueError naming ``--flag`` for the first string that is not a usable multiaddr."""
+    for maddr in maddrs:
+        try:
+            parsed = Multiaddr(maddr)
+        except Exception as e:  # the multiaddr package raises several unrelated exception types
+            raise ValueError(f"--{flag}: {maddr!r} is not a valid multiaddr ({e})") from None
+        protocols = {protocol.name for protocol in parsed.protocols()}
+        if require_peer_id:
+            if "p2p" not in protocols:
+                raise ValueError(f"--{flag}: {maddr!r} has no /p2p/<peer id> part; copy the full address that the "
+                                 f"peer printed after --initial_peers")
+            try:
+                PeerID.from_base58(parsed.value_for_protocol("p2p"))
+            except Exception:
+                raise ValueError(f"--{flag}: {maddr!r} has a malformed peer id") from None
+
+
+def build_dht(network: NetworkArguments, record_validators: Iterable[RecordValidatorBase] = ()) -> hivemind.DHT:
+    """Start a DHT node as the network arguments say, or raise SwarmConnectionError within ``startup_timeout`` s.
+
+    Must be called from the main thread (hivemind starts a child process that owns the p2p daemon).
+    """
+    dht = hivemind.DHT(
+        initial_peers=network.initial_peers,
+        host_maddrs=network.host_maddrs,
+        announce_maddrs=network.announce_maddrs or None,
+        identity_path=network.identity_path,
+        client_mode=network.client_mode,
+        use_relay=network.use_relay,
+        use_auto_relay=network.use_auto_relay,
+        record_validators=record_validators,
+        start=False,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=network.startup_timeout)
+    except TimeoutError:
+        dht.terminate()
+        dht.join(5)
+        raise SwarmConnectionError(
+            f"the DHT did not start within {network.startup_timeout:g} s (--startup_timeout); "
+            f"are --initial_peers reachable from here?") from None
+    except Exception as e:
+        dht.join(5)
+        reason = _LOG_TIMESTAMP.sub("", str(e)).strip() or type(e).__name__
+        where = "reach --initial_peers" if network.initial_peers else "start the DHT"
+        raise SwarmConnectionError(f"could not {where}: {reason}") from None
+    return dht
+
+
+def peer_private_key(network: NetworkArguments) -> RSAPrivateKey:
+    """The RSA key that owns this peer's signed DHT records (metrics, training progress). With --identity_path it is
+    the identity's own key (created if missing), so a restarted peer keeps owning its records and an access token
+    can be bound to it; otherwise hivemind's process-wide key."""
+    if network.identity_path is None:
+        return RSAPrivateKey.process_wide()
+    from lean_transformer.swarm.auth import load_identity_key
+
+    os.makedirs(os.path.dirname(os.path.abspath(network.identity_path)), exist_ok=True)
+    return load_identity_key(network.identity_path, create=True)
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+def initial_peers_line(dht: hivemind.DHT) -> str:
+    """The ready-to-paste argument that lets other peers join through this one."""
+    return "--initial_peers " + " ".join(visible_maddrs(dht))
+
+
+def derive_peer_seed(peer_id: PeerID, seed: int) -> int:
+    """A 63-bit seed that differs between peers (so each shuffles its data differently) and is stable for a peer
+    with a persistent identity."""
+    digest = hashlib.sha256(peer_id.to_bytes() + seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

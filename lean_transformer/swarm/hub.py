@@ -1,0 +1,100 @@
+"""Optional Hugging Face Hub mirror of the aux peer's checkpoints. The Hub is a convenience: a failed upload is
+logged and retried with a later checkpoint, it never stops the peer."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def looks_like_repo_id(text: str) -> bool:
+    return bool(_REPO_ID.fullmatch(text))
+
+
+def is_hub_repo_id(text: str) -> bool:
+    """Whether ``text`` reads as a Hub repo id (``owner/name``) rather than a local path (one that does not exist)."""
+    return looks_like_repo_id(text) and not os.path.exists(text)
+
+
+class HubUploader:
+    """Uploads a checkpoint directory to the root of a Hub model repo in a background thread, at most once per
+    ``interval`` seconds and one upload at a time, so a slow or failing upload never delays metrics or averaging.
+
+    The repo then holds the newest uploaded checkpoint (``from_pretrained(repo_id)`` works; the repo's git history
+    keeps the older ones).
+    """
+
+    def __init__(self, repo_id: str, interval: float, token: Optional[str] = None):
+        if interval < 0:
+            raise ValueError(f"hub upload interval must be >= 0 seconds, got {interval}")
+        self.repo_id, self.interval, self.token = repo_id, interval, token
+        self._last_start = -float("inf")
+        self._thread: Optional[threading.Thread] = None
+
+    def maybe_upload(self, checkpoint_dir: os.PathLike, epoch: int) -> bool:
+        """Start uploading ``checkpoint_dir`` if the interval has passed and no upload is running; return whether
+        an upload was started."""
+        if self._thread is not None and self._thread.is_alive():
+            logger.info(f"Hub upload still running; not uploading epoch {epoch}")
+            return False
+        if time.monotonic() - self._last_start < self.interval:
+            return False
+        self._last_start = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._upload, args=(Path(checkpoint_dir), epoch), name="hub-upload", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    def _upload(self, checkpoint_dir: Path, epoch: int) -> None:
+        from huggingface_hub import HfApi
+
+        try:
+            api = HfApi(token=self.token)
+            api.create_repo(self.repo_id, exist_ok=True)
+            api.upload_folder(
+                repo_id=self.repo_id,
+                folder_path=checkpoint_dir,
+                commit_message=f"Swarm checkpoint at epoch {epoch}",
+                delete_patterns=["*"],  # the repo mirrors exactly one checkpoint
+            )
+            logger.info(f"Uploaded the epoch {epoch} checkpoint to https://huggingface.co/{self.repo_id}")
+        except Exception as error:  # network, auth, quota, a pruned directory...: log, keep the peer running
+            logger.warning(f"Hub upload of epoch {epoch} to {self.repo_id} failed: {type(error).__name__}: {error}")
+
+    def wait(self, timeout: float) -> None:
+        """Give a running upload up to ``timeout`` seconds to finish (called on shutdown)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def resolve_checkpoint(source: str, download_dir: os.PathLike, token: Optional[str] = None) -> Path:
+    """The checkpoint directory that ``--resume_from SOURCE`` means: a checkpoint directory, the newest checkpoint
+    in a folder of them, or a Hub repo (downloaded into ``download_dir``). Raises FileNotFoundError naming the flag.
+    """
+    from lean_transformer.swarm.training_state import TRAINING_STATE_FILE, find_checkpoint
+
+    if is_hub_repo_id(source):
+        from huggingface_hub import snapshot_download
+
+        local_dir = Path(download_dir) / source.replace("/", "--")
+        try:
+            snapshot_download(source, local_dir=local_dir, token=token)
+        except Exception as error:  # not found, no access, no internet: all mean "cannot resume from it"
+            raise FileNotFoundError(f"--resume_from: {source} is not a local directory and could not be downloaded as "
+                                    f"a Hub repo ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+        source = str(local_dir)
+    if not os.path.isdir(source):
+        raise FileNotFoundError(f"--resume_from: {source} is neither a directory nor a Hub repo id (owner/name)")
+    checkpoint = find_checkpoint(source)
+    if checkpoint is None:
+        raise FileNotFoundError(f"--resume_from: no checkpoint (a directory with {TRAINING_STATE_FILE}) in {source}")
+    return checkpoint

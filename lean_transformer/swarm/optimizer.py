@@ -1,0 +1,68 @@
+"""``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
+schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import hivemind
+from hivemind.compression import (BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression,
+                                  Quantile8BitQuantization, ScaledFloat16Compression, SizeAdaptiveCompression,
+                                  Uniform8BitQuantization)
+from hivemind.utils.crypto import RSAPrivateKey
+from torch import nn
+
+if TYPE_CHECKING:
+    from arguments import CollaborationArguments, NetworkArguments, TrainingArguments
+    from tasks.base import Task
+
+
+def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> CompressionBase:
+    """The hivemind compression for a ``--grad_compression`` / ``--state_compression`` choice."""
+    simple = dict(none=NoCompression, float16=Float16Compression, scaled_float16=ScaledFloat16Compression,
+                  uniform8bit=Uniform8BitQuantization, quantile8bit=Quantile8BitQuantization,
+                  blockwise8bit=BlockwiseQuantization)
+    if name == "size_adaptive":
+        return SizeAdaptiveCompression(size_adaptive_threshold, less=Float16Compression(),
+                                       greater_equal=Uniform8BitQuantization())
+    if name not in simple:
+        raise ValueError(f"unknown compression {name!r}, choose one of size_adaptive, {', '.join(simple)}")
+    return simple[name]()
+
+
+def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: NetworkArguments,
+                    collaboration: CollaborationArguments, training: TrainingArguments, private_key: RSAPrivateKey,
+                    *, auxiliary: bool = False,
+                    optimizer_class: type[hivemind.Optimizer] = hivemind.Optimizer) -> hivemind.Optimizer:
+    """Wrap the task's LAMB and LR schedule in a hivemind.Optimizer that averages with the run's peers.
+
+    ``private_key`` owns the progress records (the same key as the metrics records). With --fp16, gradients are
+    accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those.
+    ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass.
+    """
+    state_compression = make_compression(collaboration.state_compression, collaboration.size_adaptive_threshold)
+    return optimizer_class(
+        dht=dht,
+        run_id=network.run_id,
+        target_batch_size=collaboration.target_batch_size,
+        batch_size_per_step=None if auxiliary else training.per_device_batch_size * training.gradient_accumulation_steps,
+        params=task.param_groups(model),
+        optimizer=task.optimizer_factory(),
+        scheduler=task.scheduler_factory(),
+        matchmaking_time=collaboration.matchmaking_time,
+        averaging_timeout=collaboration.averaging_timeout,
+        next_chunk_timeout=collaboration.next_chunk_timeout,
+        load_state_timeout=collaboration.load_state_timeout,
+        average_state_every=collaboration.average_state_every,
+        offload_optimizer=collaboration.offload_optimizer,
+        delay_optimizer_step=collaboration.delay_optimizer_step,
+        delay_grad_averaging=collaboration.delay_grad_averaging,
+        reuse_grad_buffers=collaboration.reuse_grad_buffers or training.fp16,
+        client_mode=network.client_mode,
+        auxiliary=auxiliary,
+        grad_compression=make_compression(collaboration.grad_compression, collaboration.size_adaptive_threshold),
+        state_averaging_compression=state_compression,
+        load_state_compression=state_compression,
+        averager_opts=dict(bandwidth=network.bandwidth) if network.bandwidth is not None else None,
+        tracker_opts=dict(private_key=private_key),
+        verbose=True,
+    )

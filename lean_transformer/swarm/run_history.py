@@ -1,0 +1,62 @@
+"""The swarm's per-epoch statistics on disk (an append-only JSONL file) and in memory (a bounded window for plots)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import deque
+from pathlib import Path
+from typing import Deque, Iterable, Optional
+
+from lean_transformer.swarm.aggregation import SwarmStats
+
+logger = logging.getLogger(__name__)
+
+
+class RunHistory:
+    """Appends one JSON line per epoch and keeps the last ``max_rows`` rows in memory.
+
+    A restarted peer reopens the same file: earlier rows come back into the plot window and their epochs are not
+    logged twice. A line cut short by a crash is skipped when reading and never glued to the next row.
+    """
+
+    def __init__(self, path: os.PathLike, max_rows: int = 10_000):
+        if max_rows <= 0:
+            raise ValueError(f"max_rows must be positive, got {max_rows}")
+        self.path = Path(path)
+        self.rows: Deque[SwarmStats] = deque(maxlen=max_rows)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self.rows.extend(read_rows(self.path))
+            _terminate_last_line(self.path)
+
+    @property
+    def last_epoch(self) -> Optional[int]:
+        return self.rows[-1].epoch if self.rows else None
+
+    def append(self, stats: SwarmStats) -> None:
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(stats.to_dict()) + "\n")
+        self.rows.append(stats)
+
+
+def read_rows(path: os.PathLike) -> Iterable[SwarmStats]:
+    """Yield the valid rows of a history file, skipping (and reporting) lines that do not parse."""
+    with open(path, encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield SwarmStats.from_dict(json.loads(line))
+            except (ValueError, KeyError, TypeError) as error:
+                logger.warning(f"{path}:{line_number}: skipping an unreadable row ({error})")
+
+
+def _terminate_last_line(path: Path) -> None:
+    with path.open("rb+") as file:
+        file.seek(0, os.SEEK_END)
+        if file.tell() == 0:
+            return
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) != b"\n":
+            file.write(b"\n")

@@ -1,0 +1,88 @@
+"""Ctrl+C / SIGTERM for a long-running peer: stop gracefully, but always within a bounded time.
+
+The first signal asks the loop to stop after the current step (the peer then leaves the swarm cleanly) and arms a
+watchdog. If the graceful exit has not finished when the watchdog fires (e.g. the step is stuck in an averaging
+round), or if a second signal arrives, the step is abandoned: this process's children (hivemind's DHT and averager
+processes and their p2p daemons) are terminated and the process exits with code 0.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """All processes below ``pid`` (children first), read from /proc; empty where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for parent in frontier for child in children.get(parent, [])]
+        found.extend(below)
+        frontier = below
+    return found
+
+
+def terminate_descendants(grace: float = 2.0) -> None:
+    """SIGTERM every descendant of this process, then SIGKILL those still alive after ``grace`` seconds."""
+    pids = descendant_pids(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class GracefulShutdown:
+    """Install with ``GracefulShutdown(timeout)`` in the main thread; poll ``.requested`` in the loop."""
+
+    def __init__(self, timeout: float, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.timeout = timeout
+        self.requested = threading.Event()
+        self._owner_pid = os.getpid()
+        for signum in signals:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        if os.getpid() != self._owner_pid:  # a forked child inherited the handler: behave as if it had none
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        name = signal.Signals(signum).name
+        if self.requested.is_set():
+            self.abandon(f"second {name}")
+        self.requested.set()
+        logger.info(f"Caught {name}: finishing the current step and leaving the swarm (at most {self.timeout:g} s; "
+                    f"send it again to stop at once)")
+        threading.Thread(target=self._watchdog, name="shutdown-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        time.sleep(self.timeout)
+        self.abandon(f"graceful shutdown took longer than {self.timeout:g} s")
+
+    @staticmethod
+    def abandon(reason: str) -> None:
+        logger.warning(f"Abandoning the current step ({reason}); stopping hivemind's processes")
+        terminate_descendants()
+        sys.stderr.flush()
+        os._exit(0)

@@ -1,0 +1,179 @@
+"""The trainer peer: join the swarm, then an explicit training loop, read top to bottom.
+
+Each iteration computes ``gradient_accumulation_steps`` micro-batches locally (with AMP if asked) and hands their
+gradients to ``hivemind.Optimizer.step``, which accumulates them with the swarm's toward ``target_batch_size``; once
+the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. At every new epoch
+the peer publishes its metrics, checks its parameters (restoring a local backup if they turned non-finite) and
+backs up when it is time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import hivemind
+import torch
+from transformers import PreTrainedModel
+
+from lean_transformer.swarm.backups import LocalBackups
+from lean_transformer.swarm.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.metrics import LocalMetrics, make_validators, publish_metrics
+from lean_transformer.swarm.optimizer import build_optimizer
+from lean_transformer.swarm.progress import ProgressLine
+from lean_transformer.swarm.shutdown import GracefulShutdown
+from lean_transformer.swarm.training_state import TRAINING_STATE_FILE, find_checkpoint, load_training_state
+from tasks import get_task
+
+if TYPE_CHECKING:
+    from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments
+    from tasks.base import Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochWork:
+    """This peer's contribution to the current epoch; becomes its metrics record when the epoch ends."""
+
+    loss_sum: float = 0.0
+    mini_steps: int = 0
+    samples: int = 0
+    skipped: int = 0
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.mini_steps if self.mini_steps else math.nan
+
+
+def train(network: NetworkArguments, collaboration: CollaborationArguments, training: TrainingArguments,
+          task_args: TaskArguments) -> None:
+    """Run a trainer peer until ``training.stop_epoch`` or Ctrl+C / SIGTERM.
+
+    Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before any training.
+    """
+    shutdown = GracefulShutdown(training.shutdown_timeout)
+    task = get_task(task_args.task)(task_args, training)
+    device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cpu" and not collaboration.offload_optimizer:
+        raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
+    checkpoint = None
+    if training.resume_from is not None:
+        checkpoint = find_checkpoint(training.resume_from)
+        if checkpoint is None:
+            raise FileNotFoundError(f"--resume_from: no checkpoint (a directory with {TRAINING_STATE_FILE}) "
+                                    f"in {training.resume_from}")
+
+    private_key = peer_private_key(network)
+    signature_validator, metrics_validator = make_validators(network.run_id, private_key)
+    dht = build_dht(network, [signature_validator, metrics_validator])
+    try:
+        if not network.client_mode:
+            print(initial_peers_line(dht), flush=True)
+        model = task.build_model().to(device)
+        model.set_optimizations(gradient_checkpointing=training.checkpointing_option(),
+                                checkpoint_attention_core=training.checkpoint_attention_core,
+                                ffn_custom_grad=training.ffn_custom_grad,
+                                preserve_rng_state=training.preserve_rng_state)
+        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key)
+        try:
+            join_swarm(model, optimizer, checkpoint)
+            training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
+                          network, collaboration, training)
+        finally:
+            logger.info("Leaving the swarm")
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+    logger.info("Shut down cleanly")
+
+
+def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint: Optional[Path]) -> None:
+    """Load the local checkpoint (if any), then the swarm's state; hivemind refuses a state older than ours, so the
+    newer of the two wins."""
+    if checkpoint is not None:
+        epoch = load_training_state(checkpoint, model, optimizer)
+        logger.info(f"Loaded local checkpoint {checkpoint} (epoch {epoch})")
+    optimizer.load_state_from_peers()
+    logger.info(f"Joined the swarm at epoch {optimizer.local_epoch}")
+
+
+def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
+                  public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkArguments,
+                  collaboration: CollaborationArguments, training: TrainingArguments) -> None:
+    batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
+    amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
+    scaler = hivemind.GradScaler(device.type) if training.fp16 else None
+    reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
+    accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
+    backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
+    progress = ProgressLine(training.progress_every)
+    work, epoch = EpochWork(), optimizer.local_epoch
+    model.train()
+
+    while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
+        # forward and backward over the micro-batches of one local step
+        sequence_length = task.sequence_length(optimizer.local_epoch)
+        losses = []
+        for _ in range(accumulation):
+            batch = {key: value.to(device) for key, value in batches.next_batch(batch_size, sequence_length).items()}
+            with autocast:
+                loss = model(**batch).loss
+            scaled_loss = loss / accumulation
+            (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
+            losses.append(loss.item())
+
+        # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned)
+        finite = all(map(math.isfinite, losses)) and gradients_are_finite(model)
+        if not finite and scaler is None:
+            discard_local_gradients(optimizer, reuse_grad_buffers)
+            work.skipped += accumulation
+            logger.warning(f"Skipped {accumulation} micro-batch(es) with non-finite loss or gradients (not counted)")
+            continue
+
+        # report the samples to the swarm; this averages and steps when the swarm has reached the target batch
+        optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it
+        if scaler is not None:
+            scaler.update()
+        if not reuse_grad_buffers:
+            optimizer.zero_grad()
+        if finite:
+            work.loss_sum += sum(losses)
+            work.mini_steps += accumulation
+            work.samples += batch_size * accumulation
+        else:
+            work.skipped += accumulation
+
+        if optimizer.local_epoch != epoch:
+            logger.info(f"Reached epoch {optimizer.local_epoch}: mean loss {work.mean_loss:.4f} over "
+                        f"{work.mini_steps} mini-steps ({work.samples} samples, {work.skipped} skipped)")
+            metrics = LocalMetrics(epoch=optimizer.local_epoch,
+                                   samples_per_second=float(optimizer.tracker.performance_ema.samples_per_second),
+                                   samples_accumulated=work.samples, loss_sum=work.loss_sum,
+                                   mini_steps=work.mini_steps)
+            publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
+            backups.on_new_epoch(model, optimizer)
+            work, epoch = EpochWork(), optimizer.local_epoch
+        progress.maybe_report(optimizer, work.mean_loss)
+
+    reason = "stop requested" if shutdown.requested.is_set() else f"reached epoch {training.stop_epoch}"
+    logger.info(f"Stopping at epoch {optimizer.local_epoch} ({reason})")
+    backups.save(model, optimizer)
+
+
+def gradients_are_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(param.grad).all()) for param in model.parameters() if param.grad is not None)
+
+
+def discard_local_gradients(optimizer: hivemind.Optimizer, reuse_grad_buffers: bool) -> None:
+    """Forget the gradients of the current local step. When the .grad buffers are hivemind's accumulators, they also
+    hold this epoch's earlier steps, which are lost too (and withdrawn from the swarm's count)."""
+    if reuse_grad_buffers:
+        optimizer.grad_averager.reset_accumulated_grads_()
+        optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
+    else:
+        optimizer.zero_grad()

@@ -1,0 +1,79 @@
+"""What a checkpoint of a swarm peer holds, and how it goes back into a running model and ``hivemind.Optimizer``.
+
+A checkpoint directory has the model in ``save_pretrained`` format (safetensors; loadable on its own with
+``from_pretrained``) and ``training_state.pt`` with the optimizer's state (LAMB statistics), the LR scheduler's state
+and the epoch. Writing it atomically is the job of ``CheckpointDir`` (fill a temporary directory, then rename).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+import hivemind
+import torch
+from transformers import PreTrainedModel
+
+TRAINING_STATE_FILE = "training_state.pt"
+_EPOCH_IN_NAME = re.compile(r"(\d+)$")
+
+
+def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> None:
+    """Write the model and the optimizer/scheduler/epoch state into ``directory`` (which should be fresh)."""
+    directory = Path(directory)
+    averager = optimizer.state_averager
+    averager.step(wait_for_delayed_updates=True)  # a delayed optimizer step would otherwise be missing
+    model.save_pretrained(directory, safe_serialization=True)
+    torch.save(dict(epoch=optimizer.local_epoch, optimizer=averager.optimizer.state_dict(),
+                    scheduler=averager.scheduler.state_dict() if averager.scheduler is not None else None),
+               directory / TRAINING_STATE_FILE)
+
+
+def read_epoch(directory: os.PathLike) -> int:
+    return int(torch.load(Path(directory) / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)["epoch"])
+
+
+@torch.no_grad()
+def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> int:
+    """Load a checkpoint into a running model and optimizer (including the optimizer's offloaded copy of the
+    parameters, which is what newcomers download and what the next optimizer step starts from); returns its epoch.
+
+    Raises ValueError if the checkpoint does not fit the model or the optimizer.
+    """
+    directory = Path(directory)
+    try:
+        loaded = type(model).from_pretrained(directory)  # resolves tied and sharded weights
+        model.load_state_dict(loaded.state_dict())
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{directory} does not hold a checkpoint of this model: {str(e).splitlines()[0]}") from None
+    del loaded
+    state = torch.load(directory / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+    averager = optimizer.state_averager
+    averager.step(wait_for_delayed_updates=True)
+    offloaded = [param for group in averager.optimizer.param_groups for param in group["params"]]
+    for main_param, offloaded_param in zip(averager.main_parameters, offloaded):
+        if offloaded_param is not main_param:
+            offloaded_param.copy_(main_param)
+    try:
+        averager.optimizer.load_state_dict(state["optimizer"])
+        if averager.scheduler is not None and state["scheduler"] is not None:
+            averager.scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{directory}: optimizer state does not fit this optimizer ({e})") from None
+    averager.local_epoch = int(state["epoch"])
+    if optimizer.grad_averager is not None:
+        optimizer.grad_averager.reset_accumulated_grads_()  # gradients computed with the old parameters
+    optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
+    return optimizer.local_epoch
+
+
+def find_checkpoint(path: os.PathLike) -> Optional[Path]:
+    """``path`` itself if it is a checkpoint, else its newest checkpoint subdirectory (by the number ending its
+    name, e.g. ``epoch-000042``), else None."""
+    path = Path(path)
+    if (path / TRAINING_STATE_FILE).is_file():
+        return path
+    candidates = [(int(match.group(1)), child) for child in path.iterdir() if not child.name.startswith(".")
+                  and (child / TRAINING_STATE_FILE).is_file() and (match := _EPOCH_IN_NAME.search(child.name))]
+    return max(candidates)[1] if candidates else None

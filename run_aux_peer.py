@@ -1,0 +1,43 @@
+#!/usr/bin/env python
+"""The swarm's auxiliary peer: metrics (wandb, JSONL, PNG plot), checkpoints, Hub upload, averaging help, resuming.
+
+Stable entry point:  python run_aux_peer.py --run_id my_run --identity_path aux.key --host_maddrs /ip4/0.0.0.0/tcp/31337
+  (prints the --initial_peers line for trainers; the same key and port give the same address after a restart)
+Seed a swarm:        python run_aux_peer.py --run_id my_run --resume_from outputs/aux/checkpoints
+Pass it the trainers' model and optimizer flags (task, config, learning rate, ...): they shape its checkpoints.
+Stop with Ctrl+C or SIGTERM.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+from hivemind.utils.logging import use_hivemind_log_handler
+
+from arguments import (AuxPeerArguments, AuxTrainingArguments, CollaborationArguments, NetworkArguments,
+                       TaskArguments, parse_arguments)
+
+logger = logging.getLogger("run_aux_peer")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    use_hivemind_log_handler("in_root_logger")
+    network, collaboration, task_args, training, aux = parse_arguments(
+        [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments], argv,
+        description=__doc__)
+
+    from lean_transformer.swarm.aux_peer import run_aux_peer
+    from lean_transformer.swarm.dht import SwarmConnectionError
+
+    try:
+        run_aux_peer(network, collaboration, task_args, training, aux)
+    except (ValueError, FileNotFoundError, SwarmConnectionError) as e:
+        logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
+        print(f"run_aux_peer.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Join a hivemind swarm and train the lean transformer with it.
+
+Start a new swarm:       python run_trainer.py --run_id my_run
+Join an existing swarm:  python run_trainer.py --run_id my_run --initial_peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
+(a full peer prints its own ready-to-paste --initial_peers line on start). Stop with Ctrl+C or SIGTERM.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+import transformers
+from hivemind.utils.logging import use_hivemind_log_handler
+
+from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
+
+logger = logging.getLogger("run_trainer")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    use_hivemind_log_handler("in_root_logger")
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between the progress lines
+    network, collaboration, training, task_args = parse_arguments(
+        [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], argv, description=__doc__)
+
+    from lean_transformer.swarm.backups import NonFiniteParametersError
+    from lean_transformer.swarm.dht import SwarmConnectionError
+    from lean_transformer.swarm.trainer import train
+
+    try:
+        train(network, collaboration, training, task_args)
+    except (ValueError, FileNotFoundError, SwarmConnectionError, NonFiniteParametersError) as e:
+        logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
+        print(f"run_trainer.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Swarm authorization end to end: real hivemind DHT peers, each in its own process on 127.0.0.1.
+
+Two honest peers (alice, bob) hold tokens from the swarm authority. Visitors then join one at a time: a newcomer
+with a valid token (the control, which must get in through the very same steps) and outsiders with no token, an
+expired token, bob's token (copied: tokens travel with every request) or a token from another authority. Each
+outsider tries to store, read, store directly at alice and query alice directly; the honest peers then check that
+their records are unchanged and that the outsider never entered their routing tables.
+
+Run as a script, this file is one peer: it reads JSON commands on stdin and answers on stdout.
+"""
+
+import argparse
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+PREFIX = "@@ "  # marks protocol lines on stdout; everything else (e.g. logs) is ignored
+READY_TIMEOUT = 60
+CALL_TIMEOUT = 30
+EXPIRATION = 600  # seconds the test records live
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+
+# ---------------------------------------------------------------- the peer process
+
+
+async def _routing_peers(dht, node) -> list:
+    return [str(peer_id) for peer_id in node.protocol.routing_table.peer_id_to_uid]
+
+
+async def _direct_store(peer_id: str, key: str, value: str, dht, node):
+    """Send a store RPC straight to ``peer_id``, bypassing routing: what an outsider who knows an ID would do."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import PeerID
+    from hivemind.utils import get_dht_time
+
+    result = await node.protocol.call_store(
+        PeerID.from_base58(peer_id), [DHTID.generate(source=key)], [node.protocol.serializer.dumps(value)],
+        get_dht_time() + EXPIRATION,
+    )
+    return None if result is None else list(result)  # None: the peer refused or did not answer
+
+
+async def _direct_find(peer_id: str, key: str, dht, node):
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import PeerID
+
+    key_id = DHTID.generate(source=key)
+    response = await node.protocol.call_find(PeerID.from_base58(peer_id), [key_id])
+    if response is None:
+        return {"responded": False}
+    found, _ = response[key_id]
+    return {"responded": True, "value": None if found is None else node.protocol.serializer.loads(found.value)}
+
+
+def _peer_main(argv) -> None:
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.p2p import PeerID
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.auth import TokenAuthorizerBase
+
+    from lean_transformer.swarm.auth import load_identity_key, load_token, make_authorizer
+
+    class PresentingAuthorizer(TokenAuthorizerBase):
+        """What an outsider can run: presents whatever token it has, signs with its own key, trusts everyone."""
+
+        def __init__(self, key, token):
+            super().__init__(key)
+            self._token = token
+
+        async def get_token(self):
+            return self._token
+
+        def is_token_valid(self, access_token) -> bool:
+            return True
+
+        def does_token_need_refreshing(self, access_token) -> bool:
+            return False
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--identity", required=True)
+    parser.add_argument("--mode", choices=["authorized", "present", "none"], required=True)
+    parser.add_argument("--token")
+    parser.add_argument("--authority_pub")
+    parser.add_argument("--initial_peers", default="[]")
+    parser.add_argument("--expect_admission", action="store_true")
+    args = parser.parse_args(argv)
+
+    key = load_identity_key(args.identity)  # one key: peer ID, record signatures and token binding
+    authorizer = {
+        "authorized": lambda: make_authorizer(args.token, args.authority_pub, args.identity),
+        "present": lambda: PresentingAuthorizer(key, load_token(args.token)),
+        "none": lambda: None,
+    }[args.mode]()
+    validator = RSASignatureValidator(key)
+    initial_peers = json.loads(args.initial_peers)
+    dht = hivemind.DHT(
+        start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=args.identity,
+        check_if_identity_free=False, authorizer=authorizer, record_validators=[validator],
+        ensure_bootstrap_success=bool(initial_peers) and args.expect_admission,
+    )
+
+    def answer(**message):
+        print(PREFIX + json.dumps(message), flush=True)
+
+    answer(
+        peer_id=str(dht.peer_id),
+        identity_peer_id=str(PeerID.from_identity(Path(args.identity).read_bytes())),
+        owner_key=validator.local_public_key.decode(),
+        maddrs=[str(maddr) for maddr in dht.get_visible_maddrs()],
+    )
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        if op == "store":
+            subkey = command.get("subkey")
+            ok = dht.store(
+                command["key"], command["value"], get_dht_time() + command.get("expiration", EXPIRATION),
+                subkey=None if subkey is None else subkey.encode(), exclude_self=True,
+            )
+            answer(ok=ok)
+        elif op == "get":
+            found = dht.get(command["key"], latest=True)
+            value = None if found is None else found.value
+            if isinstance(value, dict):  # a dictionary record: {subkey: ValueWithExpiration}
+                value = {subkey.decode(): item.value for subkey, item in value.items()}
+            answer(value=value)
+        elif op == "direct_store":
+            answer(result=dht.run_coroutine(partial(_direct_store, command["peer_id"], command["key"], command["value"])))
+        elif op == "direct_find":
+            answer(**dht.run_coroutine(partial(_direct_find, command["peer_id"], command["key"])))
+        elif op == "routing":
+            answer(peers=dht.run_coroutine(_routing_peers))
+        elif op == "quit":
+            dht.shutdown()
+            answer(bye=True)
+            return
+
+
+# ---------------------------------------------------------------- the test's side
+
+
+class Peer:
+    """A peer process driven over stdin/stdout; every wait is bounded."""
+
+    def __init__(self, name: str, log_dir: Path, *args: str):
+        self.name = name
+        self._log_path = log_dir / f"{name}.log"
+        self._log = open(self._log_path, "w")
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            text=True, cwd=Path(__file__).parent.parent
+        )
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.info = self._receive(READY_TIMEOUT)
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            if line.startswith(PREFIX):
+                self._lines.put(json.loads(line[len(PREFIX):]))
+        self._lines.put(None)
+
+    def _receive(self, timeout: float) -> dict:
+        try:
+            message = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name} gave no answer within {timeout}s; see {self._log_path}") from None
+        if message is None:
+            tail = self._log_path.read_text()[-3000:]
+            raise RuntimeError(f"{self.name} exited with code {self._proc.wait(10)}:\n{tail}")
+        return message
+
+    def call(self, op: str, timeout: float = CALL_TIMEOUT, **kwargs) -> dict:
+        self._proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self._proc.stdin.flush()
+        return self._receive(timeout)
+
+    def close(self) -> None:
+        try:
+            if self._proc.poll() is None:
+                self.call("quit", timeout=20)
+                self._proc.wait(timeout=20)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+            self._log.close()
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.auth import issue_token, load_identity_key, save_public_key, save_token
+
+    tmp = tmp_path_factory.mktemp("auth_swarm")
+    now = datetime.now(timezone.utc)
+    authority, other_authority = RSAPrivateKey(), RSAPrivateKey()
+    save_public_key(authority, tmp / "authority.pub")
+    save_public_key(other_authority, tmp / "other_authority.pub")
+
+    def identity(name: str):
+        return load_identity_key(tmp / f"{name}.id", create=True).get_public_key()
+
+    def token(name: str, signer, key, expires_at) -> str:
+        save_token(issue_token(signer, key, expires_at, name), tmp / f"{name}.token")
+        return str(tmp / f"{name}.token")
+
+    def peer(name, mode, token_path, authority_pub="authority.pub", initial_peers=(), expect_admission=True):
+        args = ["--identity", str(tmp / f"{name}.id"), "--mode", mode, "--initial_peers", json.dumps(initial_peers)]
+        if token_path is not None:
+            args += ["--token", token_path, "--authority_pub", str(tmp / authority_pub)]
+        return Peer(name, tmp, *args, *(["--expect_admission"] if expect_admission else []))
+
+    visitor_key = identity("visitor")
+    visitors = {  # case -> (mode, token file, authority public key the visitor itself trusts)
+        "valid token (control)": ("authorized", token("newcomer", authority, visitor_key, now + timedelta(days=1)),
+                                  "authority.pub"),
+        "no token": ("none", None, None),
+        "expired token": ("present", token("expired", authority, visitor_key, now - timedelta(hours=1)), None),
+        "bob's token, own key": ("present", None, None),  # filled in below
+        "token of another authority": ("authorized",
+                                       token("foreign", other_authority, visitor_key, now + timedelta(days=1)),
+                                       "other_authority.pub"),
+    }
+    bob_token = token("bob", authority, identity("bob"), now + timedelta(days=1))
+    visitors["bob's token, own key"] = ("present", bob_token, None)
+
+    alice = peer("alice", "authorized", token("alice", authority, identity("alice"), now + timedelta(days=1)))
+    peers = [alice]
+    try:
+        bob = peer("bob", "authorized", bob_token, initial_peers=alice.info["maddrs"])
+        peers.append(bob)
+        assert alice.call("store", key="swarm.victim", value="original")["ok"]
+        yield {"alice": alice, "bob": bob, "visitors": visitors, "peer": peer,
+               "tokens": {"alice": tmp / "alice.token", "bob": tmp / "bob.token"}}
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_token_holders_share_records_and_keep_one_identity(swarm):
+    from lean_transformer.swarm.auth import load_token
+
+    alice, bob = swarm["alice"], swarm["bob"]
+    assert alice.call("store", key="swarm.alice", value="from alice")["ok"]
+    assert bob.call("store", key="swarm.bob", value="from bob")["ok"]
+    assert bob.call("get", key="swarm.alice")["value"] == "from alice"
+    assert alice.call("get", key="swarm.bob")["value"] == "from bob"
+    assert bob.info["peer_id"] in alice.call("routing")["peers"]
+    print("token holders: alice and bob store and read each other's records")
+
+    # one key per peer: its libp2p ID, the owner key of its signed records and its token's key coincide
+    for peer in (alice, bob):
+        token_key = load_token(swarm["tokens"][peer.name]).public_key.decode()
+        assert peer.info["peer_id"] == peer.info["identity_peer_id"]
+        assert peer.info["owner_key"] == f"[owner:{token_key}]"
+    print("identity: peer ID, record owner key and token key come from the same identity file")
+
+    # a signed per-peer record (the metrics pattern): readable by bob, not overwritable by him
+    owner = alice.info["owner_key"]
+    assert alice.call("store", key="swarm.metrics", subkey=owner, value="alice's metrics")["ok"]
+    assert not bob.call("store", key="swarm.metrics", subkey=owner, value="forged", expiration=EXPIRATION + 60)["ok"]
+    assert bob.call("get", key="swarm.metrics")["value"] == {owner: "alice's metrics"}
+    print("signed records: bob reads alice's metrics record and cannot overwrite it")
+
+
+@pytest.mark.parametrize("case", ["valid token (control)", "no token", "expired token", "bob's token, own key",
+                                  "token of another authority"])
+def test_visitor(swarm, case):
+    alice, bob = swarm["alice"], swarm["bob"]
+    mode, token_path, authority_pub = swarm["visitors"][case]
+    admitted = case == "valid token (control)"
+    visitor = swarm["peer"]("visitor", mode, token_path, authority_pub or "authority.pub",
+                            initial_peers=alice.info["maddrs"] + bob.info["maddrs"], expect_admission=admitted)
+    try:
+        key = f"visitor.{case}"
+        stored = visitor.call("store", key=key, value=case)["ok"]
+        read = visitor.call("get", key="swarm.victim")["value"]
+        direct = visitor.call("direct_store", peer_id=alice.info["peer_id"], key=key + ".direct", value=case)["result"]
+        found = visitor.call("direct_find", peer_id=alice.info["peer_id"], key="swarm.victim")
+        overwrite = None
+        if not admitted:  # try to replace an honest record with a newer one, through the DHT and directly
+            overwrite = (visitor.call("store", key="swarm.victim", value="forged", expiration=EXPIRATION + 60)["ok"],
+                         visitor.call("direct_store", peer_id=alice.info["peer_id"], key="swarm.victim",
+                                      value="forged")["result"])
+    finally:
+        visitor.close()
+
+    tried = f"{case}: store -> {stored}, get -> {read!r}, direct store at alice -> {direct}, direct find at alice -> " \
+            f"{'answered' if found['responded'] else 'refused'}"
+    in_routing = {p.name: visitor.info["peer_id"] in p.call("routing")["peers"] for p in (alice, bob)}
+    seen = {p.name: (p.call("get", key=key)["value"], p.call("get", key=key + ".direct")["value"]) for p in (alice, bob)}
+    victim = {p.name: p.call("get", key="swarm.victim")["value"] for p in (alice, bob)}
+    assert victim == {"alice": "original", "bob": "original"}, victim
+
+    if admitted:
+        assert stored and read == "original" and direct == [True], tried
+        assert found == {"responded": True, "value": "original"}, found
+        assert all(value == (case, case) for value in seen.values()), seen
+        assert in_routing["alice"], "the newcomer is routable"
+        print(f"{tried}; honest peers read its records -> admitted like any token holder")
+    else:
+        assert stored is False and read is None and direct is None and not found["responded"], tried
+        assert overwrite == (False, None), overwrite
+        assert all(value == (None, None) for value in seen.values()), seen
+        assert not any(in_routing.values()), in_routing
+        print(f"{tried}; overwrite of alice's record refused {overwrite}; honest records intact {victim}; "
+              f"absent from honest routing tables")
+
+
+if __name__ == "__main__":
+    _peer_main(sys.argv[1:])
