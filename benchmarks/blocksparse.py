@@ -8,7 +8,7 @@ bfloat16 (autocast) with more tokens.
 Part 2 is the README's memory row: a LeanGPT with pixelfly weights vs the dense one; training memory = parameters
 + gradients + Adam's two moments (fp32) + activations saved for backward (counted with saved_tensors_hooks).
 
-Usage: python benchmarks/blocksparse.py [--tokens 512] [--gpu-tokens 8192] [--reps 3]
+Usage: python benchmarks/blocksparse.py [--tokens 512] [--gpu-tokens 8192] [--reps 3] [--seq 512] [--threads N]
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def compare_matrices(device: torch.device, tokens: int, reps: int) -> list[tuple
             log(f"  {device.type} {in_features}->{out_features}: rep {rep + 1}/{reps} "
                 f"dense {times['dense'][-1]:.3f}s sparse {times['sparse'][-1]:.3f}s")
         dense_t, sparse_t = (statistics.median(times[name]) for name in ("dense", "sparse"))
-        rows.append((f"{device.type} ({'bf16 autocast' if autocast else 'fp32'}), {tokens} tokens",
+        kind = "cuda, bf16 autocast" if autocast else f"cpu, fp32, {torch.get_num_threads()} threads"
+        rows.append((f"{kind}, {tokens} tokens",
                      f"{in_features}->{out_features}", f"{sparse.density:.4g}",
                      f"{param_bytes(dense) / 2**20:.1f} / {param_bytes(sparse) / 2**20:.1f} MiB",
                      f"{param_bytes(sparse) / param_bytes(dense):.3f}",
@@ -127,7 +128,11 @@ def main() -> None:
     parser.add_argument("--gpu-tokens", type=int, default=8192, help="tokens per forward+backward on a GPU")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=512, help="sequence length of the LeanGPT memory row")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads (torch's default if omitted); 1 is steadier on a busy machine")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     rows = compare_matrices(torch.device("cpu"), args.tokens, args.reps)

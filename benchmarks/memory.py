@@ -15,33 +15,27 @@ import sys
 from typing import Callable
 
 import torch
+import transformers
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
+from lean_transformer.modules.memory import SavedTensorCounter
 
 
 def saved_bytes(model: nn.Module, input_ids: torch.Tensor) -> int:
     """Bytes of the unique non-parameter storages saved for backward by one training forward pass."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorCounter(exclude=model.parameters()).record() as counter:
         loss = model(input_ids, labels=input_ids).loss
     del loss
-    return sum(saved.values())
+    return counter.nbytes
 
 
 def hf_gpt2(args: argparse.Namespace, layers: int, attn_implementation: str) -> nn.Module:
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=layers,
-                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
     config._attn_implementation = attn_implementation
     return GPT2LMHeadModel(config)
 
@@ -64,6 +58,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="small: the LM head cancels out anyway")
     parser.add_argument("--layers", type=int, default=2, help="L: per-layer figures compare L and 2L layers")
     args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     input_ids = torch.randint(0, args.vocab, (1, args.seq))
     word = 4 * args.hidden * args.seq  # bytes of one fp32 vector of size d for every token

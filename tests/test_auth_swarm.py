@@ -11,6 +11,7 @@ Run as a script, this file is one peer: it reads JSON commands on stdin and answ
 
 import argparse
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -144,14 +145,15 @@ def _peer_main(argv) -> None:
         elif op == "quit":
             dht.shutdown()
             answer(bye=True)
-            return
+            # the DHT and its p2pd are gone; skip interpreter finalization, which takes seconds on a busy machine
+            os._exit(0)
 
 
 # ---------------------------------------------------------------- the test's side
 
 
 class Peer:
-    """A peer process driven over stdin/stdout; every wait is bounded."""
+    """A peer process driven over stdin/stdout; every wait is bounded. ``info`` waits for it to be ready."""
 
     def __init__(self, name: str, log_dir: Path, *args: str):
         self.name = name
@@ -159,11 +161,18 @@ class Peer:
         self._log = open(self._log_path, "w")
         self._proc = subprocess.Popen(
             [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, cwd=Path(__file__).parent.parent
+            text=True, cwd=Path(__file__).parent.parent,
         )
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.info = self._receive(READY_TIMEOUT)
+        self._info = None
+
+    @property
+    def info(self) -> dict:
+        """What the peer announced when ready: peer_id, identity_peer_id, owner_key, maddrs."""
+        if self._info is None:
+            self._info = self._receive(READY_TIMEOUT)
+        return self._info
 
     def _read(self) -> None:
         for line in self._proc.stdout:
@@ -182,72 +191,80 @@ class Peer:
         return message
 
     def call(self, op: str, timeout: float = CALL_TIMEOUT, **kwargs) -> dict:
+        self.info  # noqa: B018 (the ready message comes first)
         self._proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
         self._proc.stdin.flush()
         return self._receive(timeout)
 
-    def close(self) -> None:
+
+def close_all(peers) -> None:
+    """Ask every peer to shut down at once, then wait for each; kill whichever is still there after 20 s."""
+    for peer in peers:
         try:
-            if self._proc.poll() is None:
-                self.call("quit", timeout=20)
-                self._proc.wait(timeout=20)
-        finally:
-            if self._proc.poll() is None:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
-            self._log.close()
+            peer._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            peer._proc.stdin.flush()
+        except OSError:  # already gone
+            pass
+    deadline = time.monotonic() + 20
+    for peer in peers:
+        try:
+            peer._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            peer._proc.kill()
+            peer._proc.wait(timeout=10)
+        peer._log.close()
+
+
+# case -> how the visitor starts: mode, whose token it presents, which authority signed it, token expiry (hours)
+VISITORS = {
+    "valid token (control)": ("authorized", "own", "authority", 24),
+    "no token": ("none", None, None, None),
+    "expired token": ("present", "own", "authority", -1),
+    "bob's token, own key": ("present", "bob", "authority", 24),
+    "token of another authority": ("authorized", "own", "other_authority", 24),
+}
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
+    """alice and bob (token holders) and one visitor per case, started before the first test runs."""
     from hivemind.utils.crypto import RSAPrivateKey
 
     from lean_transformer.swarm.auth import issue_token, load_identity_key, save_public_key, save_token
 
     tmp = tmp_path_factory.mktemp("auth_swarm")
     now = datetime.now(timezone.utc)
-    authority, other_authority = RSAPrivateKey(), RSAPrivateKey()
-    save_public_key(authority, tmp / "authority.pub")
-    save_public_key(other_authority, tmp / "other_authority.pub")
+    authorities = {"authority": RSAPrivateKey(), "other_authority": RSAPrivateKey()}
+    for name, key in authorities.items():
+        save_public_key(key, tmp / f"{name}.pub")
 
-    def identity(name: str):
-        return load_identity_key(tmp / f"{name}.id", create=True).get_public_key()
-
-    def token(name: str, signer, key, expires_at) -> str:
-        save_token(issue_token(signer, key, expires_at, name), tmp / f"{name}.token")
-        return str(tmp / f"{name}.token")
-
-    def peer(name, mode, token_path, authority_pub="authority.pub", initial_peers=(), expect_admission=True):
+    def start(name, mode, token_owner=None, signer="authority", hours=24, initial_peers=(), expect_admission=True):
         args = ["--identity", str(tmp / f"{name}.id"), "--mode", mode, "--initial_peers", json.dumps(initial_peers)]
-        if token_path is not None:
-            args += ["--token", token_path, "--authority_pub", str(tmp / authority_pub)]
+        key = load_identity_key(tmp / f"{name}.id", create=True)
+        if token_owner == "own":
+            token = issue_token(authorities[signer], key.get_public_key(), now + timedelta(hours=hours), name)
+            save_token(token, tmp / f"{name}.token")
+        if token_owner is not None:
+            token_path = tmp / f"{name if token_owner == 'own' else token_owner}.token"
+            args += ["--token", str(token_path), "--authority_pub", str(tmp / f"{signer}.pub")]
         return Peer(name, tmp, *args, *(["--expect_admission"] if expect_admission else []))
 
-    visitor_key = identity("visitor")
-    visitors = {  # case -> (mode, token file, authority public key the visitor itself trusts)
-        "valid token (control)": ("authorized", token("newcomer", authority, visitor_key, now + timedelta(days=1)),
-                                  "authority.pub"),
-        "no token": ("none", None, None),
-        "expired token": ("present", token("expired", authority, visitor_key, now - timedelta(hours=1)), None),
-        "bob's token, own key": ("present", None, None),  # filled in below
-        "token of another authority": ("authorized",
-                                       token("foreign", other_authority, visitor_key, now + timedelta(days=1)),
-                                       "other_authority.pub"),
-    }
-    bob_token = token("bob", authority, identity("bob"), now + timedelta(days=1))
-    visitors["bob's token, own key"] = ("present", bob_token, None)
-
-    alice = peer("alice", "authorized", token("alice", authority, identity("alice"), now + timedelta(days=1)))
-    peers = [alice]
+    peers = [start("alice", "authorized", "own")]
     try:
-        bob = peer("bob", "authorized", bob_token, initial_peers=alice.info["maddrs"])
-        peers.append(bob)
+        alice = peers[0]
+        peers.append(start("bob", "authorized", "own", initial_peers=alice.info["maddrs"]))
+        bob = peers[1]
+        maddrs = alice.info["maddrs"] + bob.info["maddrs"]
+        visitors = {}
+        for i, (case, (mode, token_owner, signer, hours)) in enumerate(VISITORS.items()):
+            visitors[case] = start(f"visitor{i}", mode, token_owner, signer, hours, maddrs,
+                                   expect_admission=mode == "authorized" and signer == "authority")
+            peers.append(visitors[case])
+            visitors[case].info  # noqa: B018 (one start at a time: parallel starts time out on 2 busy cores)
         assert alice.call("store", key="swarm.victim", value="original")["ok"]
-        yield {"alice": alice, "bob": bob, "visitors": visitors, "peer": peer,
-               "tokens": {"alice": tmp / "alice.token", "bob": tmp / "bob.token"}}
+        yield {"alice": alice, "bob": bob, "visitors": visitors, "tokens": tmp}
     finally:
-        for p in peers:
-            p.close()
+        close_all(peers)
 
 
 def test_token_holders_share_records_and_keep_one_identity(swarm):
@@ -263,7 +280,7 @@ def test_token_holders_share_records_and_keep_one_identity(swarm):
 
     # one key per peer: its libp2p ID, the owner key of its signed records and its token's key coincide
     for peer in (alice, bob):
-        token_key = load_token(swarm["tokens"][peer.name]).public_key.decode()
+        token_key = load_token(swarm["tokens"] / f"{peer.name}.token").public_key.decode()
         assert peer.info["peer_id"] == peer.info["identity_peer_id"]
         assert peer.info["owner_key"] == f"[owner:{token_key}]"
     print("identity: peer ID, record owner key and token key come from the same identity file")
@@ -276,30 +293,22 @@ def test_token_holders_share_records_and_keep_one_identity(swarm):
     print("signed records: bob reads alice's metrics record and cannot overwrite it")
 
 
-@pytest.mark.parametrize("case", ["valid token (control)", "no token", "expired token", "bob's token, own key",
-                                  "token of another authority"])
+@pytest.mark.parametrize("case", list(VISITORS))
 def test_visitor(swarm, case):
-    alice, bob = swarm["alice"], swarm["bob"]
-    mode, token_path, authority_pub = swarm["visitors"][case]
+    alice, bob, visitor = swarm["alice"], swarm["bob"], swarm["visitors"][case]
     admitted = case == "valid token (control)"
-    visitor = swarm["peer"]("visitor", mode, token_path, authority_pub or "authority.pub",
-                            initial_peers=alice.info["maddrs"] + bob.info["maddrs"], expect_admission=admitted)
-    try:
-        key = f"visitor.{case}"
-        stored = visitor.call("store", key=key, value=case)["ok"]
-        read = visitor.call("get", key="swarm.victim")["value"]
-        direct = visitor.call("direct_store", peer_id=alice.info["peer_id"], key=key + ".direct", value=case)["result"]
-        found = visitor.call("direct_find", peer_id=alice.info["peer_id"], key="swarm.victim")
-        overwrite = None
-        if not admitted:  # try to replace an honest record with a newer one, through the DHT and directly
-            overwrite = (visitor.call("store", key="swarm.victim", value="forged", expiration=EXPIRATION + 60)["ok"],
-                         visitor.call("direct_store", peer_id=alice.info["peer_id"], key="swarm.victim",
-                                      value="forged")["result"])
-    finally:
-        visitor.close()
-
+    key = f"visitor.{case}"
+    stored = visitor.call("store", key=key, value=case)["ok"]
+    read = visitor.call("get", key="swarm.victim")["value"]
+    direct = visitor.call("direct_store", peer_id=alice.info["peer_id"], key=key + ".direct", value=case)["result"]
+    found = visitor.call("direct_find", peer_id=alice.info["peer_id"], key="swarm.victim")
     tried = f"{case}: store -> {stored}, get -> {read!r}, direct store at alice -> {direct}, direct find at alice -> " \
             f"{'answered' if found['responded'] else 'refused'}"
+    if not admitted:  # try to replace an honest record with a newer one, through the DHT and directly
+        overwrite = (visitor.call("store", key="swarm.victim", value="forged", expiration=EXPIRATION + 60)["ok"],
+                     visitor.call("direct_store", peer_id=alice.info["peer_id"], key="swarm.victim",
+                                  value="forged")["result"])
+
     in_routing = {p.name: visitor.info["peer_id"] in p.call("routing")["peers"] for p in (alice, bob)}
     seen = {p.name: (p.call("get", key=key)["value"], p.call("get", key=key + ".direct")["value"]) for p in (alice, bob)}
     victim = {p.name: p.call("get", key="swarm.victim")["value"] for p in (alice, bob)}

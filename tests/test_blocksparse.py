@@ -265,3 +265,19 @@ def test_bad_lowrank_dim_raises():
 def test_register_layout_needs_an_identifier():
     with pytest.raises(ValueError, match="identifier"):
         register_layout("not a name")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu():
+    torch.manual_seed(0)
+    layer = randomized(BlockSparseLinear(256, 1024, "pixelfly(block_size=32)", lowrank_dim=4))
+    x, grad_y = torch.randn(4, 33, 256), torch.randn(4, 33, 1024)
+
+    def outputs(layer: BlockSparseLinear, x: torch.Tensor, grad_y: torch.Tensor) -> list[torch.Tensor]:
+        grad_x, grads = layer.op_backward(x, grad_y, layer.op_params())
+        return [layer(x), grad_x, *grads]
+
+    expected = outputs(layer, x, grad_y)
+    for got, want in zip(outputs(layer.cuda(), x.cuda(), grad_y.cuda()), expected):
+        torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)

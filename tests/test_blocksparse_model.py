@@ -23,8 +23,8 @@ def perturbed(model: nn.Module) -> nn.Module:
     return model
 
 
-def step(model: LeanGPTForCausalLM, input_ids: torch.Tensor, ffn_custom_grad: bool):
-    model.set_optimizations(ffn_custom_grad=ffn_custom_grad)
+def step(model: LeanGPTForCausalLM, input_ids: torch.Tensor, **options):
+    model.set_optimizations(**options)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     out = model(input_ids, labels=input_ids)
@@ -32,17 +32,19 @@ def step(model: LeanGPTForCausalLM, input_ids: torch.Tensor, ffn_custom_grad: bo
     return out.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("options", [dict(ffn_custom_grad=True),
+                                     dict(ffn_custom_grad=True, gradient_checkpointing=True)])
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(hidden_act="swiglu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
          weight_layout="hypercube(block_size=16, folded=True, stretch=True)"),
 ])
-def test_custom_ffn_backward_matches_autograd(gpt_config, overrides):
+def test_custom_ffn_backward_matches_autograd(gpt_config, overrides, options):
     model = perturbed(LeanGPTForCausalLM(gpt_config(**{**SPARSE, **overrides}))).train()
     assert sum(isinstance(m, BlockSparseLinear) for m in model.modules()) == 4 * 2
     input_ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    logits, grads = step(model, input_ids, ffn_custom_grad=True)
-    ref_logits, ref_grads = step(model, input_ids, ffn_custom_grad=False)
+    logits, grads = step(model, input_ids, **options)
+    ref_logits, ref_grads = step(model, input_ids, ffn_custom_grad=False)  # plain autograd
     torch.testing.assert_close(logits, ref_logits, **TOL)
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
@@ -97,3 +99,13 @@ def test_bad_layout_in_config_raises(gpt_config):
         gpt_config(**{**SPARSE, "weight_layout": "butterfly(block_size=8)"})
     with pytest.raises(ValueError, match="does not divide"):
         LeanGPTForCausalLM(gpt_config(**{**SPARSE, "weight_layout": "pixelfly(block_size=24)"}))
+
+
+def test_save_and_load_round_trip(gpt_config, tmp_path):
+    """The block layout is rebuilt from the config (from_pretrained builds the model on the meta device)."""
+    model = perturbed(LeanGPTForCausalLM(gpt_config(**SPARSE))).eval()
+    model.save_pretrained(tmp_path)
+    loaded = LeanGPTForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)

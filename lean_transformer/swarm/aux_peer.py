@@ -196,17 +196,18 @@ def run_aux_peer(network: NetworkArguments, collaboration: CollaborationArgument
     private_key = peer_private_key(network)
     dht = build_dht(network, make_validators(network.run_id, private_key))
     try:
-        if not network.client_mode:
-            print(initial_peers_line(dht), flush=True)
         model = task.build_model()
         optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
                                     auxiliary=not network.client_mode, optimizer_class=AuxiliaryOptimizer)
+        optimizer.tracker.status_loglevel = logging.DEBUG  # its progress lines would repeat every half second
         try:
             if checkpoint is not None:
                 epoch = load_training_state(checkpoint, model, optimizer)
                 optimizer.share_snapshot()
                 logger.info(f"Seeding the swarm with {checkpoint} (epoch {epoch}): trainers that join continue "
                             f"from it")
+            if not network.client_mode:  # printed once ready, so trainers started on this line find the state
+                print(initial_peers_line(dht), flush=True)
             config = {name: value for args in (network, collaboration, task_args, training, aux)
                       for name, value in dataclasses.asdict(args).items()}
             AuxPeer(dht, model, optimizer, network, aux, config, shutdown).run()

@@ -46,14 +46,21 @@ class BlockSparseLinear(LinearOp):
         mask = make_layout(self.layout, out_features, in_features, balanced=True)
         out_blocks, blocks_per_row = mask.shape[0], int(mask[0].sum())
         block_size = self.layout.block_size
-        # derived from the layout string, so it stays out of the state dict
-        self.register_buffer("col_index", mask.nonzero()[:, 1].view(out_blocks, blocks_per_row), persistent=False)
+        # Derived from the layout string, so neither a parameter nor a buffer: it stays out of the state dict (and
+        # of what peers average), and is rebuilt, not left uninitialized, when a model is made on the meta device.
+        self._col_index = {torch.device("cpu"): mask.nonzero()[:, 1].view(out_blocks, blocks_per_row)}
         self.blocks = nn.Parameter(torch.empty(out_blocks, block_size, blocks_per_row * block_size))
         if lowrank_dim:
             self.lowrank_in = nn.Parameter(torch.empty(lowrank_dim, in_features))
             self.lowrank_out = nn.Parameter(torch.empty(out_features, lowrank_dim))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.reset_parameters(0.02)
+
+    def col_index(self, device: torch.device) -> Tensor:
+        """[out_blocks, k]: the input block of each kept block, row by row (cached per device)."""
+        if device not in self._col_index:
+            self._col_index[device] = self._col_index[torch.device("cpu")].to(device)
+        return self._col_index[device]
 
     @property
     def block_size(self) -> int:
@@ -62,22 +69,22 @@ class BlockSparseLinear(LinearOp):
     @property
     def density(self) -> float:
         """The fraction of the dense matrix's weights kept in blocks."""
-        return self.col_index.shape[1] * self.block_size / self.in_features
+        return self._col_index[torch.device("cpu")].shape[1] * self.block_size / self.in_features
 
     def layout_mask(self) -> Tensor:
         """The bool block mask [out_blocks, in_blocks] this layer was built from."""
-        mask = torch.zeros(self.out_features // self.block_size, self.in_features // self.block_size,
-                           dtype=torch.bool, device=self.col_index.device)
-        return mask.scatter_(1, self.col_index, True)
+        mask = torch.zeros(self.out_features // self.block_size, self.in_features // self.block_size, dtype=torch.bool)
+        return mask.scatter_(1, self.col_index(mask.device), True)
 
     def dense_weight(self) -> Tensor:
         """The equivalent dense ``[out_features, in_features]`` matrix (zeros outside the layout, low-rank term
         added), for inspection and export; the forward pass never builds it."""
-        out_blocks, blocks_per_row = self.col_index.shape
+        col_index = self.col_index(self.blocks.device)
+        out_blocks, blocks_per_row = col_index.shape
         size = self.block_size
         weight = self.blocks.new_zeros(out_blocks, size, self.in_features // size, size)
-        rows = torch.arange(out_blocks, device=self.col_index.device)[:, None]
-        weight[rows, :, self.col_index, :] = self.blocks.view(out_blocks, size, blocks_per_row, size).transpose(1, 2)
+        rows = torch.arange(out_blocks, device=col_index.device)[:, None]
+        weight[rows, :, col_index, :] = self.blocks.view(out_blocks, size, blocks_per_row, size).transpose(1, 2)
         weight = weight.view(self.out_features, self.in_features)
         return weight + self.lowrank_out @ self.lowrank_in if self.lowrank_dim else weight
 
@@ -109,7 +116,7 @@ class BlockSparseLinear(LinearOp):
         blocks, lowrank_in, lowrank_out, bias = (None if p is None else p.to(dtype) for p in self._split(params))
         with _no_autocast(x.device):
             x2d = x.reshape(-1, self.in_features).to(dtype)
-            y = blocksparse_matmul(x2d, blocks, self.col_index)
+            y = blocksparse_matmul(x2d, blocks, self.col_index(x.device))
             if lowrank_in is not None:
                 y.addmm_(x2d @ lowrank_in.t(), lowrank_out.t())
             if bias is not None:
@@ -120,11 +127,11 @@ class BlockSparseLinear(LinearOp):
                   ) -> tuple[Optional[Tensor], Grads]:
         dtype = _compute_dtype(grad_y.device, grad_y.dtype)
         blocks, lowrank_in, lowrank_out, bias = self._split(params)
-        with _no_autocast(x.device):
+        with _no_autocast(x.device), torch.no_grad():
             x2d = x.reshape(-1, self.in_features).to(dtype)
             grad_y2d = grad_y.reshape(-1, self.out_features).to(dtype)
             grad_x, grad_blocks = blocksparse_matmul_backward(
-                x2d, grad_y2d, blocks.to(dtype), self.col_index, need_x, blocks.requires_grad)
+                x2d, grad_y2d, blocks.to(dtype), self.col_index(x.device), need_x, blocks.requires_grad)
             grads = [grad_blocks]
             if lowrank_in is not None:
                 hidden = x2d @ lowrank_in.to(dtype).t()  # rank-r, cheap to recompute

@@ -110,7 +110,8 @@ def make_layout(layout: Union[str, LayoutSpec], out_features: int, in_features: 
                              f"{field}={size}")
     shape = (out_features // spec.block_size, in_features // spec.block_size)
     try:
-        mask = _LAYOUTS[spec.name](*shape, **dict(spec.kwargs))
+        with torch.device("cpu"):  # even where models are built on the meta device (e.g. from_pretrained)
+            mask = _LAYOUTS[spec.name](*shape, **dict(spec.kwargs))
     except ValueError as e:
         raise ValueError(f"weight_layout {str(spec)!r} for a {out_features}x{in_features} matrix: {e}") from None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:

@@ -1,0 +1,68 @@
+"""A trainer-like test peer with known gradients, to check what all-reduce returns.
+
+It joins the swarm like ``run_trainer.py`` (same arguments; the project's model, LAMB and ``hivemind.Optimizer``), but
+instead of computing gradients it sets each parameter's gradient to a fixed random tensor drawn from ``--grad_seed``
+before every ``step``. After each epoch transition it records the averaging round's weight, its group and the
+averaged gradients, and at the end saves everything to ``--out``.
+
+Usage: python tests/grad_peer.py --out FILE --grad_seed N --rounds R [run_trainer.py arguments]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: arguments.py, tasks/
+
+import torch
+
+from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
+from lean_transformer.swarm.dht import build_dht, peer_private_key
+from lean_transformer.swarm.metrics import make_validators
+from lean_transformer.swarm.optimizer import build_optimizer
+from tasks import get_task
+
+
+def main() -> None:
+    own = argparse.ArgumentParser()
+    own.add_argument("--out", required=True)
+    own.add_argument("--grad_seed", type=int, required=True)
+    own.add_argument("--rounds", type=int, default=2)
+    own.add_argument("--deadline", type=float, default=120.0)
+    options, rest = own.parse_known_args()
+    network, collaboration, training, task_args = parse_arguments(
+        [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], rest)
+
+    task = get_task(task_args.task)(task_args, training)
+    private_key = peer_private_key(network)
+    dht = build_dht(network, make_validators(network.run_id, private_key))
+    model = task.build_model()
+    optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key)
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    generator = torch.Generator().manual_seed(options.grad_seed)
+    grads = [torch.randn(param.shape, generator=generator) for param in params]
+    batch_size = training.per_device_batch_size
+
+    rounds, deadline = [], time.monotonic() + options.deadline
+    while len(rounds) < options.rounds and time.monotonic() < deadline:
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        epoch = optimizer.local_epoch
+        optimizer.step(batch_size=batch_size)
+        control = optimizer.scheduled_grads
+        if optimizer.local_epoch != epoch and control is not None and control.done() and not control.cancelled():
+            group = control.result()
+            with optimizer.grad_averager.get_tensors() as averaged:
+                rounds.append(dict(epoch=optimizer.local_epoch, weight=float(control.weight),
+                                   group=sorted(peer.to_base58() for peer in group),
+                                   averaged=[tensor.clone() for tensor in averaged]))
+            print(f"round at epoch {optimizer.local_epoch}: {len(group)} peers", flush=True)
+        time.sleep(0.05)
+
+    torch.save(dict(peer_id=dht.peer_id.to_base58(), grads=grads, rounds=rounds), options.out)
+    optimizer.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

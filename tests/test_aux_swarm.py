@@ -1,0 +1,288 @@
+"""The aux peer in a real swarm: real hivemind on 127.0.0.1, every peer its own process, every wait bounded.
+
+One swarm (the module fixture) serves several tests: an aux peer and two trainers train the tiny model for a few
+epochs; the aux peer is stopped, restarted with the same identity and port on a slow disk and SIGKILLed in the
+middle of writing a checkpoint; then the trainers stop. Resuming and assisting start small swarms of their own.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aux_utils import PeerProcess, assert_valid_png, read_wandb_history, stop_all, wait_until
+from lean_transformer import LeanGPTForCausalLM
+from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+CHECKPOINT_EVERY = 2
+TRAINER_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+|nan) over (\d+) mini-steps \((\d+) samples")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def swarm_args(run_id: str, **overrides) -> List[str]:
+    """Arguments every peer of a test swarm shares: the tiny model, short sequences, a small target batch."""
+    options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=16, per_device_batch_size=4,
+                   max_sequence_length=32, matchmaking_time=2, averaging_timeout=10, startup_timeout=60)
+    options.update(overrides)
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+
+
+def start_trainer(name: str, root: Path, run_id: str, initial_peers: List[str], *extra: str) -> PeerProcess:
+    return PeerProcess(name, ["run_trainer.py", *swarm_args(run_id), "--initial_peers", *initial_peers,
+                              "--output_dir", str(root / name), *extra], root)
+
+
+def read_jsonl(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def tree_digest(path: Path) -> Dict[str, str]:
+    return {str(file.relative_to(path)): hashlib.sha256(file.read_bytes()).hexdigest()
+            for file in sorted(path.rglob("*")) if file.is_file()}
+
+
+def published_records(trainer: PeerProcess) -> Dict[int, tuple]:
+    """epoch -> (mean loss, mini-steps, samples) as the trainer logged the metrics record it published."""
+    return {int(epoch): (float(loss), int(steps), int(samples))
+            for epoch, loss, steps, samples in TRAINER_LINE.findall(trainer.stderr)}
+
+
+@dataclass
+class SwarmRun:
+    root: Path
+    aux: PeerProcess
+    restarted_aux: PeerProcess
+    trainers: List[PeerProcess]
+    initial_peers: List[str]
+    restarted_initial_peers: List[str]
+    checkpoints_before_kill: Dict[str, Dict[str, str]]
+    killed_while_writing: List[str]
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics" / "swarm.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def swarm_run(tmp_path_factory) -> SwarmRun:
+    root = tmp_path_factory.mktemp("aux_swarm")
+    env = dict(WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_API_KEY="", WANDB_SILENT="true")
+    aux_args = ["run_aux_peer.py", *swarm_args("aux-test", host_maddrs=f"/ip4/127.0.0.1/tcp/{free_port()}"),
+                "--identity_path", str(root / "aux.key"), "--checkpoint_dir", str(root / "checkpoints"),
+                "--checkpoint_every_epochs", str(CHECKPOINT_EVERY), "--keep_checkpoints", "2",
+                "--metrics_path", str(root / "metrics" / "swarm.jsonl"), "--refresh_period", "0.5"]
+    peers: List[PeerProcess] = []
+    try:
+        aux = PeerProcess("aux", [*aux_args, "--wandb_dir", str(root)], root, env)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        trainers = [start_trainer(f"trainer{i}", root, "aux-test", initial_peers, "--backup_every_epochs", "1",
+                                  "--keep_backups", "100") for i in (1, 2)]
+        peers += trainers
+
+        def ready():
+            rows = read_jsonl(root / "metrics" / "swarm.jsonl")
+            checkpoints = CheckpointDir(root / "checkpoints", keep_last=2).checkpoints()
+            return sum(row["alive_peers"] == 2 for row in rows) >= 4 and len(checkpoints) == 2
+
+        wait_until(ready, timeout=150, what="4 epochs with 2 trainers and 2 checkpoints", interval=0.5)
+        assert aux.stop() == 0, aux.stderr[-3000:]
+
+        # restart on a slow disk with the same identity and port; SIGKILL it while it writes a checkpoint
+        checkpoints_before = {path.name: tree_digest(path) for path in (root / "checkpoints").glob("epoch-*")}
+        # the trainers dropped the dead aux peer from their routing tables: like an operator, point it at one of them
+        restarted = PeerProcess("aux-restarted", ["tests/slow_disk.py", *aux_args, "--wandb_project", "",
+                                                  "--initial_peers", *trainers[0].initial_peers()], root,
+                                dict(SLOW_FSYNC_SECONDS="1"))
+        peers.append(restarted)
+        restarted_initial_peers = restarted.initial_peers()
+        in_progress = wait_until(lambda: [path.name for path in (root / "checkpoints").glob(".tmp-epoch-*")],
+                                 timeout=90, what="the restarted aux peer to start writing a checkpoint", interval=0.02)
+        restarted.kill()
+
+        assert stop_all(trainers) == [0, 0], [trainer.stderr[-2000:] for trainer in trainers]
+        yield SwarmRun(root, aux, restarted, trainers, initial_peers, restarted_initial_peers, checkpoints_before,
+                       in_progress)
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def test_restarted_aux_peer_keeps_its_address(swarm_run: SwarmRun):
+    assert swarm_run.initial_peers == swarm_run.restarted_initial_peers
+    assert all(address.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in address
+               for address in swarm_run.initial_peers)
+
+
+def test_metrics_match_what_the_trainers_published(swarm_run: SwarmRun):
+    published = [published_records(trainer) for trainer in swarm_run.trainers]
+    rows = read_jsonl(swarm_run.metrics_path)
+    assert [row["epoch"] for row in rows] == sorted({row["epoch"] for row in rows}), "an epoch was logged twice"
+    checked_with_both = 0
+    for row in rows:
+        reporters = [records[row["epoch"]] for records in published if row["epoch"] in records]
+        # the aggregate must be the sums over the trainers whose records it saw (both, unless one was overwritten
+        # between two refreshes): loss = sum of loss sums / sum of mini-steps
+        candidates = list(itertools.combinations(reporters, row["alive_peers"]))
+        assert candidates, f"epoch {row['epoch']}: {row['alive_peers']} peers, but {len(reporters)} published"
+        matches = [group for group in candidates
+                   if sum(steps for _, steps, _ in group) == row["mini_steps"]
+                   and sum(samples for _, _, samples in group) == row["samples_in_epoch"]
+                   and row["loss"] == pytest.approx(sum(loss * steps for loss, steps, _ in group) / row["mini_steps"],
+                                                    abs=1e-4)]  # trainers log the mean loss to 4 decimals
+        assert matches, f"epoch {row['epoch']}: {row} does not aggregate the published records {reporters}"
+        checked_with_both += row["alive_peers"] == 2
+    assert checked_with_both >= 4
+
+
+def test_wandb_offline_run_and_jsonl_hold_the_metrics(swarm_run: SwarmRun):
+    rows = read_jsonl(swarm_run.metrics_path)
+    logged = {entry["_step"]: entry for entry in read_wandb_history(swarm_run.root)}
+    first_run_rows = [row for row in rows if row["epoch"] in logged]
+    assert len(first_run_rows) == len(logged) >= 4  # the first aux peer logged every row to both
+    for row in first_run_rows:
+        entry = logged[row["epoch"]]
+        for key in ("loss", "samples_per_second"):
+            assert entry[key] == pytest.approx(row[key], rel=1e-6)
+        for key in ("alive_peers", "samples_in_epoch", "mini_steps"):
+            assert entry[key] == row[key]
+
+
+def test_plot_is_a_valid_png(swarm_run: SwarmRun):
+    assert_valid_png(swarm_run.metrics_path.with_suffix(".png"))
+
+
+def test_checkpoints_hold_the_swarm_state_of_their_epoch(swarm_run: SwarmRun):
+    checkpoints = CheckpointDir(swarm_run.checkpoint_dir, keep_last=2).checkpoints()
+    epochs = [epoch for epoch, _ in checkpoints]
+    assert len(checkpoints) == 2, "keeps the newest 2"
+    assert epochs[0] // CHECKPOINT_EVERY < epochs[1] // CHECKPOINT_EVERY and epochs[0] >= CHECKPOINT_EVERY
+    # the trainers backed up their parameters at every epoch: the backup nearest to a checkpoint is of its epoch
+    backups = [(int(path.name.split("-")[1]), load_file(path / "model.safetensors"))
+               for trainer in swarm_run.trainers for path in (swarm_run.root / trainer.name / "backups").glob("epoch-*")]
+    for epoch, path in checkpoints:
+        assert torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)["epoch"] == epoch
+        params = {name: tensor.detach() for name, tensor in LeanGPTForCausalLM.from_pretrained(path).state_dict().items()}
+        distances = sorted((sum(float((params[name] - backup[name]).norm()) for name in backup), backup_epoch)
+                           for backup_epoch, backup in backups)
+        assert distances[0][1] == epoch, f"checkpoint {epoch} is nearest to a backup of epoch {distances[0][1]}"
+        assert distances[0][0] < 1e-4 * max(distance for distance, _ in distances)
+
+
+def test_sigkill_while_writing_keeps_the_previous_checkpoint(swarm_run: SwarmRun):
+    root = swarm_run.checkpoint_dir
+    assert swarm_run.killed_while_writing, "the kill should land while a checkpoint is being written"
+    assert {path.name: tree_digest(path) for path in root.glob("epoch-*")} == swarm_run.checkpoints_before_kill
+    epoch, latest = CheckpointDir(root, keep_last=2).checkpoints()[-1]  # reopening removes the dead writer's files
+    assert not list(root.glob(".tmp-*"))
+    LeanGPTForCausalLM.from_pretrained(latest)
+    assert torch.load(latest / TRAINING_STATE_FILE, weights_only=True)["epoch"] == epoch
+
+
+def test_resume_seeds_a_new_swarm_with_the_checkpoint(swarm_run: SwarmRun, tmp_path: Path):
+    epoch, checkpoint = CheckpointDir(swarm_run.checkpoint_dir, keep_last=2).checkpoints()[-1]
+    peers: List[PeerProcess] = []
+    try:
+        aux = PeerProcess("aux-resumed", ["run_aux_peer.py", *swarm_args("aux-resume"), "--resume_from",
+                                          str(swarm_run.checkpoint_dir), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                                          "--metrics_path", str(tmp_path / "m.jsonl"), "--wandb_project", "",
+                                          "--refresh_period", "0.5"], tmp_path)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        aux.wait_for(rf"Seeding the swarm with .*\(epoch {epoch}\)", timeout=60)
+        # one trainer stops right after joining (its exit backup holds the parameters it would start from);
+        # another one trains on
+        joiner = start_trainer("joiner", tmp_path, "aux-resume", initial_peers, "--max_epochs", str(epoch))
+        trainer = start_trainer("trainer", tmp_path, "aux-resume", initial_peers, "--max_epochs", str(epoch + 2),
+                                "--backup_every_epochs", "0")
+        peers += [joiner, trainer]
+        assert joiner.wait(90) == 0, joiner.stderr[-3000:]
+        assert trainer.wait(120) == 0, trainer.stderr[-3000:]
+        for peer in (joiner, trainer):
+            assert f"Joined the swarm at epoch {epoch}" in peer.stderr
+        assert published_records(trainer).keys() >= {epoch + 1, epoch + 2}
+
+        saved = load_file(checkpoint / "model.safetensors")
+        joined = load_file(tmp_path / "joiner" / "backups" / CheckpointDir.name(epoch) / "model.safetensors")
+        assert saved.keys() == joined.keys()
+        assert all(torch.equal(saved[name], joined[name]) for name in saved)
+        saved_state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
+        joined_state = torch.load(tmp_path / "joiner" / "backups" / CheckpointDir.name(epoch) / TRAINING_STATE_FILE,
+                                  weights_only=True)
+        assert joined_state["epoch"] == saved_state["epoch"] == epoch
+        assert joined_state["scheduler"]["last_epoch"] == saved_state["scheduler"]["last_epoch"]
+        assert_same_optimizer_state(saved_state["optimizer"], joined_state["optimizer"])
+        assert aux.stop() == 0, aux.stderr[-3000:]
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def assert_same_optimizer_state(expected: dict, actual: dict) -> None:
+    assert expected["state"].keys() == actual["state"].keys() and expected["state"]
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, actual["state"][index][key]), (index, key)
+            else:
+                assert value == actual["state"][index][key], (index, key)
+
+
+def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchanged(tmp_path: Path):
+    run = swarm_args("aux-assist", target_batch_size=24, grad_compression="none", matchmaking_time=3)
+    peers: List[PeerProcess] = []
+    try:
+        aux = PeerProcess("aux", ["run_aux_peer.py", *run, "--assist_in_averaging", "--assist_refresh_period", "0.2",
+                                  "--checkpoint_every_epochs", "0", "--metrics_path", str(tmp_path / "m.jsonl"),
+                                  "--wandb_project", ""], tmp_path)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        aux_id = initial_peers[0].rsplit("/p2p/", 1)[1]
+        workers = [PeerProcess(f"worker{seed}", ["tests/grad_peer.py", "--out", str(tmp_path / f"{seed}.pt"),
+                                                 "--grad_seed", str(seed), "--rounds", "3", "--deadline", "100",
+                                                 *run, "--per_device_batch_size", str(batch),
+                                                 "--initial_peers", *initial_peers], tmp_path)
+                   for seed, batch in ((1, 3), (2, 5))]
+        peers += workers
+        for worker in workers:
+            assert worker.wait(150) == 0, worker.stderr[-3000:]
+        assert aux.stop() == 0, aux.stderr[-3000:]
+    finally:
+        for peer in peers:
+            peer.kill()
+
+    dumps = [torch.load(tmp_path / f"{seed}.pt", weights_only=True) for seed in (1, 2)]
+    by_peer = {dump["peer_id"]: dump for dump in dumps}
+    with_aux = 0
+    for dump in dumps:
+        for round_ in dump["rounds"]:
+            trainers = [by_peer[peer] for peer in round_["group"] if peer != aux_id]
+            if len(trainers) < 2:
+                continue
+            weights = [next(r["weight"] for r in peer["rounds"] if r["epoch"] == round_["epoch"]) for peer in trainers]
+            for index, averaged in enumerate(round_["averaged"]):
+                expected = sum(w * peer["grads"][index] for w, peer in zip(weights, trainers)) / sum(weights)
+                torch.testing.assert_close(averaged, expected, rtol=1e-4, atol=1e-5)
+            with_aux += aux_id in round_["group"]
+    assert with_aux >= 2, f"the aux peer should be in the averaging groups: {[d['rounds'] for d in dumps]}"

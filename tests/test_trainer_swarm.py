@@ -1,0 +1,175 @@
+"""Trainer peers in a real hivemind swarm on 127.0.0.1, each in its own process.
+
+One scenario (run once for the module, ~1-2 minutes) feeds all the tests below:
+  - a bootstrap DHT node (hivemind's own CLI), so that every trainer starts at the same moment;
+  - "pair": trainers P1 and P2 (per-device batch b = 8) train the tiny LeanGPT for 8 epochs of 256 samples;
+  - "solo": trainer P0 alone with batch 2b = 16, the same schedule and initialization;
+  - a late trainer P3 joins "pair" at epoch >= 3 with --resume_from an epoch-1 backup of P1 (older than the swarm),
+    trains an epoch with the others and is stopped with SIGTERM;
+  - "resume": trainer P4 alone in a fresh run with --resume_from P1's epoch-2 backup (newer than its empty swarm).
+"""
+from __future__ import annotations
+
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aux_utils import PeerProcess, wait_until
+
+pytestmark = pytest.mark.swarm
+
+EPOCHS, TARGET_BATCH, BATCH = 8, 256, 8
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+)")
+
+
+def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], batch_size: int, max_epochs: int,
+                 *extra: str) -> list[str]:
+    return ["run_trainer.py", "--run_id", run_id, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--initial_peers", *initial_peers, "--target_batch_size", str(TARGET_BATCH),
+            "--per_device_batch_size", str(batch_size), "--max_sequence_length", "64", "--learning_rate", "0.03",
+            "--warmup_steps", "3", "--total_steps", "100", "--max_epochs", str(max_epochs),
+            "--matchmaking_time", "2", "--averaging_timeout", "15", "--average_state_every", "2", "--backup_every_epochs", "1",
+            "--keep_backups", "100", "--progress_every", "2", "--output_dir", str(output_dir), *extra]
+
+
+def backup(output_dir: Path, epoch: int) -> Path:
+    return output_dir / "backups" / f"epoch-{epoch:06d}"
+
+
+def epoch_losses(log: str) -> dict[int, float]:
+    return {int(epoch): float(loss) for epoch, loss in EPOCH_LINE.findall(log)}
+
+
+@dataclass
+class Scenario:
+    root: Path
+    pair: tuple[PeerProcess, PeerProcess]
+    solo: PeerProcess
+    late: PeerProcess
+    late_started_at_epoch: int
+    resumed: PeerProcess
+    exit_codes: dict[str, int]
+    exit_seconds: dict[str, float]  # from SIGTERM to exit
+
+
+def stop(peer: PeerProcess) -> tuple[int, float]:
+    peer.process.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    return peer.wait(60), time.monotonic() - stopped
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> Scenario:
+    root = tmp_path_factory.mktemp("swarm")
+    boot = PeerProcess("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                       root, ENV)
+    peers = [boot]
+    try:
+        initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
+        p1, p2 = (PeerProcess(name, trainer_argv("pair", root / name, initial, BATCH, 1000), root, ENV)
+                  for name in ("p1", "p2"))  # stopped with SIGTERM once the late peer is done
+        p0 = PeerProcess("p0", trainer_argv("solo", root / "p0", initial, 2 * BATCH, EPOCHS), root, ENV)
+        peers += [p1, p2, p0]
+
+        p1.wait_for(r"Reached epoch [3-9]", 150)
+        late_started_at_epoch = max(epoch_losses(p1.stderr))
+        late = PeerProcess("p3", trainer_argv("pair", root / "p3", initial, BATCH, 1000, "--resume_from",
+                                              str(backup(root / "p1", 1))), root, ENV)
+        resumed = PeerProcess("p4", trainer_argv("resume", root / "p4", initial, BATCH, 4, "--resume_from",
+                                                 str(backup(root / "p1", 2))), root, ENV)
+        peers += [late, resumed]
+
+        joined = int(late.wait_for(r"Joined the swarm at epoch (\d+)", 120).group(1))
+        late.wait_for(rf"Reached epoch {joined + 1}\b", 90)
+        exits = {"p3": stop(late)}
+        for peer in (p1, p2):
+            peer.wait_for(rf"Backed up epoch {EPOCHS}\b", 180)
+            exits[peer.name] = stop(peer)
+        for peer in (p0, resumed):
+            exits[peer.name] = (peer.wait(180), 0.0)
+        return Scenario(root, (p1, p2), p0, late, late_started_at_epoch, resumed,
+                        {name: code for name, (code, _) in exits.items()},
+                        {name: seconds for name, (_, seconds) in exits.items()})
+    finally:
+        for peer in peers:
+            peer.terminate()
+        for peer in peers:
+            peer.wait(40)
+
+
+def test_peers_finish_cleanly(scenario: Scenario):
+    assert scenario.exit_codes == {"p0": 0, "p1": 0, "p2": 0, "p3": 0, "p4": 0}
+    for peer in (*scenario.pair, scenario.solo, scenario.late, scenario.resumed):
+        assert "Traceback" not in peer.stderr.split("Leaving the swarm")[0], peer.name
+        assert "Shut down cleanly" in peer.stderr, peer.name
+
+
+def test_pair_averages_with_two_peers_and_loss_falls(scenario: Scenario):
+    for peer in scenario.pair:
+        log = peer.stderr
+        assert "Averaged gradients with 2 peers" in log, peer.name
+        assert "Averaged parameters with 2 peers" in log, peer.name
+        losses = epoch_losses(log)
+        first, last = losses[min(losses)], losses[EPOCHS]
+        assert last < first - 0.8, f"{peer.name}: loss went from {first} to {last}"
+
+
+def test_pair_parameters_agree_after_state_averaging(scenario: Scenario):
+    p1, p2 = (load_file(backup(scenario.root / peer.name, EPOCHS) / "model.safetensors") for peer in scenario.pair)
+    assert p1.keys() == p2.keys()
+    for name in p1:
+        torch.testing.assert_close(p1[name], p2[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_averaging_matches_one_peer_with_twice_the_batch(scenario: Scenario):
+    """Two peers with batch b and one peer with batch 2b reach the same held-out loss after the same epochs."""
+    from lean_transformer import LeanGPTForCausalLM
+    from tasks.causal_lm import PackedBatcher
+    from tasks.markov import MarkovCorpus
+    from tasks.tokenizer import ByteTokenizer
+
+    batcher = PackedBatcher(MarkovCorpus.generate(0).documents(seed=123_456), ByteTokenizer())
+    held_out = [batcher.next_batch(16, 64) for _ in range(4)]
+
+    def held_out_loss(checkpoint: Path) -> float:
+        model = LeanGPTForCausalLM.from_pretrained(checkpoint).eval()
+        with torch.no_grad():
+            return sum(model(**batch).loss.item() for batch in held_out) / len(held_out)
+
+    initial = held_out_loss(backup(scenario.root / "p1", 1))
+    pair = held_out_loss(backup(scenario.root / "p1", EPOCHS))
+    solo = held_out_loss(backup(scenario.root / "p0", EPOCHS))
+    assert pair < initial - 0.5 and solo < initial - 0.5, (initial, pair, solo)
+    assert abs(pair - solo) / solo < 0.05, f"2 peers x {BATCH}: {pair:.4f}, 1 peer x {2 * BATCH}: {solo:.4f} " \
+                                           f"(initial {initial:.4f})"
+
+
+def test_late_peer_loads_the_swarm_state_and_continues(scenario: Scenario):
+    log = scenario.late.stderr
+    assert re.search(r"Loaded local checkpoint .*epoch-000001 \(epoch 1\)", log)
+    joined = int(re.search(r"Joined the swarm at epoch (\d+)", log).group(1))
+    assert joined >= scenario.late_started_at_epoch >= 3  # the swarm's newer state won over the local one
+    assert max(epoch_losses(log)) > joined
+    assert "Averaged gradients with 3 peers" in log or "Averaged gradients with 2 peers" in log
+
+
+def test_sigterm_exits_cleanly_within_30_seconds(scenario: Scenario):
+    for peer in (scenario.late, *scenario.pair):
+        assert scenario.exit_codes[peer.name] == 0
+        assert scenario.exit_seconds[peer.name] < 30, peer.name
+        assert "Caught SIGTERM" in peer.stderr and "Shut down cleanly" in peer.stderr, peer.name
+        assert "Abandoning" not in peer.stderr, peer.name
+
+
+def test_resume_keeps_a_local_checkpoint_newer_than_the_swarm(scenario: Scenario):
+    log = scenario.resumed.stderr
+    assert re.search(r"Loaded local checkpoint .*epoch-000002 \(epoch 2\)", log)
+    assert "Joined the swarm at epoch 2" in log
+    assert sorted(epoch_losses(log)) == [3, 4]
