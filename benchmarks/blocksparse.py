@@ -24,8 +24,7 @@ from torch import nn
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
 from lean_transformer.modules.blocksparse import BlockSparseLinear
 from lean_transformer.modules.linear import DenseLinear
-
-from memory import saved_bytes  # benchmarks/memory.py
+from lean_transformer.modules.memory import SavedTensorCounter
 
 LAYOUT = "pixelfly(block_size=128, n_factors=3)"
 HIDDEN, INNER = 4096, 16384
@@ -85,14 +84,13 @@ def compare_matrices(device: torch.device, tokens: int, reps: int) -> list[tuple
     return rows
 
 
-def training_memory(model: LeanGPTForCausalLM, input_ids: torch.Tensor) -> dict[str, float]:
-    params = sum(p.numel() for p in model.parameters())
+def training_memory(model: LeanGPTForCausalLM, input_ids: torch.Tensor) -> dict[str, int]:
+    model.train()
+    with SavedTensorCounter(exclude=model.parameters()).record() as counter:
+        model(input_ids, labels=input_ids)
     weights = param_bytes(model)
-    activations = saved_bytes(model, input_ids)
-    start = time.perf_counter()
-    model(input_ids, labels=input_ids).loss.backward()
-    return dict(params=params, weights=weights, activations=activations, seconds=time.perf_counter() - start,
-                total=weights * 4 + activations)  # weights + grads + Adam's two moments + saved activations
+    return dict(params=sum(p.numel() for p in model.parameters()), weights=weights, activations=counter.nbytes,
+                total=weights * 4 + counter.nbytes)  # weights + grads + Adam's two moments + saved activations
 
 
 def compare_models(seq: int) -> list[tuple[str, ...]]:
@@ -112,8 +110,7 @@ def compare_models(seq: int) -> list[tuple[str, ...]]:
         mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
         rows.append((f"LeanGPT d=1024, 4 layers, vocab 8192, T={seq}: {name}", f"{r['params'] / 1e6:.2f}M",
                      f"{r['params'] / dense['params']:.3f}", mib(r["weights"]), mib(r["weights"]),
-                     mib(r["activations"]), mib(r["total"]), f"{r['total'] / dense['total']:.3f}",
-                     f"{r['seconds'] / dense['seconds']:.2f}"))
+                     mib(r["activations"]), mib(r["total"]), f"{r['total'] / dense['total']:.3f}"))
     return rows
 
 
@@ -147,7 +144,7 @@ def main() -> None:
     print("\nTraining memory, fp32: weights + grads + Adam moments (2x) + activations saved for backward "
           "(one sequence)\n")
     print(table(("model", "params", "ratio", "weights MiB", "grads MiB", "activations MiB", "total MiB",
-                 "total ratio", "fwd+bwd time ratio"), model_rows))
+                 "total ratio"), model_rows))
 
 
 if __name__ == "__main__":

@@ -138,8 +138,6 @@ class LeanTransformerConfig(PretrainedConfig):
             raise ValueError("adapter_dim > 0 needs share_large_matrices=True (adapters specialize shared matrices)")
         if self.lowrank_dim and self.weight_layout is None:
             raise ValueError("lowrank_dim > 0 needs a block-sparse weight_layout")
-        if self.weight_layout is not None and self.share_large_matrices:
-            raise ValueError("weight_layout (block-sparse matrices) cannot be combined with share_large_matrices")
         if self.weight_layout is not None:
             from lean_transformer.modules.blocksparse import parse_layout  # raises ValueError on bad strings
 
@@ -166,3 +164,10 @@ class LeanAlbertConfig(LeanTransformerConfig):
         self.classifier_dropout_prob = classifier_dropout_prob
         kwargs.setdefault("tie_word_embeddings", True)
         super().__init__(**kwargs)
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size must be a non-negative integer, got {self.type_vocab_size!r}")
+        if not 0.0 <= self.classifier_dropout_prob < 1.0:
+            raise ValueError(f"classifier_dropout_prob must be in [0, 1), got {self.classifier_dropout_prob!r}")

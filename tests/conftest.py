@@ -23,6 +23,10 @@ def albert_config() -> Callable[..., LeanAlbertConfig]:
     return lambda **overrides: LeanAlbertConfig(**{**TINY, "classifier_dropout_prob": 0.0, **overrides})
 
 
+# Tiny models run fastest on one thread, and several OpenMP threads on a shared, busy machine mostly spin.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

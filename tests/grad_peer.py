@@ -5,7 +5,11 @@ instead of computing gradients it sets each parameter's gradient to a fixed rand
 before every ``step``. After each epoch transition it records the averaging round's weight, its group and the
 averaged gradients, and at the end saves everything to ``--out``.
 
-Usage: python tests/grad_peer.py --out FILE --grad_seed N --rounds R [run_trainer.py arguments]
+It prints "ready" once it has joined and starts stepping when ``--start_file`` appears, so that the test's peers
+start in the same epoch (a peer that is alone races through epochs, and a late one spends its first rounds
+catching up).
+
+Usage: python tests/grad_peer.py --out FILE --grad_seed N --epochs E --start_file F [run_trainer.py arguments]
 """
 import argparse
 import sys
@@ -27,7 +31,8 @@ def main() -> None:
     own = argparse.ArgumentParser()
     own.add_argument("--out", required=True)
     own.add_argument("--grad_seed", type=int, required=True)
-    own.add_argument("--rounds", type=int, default=2)
+    own.add_argument("--epochs", type=int, required=True)
+    own.add_argument("--start_file", required=True)
     own.add_argument("--deadline", type=float, default=120.0)
     options, rest = own.parse_known_args()
     network, collaboration, training, task_args = parse_arguments(
@@ -43,8 +48,13 @@ def main() -> None:
     grads = [torch.randn(param.shape, generator=generator) for param in params]
     batch_size = training.per_device_batch_size
 
-    rounds, deadline = [], time.monotonic() + options.deadline
-    while len(rounds) < options.rounds and time.monotonic() < deadline:
+    print("ready", flush=True)
+    deadline = time.monotonic() + options.deadline
+    while not Path(options.start_file).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    rounds = []
+    while optimizer.local_epoch < options.epochs and time.monotonic() < deadline:
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         epoch = optimizer.local_epoch
@@ -57,7 +67,7 @@ def main() -> None:
                                    group=sorted(peer.to_base58() for peer in group),
                                    averaged=[tensor.clone() for tensor in averaged]))
             print(f"round at epoch {optimizer.local_epoch}: {len(group)} peers", flush=True)
-        time.sleep(0.05)
+        time.sleep(0.1)
 
     torch.save(dict(peer_id=dht.peer_id.to_base58(), grads=grads, rounds=rounds), options.out)
     optimizer.shutdown()

@@ -168,11 +168,11 @@ def test_identity_key_is_the_libp2p_identity(tmp_path):
 
 def test_make_authorizer_open_swarm_and_config_errors(files):
     assert make_authorizer(None, None, files["identity"]) is None, "no auth arguments: the swarm stays open"
-    with pytest.raises(ValueError, match="authority_public_key_path is set but auth_token_path is not"):
+    with pytest.raises(ValueError, match="--authority_public_key_path is set but --auth_token_path is not"):
         make_authorizer(None, files["authority_pub"], files["identity"])
-    with pytest.raises(ValueError, match="auth_token_path is set but authority_public_key_path is not"):
+    with pytest.raises(ValueError, match="--auth_token_path is set but --authority_public_key_path is not"):
         make_authorizer(files["token"], None, files["identity"])
-    with pytest.raises(ValueError, match="auth_token_path needs identity_path"):
+    with pytest.raises(ValueError, match="--auth_token_path needs --identity_path"):
         make_authorizer(files["token"], files["authority_pub"], None)
     authorizer = make_authorizer(files["token"], files["authority_pub"], files["identity"])
     assert authorizer.local_public_key.to_bytes() == files["key"].get_public_key().to_bytes()
@@ -180,29 +180,30 @@ def test_make_authorizer_open_swarm_and_config_errors(files):
 
 def test_make_authorizer_bad_files(tmp_path, files, keys):
     alice = files["key"].get_public_key()
-    cases = {
-        "missing token": (tmp_path / "nope.token", FileNotFoundError, "access token file not found"),
-        "corrupt token": ("corrupt", InvalidTokenError, "is not an access token"),
-        "expired token": (issue_token(keys["authority"], alice, NOW - DAY), TokenExpiredError, "expired at"),
-        "other authority": (issue_token(keys["other_authority"], alice, NOW + DAY), InvalidTokenError, "not signed"),
-        "bound to bob": (issue_token(keys["authority"], keys["bob"].get_public_key(), NOW + DAY),
-                         InvalidTokenError, "bound to key"),
+    (tmp_path / "corrupt.token").write_text("####\n")
+    tokens = {  # case -> the token file's content, as an AccessToken (None: leave as is or missing)
+        "expired": issue_token(keys["authority"], alice, NOW - DAY),
+        "other authority": issue_token(keys["other_authority"], alice, NOW + DAY),
+        "bound to bob": issue_token(keys["authority"], keys["bob"].get_public_key(), NOW + DAY),
     }
-    for case, (token, error, message) in cases.items():
-        path = tmp_path / f"{case}.token"
-        if token == "corrupt":
-            path.write_text("####\n")
-        elif not isinstance(token, type(path)):
-            save_token(token, path)
-        else:
-            path = token
+    for case, token in tokens.items():
+        save_token(token, tmp_path / f"{case}.token")
+    expected = {
+        "missing": (FileNotFoundError, "access token file not found"),
+        "corrupt": (InvalidTokenError, "is not an access token"),
+        "expired": (TokenExpiredError, "expired at"),
+        "other authority": (InvalidTokenError, "not signed by this swarm's authority"),
+        "bound to bob": (InvalidTokenError, "bound to key .* not to this peer's identity key"),
+    }
+    for case, (error, message) in expected.items():
         with pytest.raises(error, match=message):
-            make_authorizer(path, files["authority_pub"], files["identity"])
-        print(f"startup with {case}: {error.__name__} ({message})")
+            make_authorizer(tmp_path / f"{case}.token", files["authority_pub"], files["identity"])
+        print(f"startup with a {case} token: {error.__name__} ({message})")
+
     with pytest.raises(FileNotFoundError, match="authority public key file not found"):
         make_authorizer(files["token"], tmp_path / "nope.pub", files["identity"])
+    (tmp_path / "empty.id").write_bytes(b"")
     with pytest.raises(KeyFileError, match="identity file .* is empty"):
-        (tmp_path / "empty.id").write_bytes(b"")
         make_authorizer(files["token"], files["authority_pub"], tmp_path / "empty.id")
 
 

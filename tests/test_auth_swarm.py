@@ -28,7 +28,7 @@ READY_TIMEOUT = 60
 CALL_TIMEOUT = 30
 EXPIRATION = 600  # seconds the test records live
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]  # the fixture starts 7 peers, one at a time
 
 
 # ---------------------------------------------------------------- the peer process
@@ -137,7 +137,8 @@ def _peer_main(argv) -> None:
                 value = {subkey.decode(): item.value for subkey, item in value.items()}
             answer(value=value)
         elif op == "direct_store":
-            answer(result=dht.run_coroutine(partial(_direct_store, command["peer_id"], command["key"], command["value"])))
+            store = partial(_direct_store, command["peer_id"], command["key"], command["value"])
+            answer(result=dht.run_coroutine(store))
         elif op == "direct_find":
             answer(**dht.run_coroutine(partial(_direct_find, command["peer_id"], command["key"])))
         elif op == "routing":
@@ -310,7 +311,8 @@ def test_visitor(swarm, case):
                                   value="forged")["result"])
 
     in_routing = {p.name: visitor.info["peer_id"] in p.call("routing")["peers"] for p in (alice, bob)}
-    seen = {p.name: (p.call("get", key=key)["value"], p.call("get", key=key + ".direct")["value"]) for p in (alice, bob)}
+    seen = {p.name: (p.call("get", key=key)["value"], p.call("get", key=key + ".direct")["value"])
+            for p in (alice, bob)}
     victim = {p.name: p.call("get", key="swarm.victim")["value"] for p in (alice, bob)}
     assert victim == {"alice": "original", "bob": "original"}, victim
 

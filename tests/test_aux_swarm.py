@@ -250,7 +250,10 @@ def assert_same_optimizer_state(expected: dict, actual: dict) -> None:
 
 
 def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchanged(tmp_path: Path):
+    """Two peers with known gradients average in rounds that the assisting aux peer joins (it is one of the group):
+    every round returns exactly the sample-weighted mean of the two peers' gradients, as if it were not there."""
     run = swarm_args("aux-assist", target_batch_size=24, grad_compression="none", matchmaking_time=3)
+    start_file = tmp_path / "start"
     peers: List[PeerProcess] = []
     try:
         aux = PeerProcess("aux", ["run_aux_peer.py", *run, "--assist_in_averaging", "--assist_refresh_period", "0.2",
@@ -260,29 +263,33 @@ def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchang
         initial_peers = aux.initial_peers()
         aux_id = initial_peers[0].rsplit("/p2p/", 1)[1]
         workers = [PeerProcess(f"worker{seed}", ["tests/grad_peer.py", "--out", str(tmp_path / f"{seed}.pt"),
-                                                 "--grad_seed", str(seed), "--rounds", "3", "--deadline", "100",
-                                                 *run, "--per_device_batch_size", str(batch),
+                                                 "--grad_seed", str(seed), "--epochs", "4", "--start_file",
+                                                 str(start_file), *run, "--per_device_batch_size", str(batch),
                                                  "--initial_peers", *initial_peers], tmp_path)
                    for seed, batch in ((1, 3), (2, 5))]
         peers += workers
         for worker in workers:
-            assert worker.wait(150) == 0, worker.stderr[-3000:]
+            worker.wait_for("^ready$", timeout=90, stream="stdout")
+        start_file.touch()
+        for worker in workers:
+            assert worker.wait(120) == 0, worker.stderr[-3000:]
         assert aux.stop() == 0, aux.stderr[-3000:]
     finally:
         for peer in peers:
             peer.kill()
 
-    dumps = [torch.load(tmp_path / f"{seed}.pt", weights_only=True) for seed in (1, 2)]
-    by_peer = {dump["peer_id"]: dump for dump in dumps}
+    first, second = (torch.load(tmp_path / f"{seed}.pt", weights_only=True) for seed in (1, 2))
+    rounds = {r["epoch"]: r for r in second["rounds"]}
     with_aux = 0
-    for dump in dumps:
-        for round_ in dump["rounds"]:
-            trainers = [by_peer[peer] for peer in round_["group"] if peer != aux_id]
-            if len(trainers) < 2:
-                continue
-            weights = [next(r["weight"] for r in peer["rounds"] if r["epoch"] == round_["epoch"]) for peer in trainers]
-            for index, averaged in enumerate(round_["averaged"]):
-                expected = sum(w * peer["grads"][index] for w, peer in zip(weights, trainers)) / sum(weights)
-                torch.testing.assert_close(averaged, expected, rtol=1e-4, atol=1e-5)
-            with_aux += aux_id in round_["group"]
-    assert with_aux >= 2, f"the aux peer should be in the averaging groups: {[d['rounds'] for d in dumps]}"
+    for ours in first["rounds"]:
+        theirs = rounds.get(ours["epoch"])
+        if theirs is None or theirs["group"] != ours["group"]:
+            continue  # not the same round (a peer fell back to its local gradients)
+        with_aux += ours["group"] == sorted([first["peer_id"], second["peer_id"], aux_id])
+        total = ours["weight"] + theirs["weight"]
+        for index, (mine, other) in enumerate(zip(ours["averaged"], theirs["averaged"])):
+            expected = (ours["weight"] * first["grads"][index] + theirs["weight"] * second["grads"][index]) / total
+            torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(other, expected, rtol=1e-4, atol=1e-5)
+    assert with_aux >= 2, f"the aux peer should be in the averaging groups: {first['rounds']}, {second['rounds']}"
+    assert re.search(r"Averaged gradients with 3 peers", aux.stderr)

@@ -8,6 +8,7 @@ from torch import nn
 
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.modules.blocksparse import BlockSparseLinear
+from lean_transformer.modules.linear import SharedLinear
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 # hidden 64 = 8 blocks of 8 and inner 256 = 32 blocks: every large matrix keeps 1 + 3 of each 8 blocks, i.e. 1/2
@@ -109,3 +110,24 @@ def test_save_and_load_round_trip(gpt_config, tmp_path):
     input_ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+
+
+def test_shared_block_sparse_matrices_with_adapters(gpt_config):
+    """share_large_matrices + weight_layout: each shared matrix is one BlockSparseLinear used by every layer, which
+    adds its own adapter and bias; the custom feed-forward backward still matches plain autograd."""
+    config = gpt_config(**{**SPARSE, "num_hidden_layers": 4}, share_large_matrices=True, num_shared_matrices=2,
+                        adapter_dim=3)
+    model = perturbed(LeanGPTForCausalLM(config)).train()
+    sparse = [m for m in model.modules() if isinstance(m, BlockSparseLinear)]
+    assert len(sparse) == 4 * 2 and all(m.bias is None for m in sparse)  # 4 matrices in each of 2 shared sets
+    users = {id(m.shared) for m in model.modules() if isinstance(m, SharedLinear)}
+    assert users == {id(m) for m in sparse}  # every layer's projection goes through a shared block-sparse matrix
+
+    input_ids = torch.randint(0, config.vocab_size, (2, 12))
+    logits, grads = step(model, input_ids, ffn_custom_grad=True)
+    ref_logits, ref_grads = step(model, input_ids, ffn_custom_grad=False)
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    assert grads.keys() == ref_grads.keys()
+    assert all(grad.abs().sum() > 0 for name, grad in grads.items() if "adapter" in name or "blocks" in name)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
+from lean_transformer import LeanGPTForCausalLM
 
 BAD_CONFIGS = [
     (dict(hidden_size=30, num_attention_heads=4), "hidden_size"),
@@ -15,7 +15,7 @@ BAD_CONFIGS = [
     (dict(num_hidden_layers=4, num_hidden_groups=2, num_inner_groups=4), "num_inner_groups"),
     (dict(adapter_dim=4), "adapter_dim"),
     (dict(lowrank_dim=4), "lowrank_dim"),
-    (dict(weight_layout="pixelfly(block_size=8)", share_large_matrices=True), "weight_layout"),
+    (dict(weight_layout="no-such-layout"), "weight_layout"),
     (dict(hidden_dropout_prob=1.0), "hidden_dropout_prob"),
     (dict(attention_probs_dropout_prob=-0.1), "attention_probs_dropout_prob"),
     (dict(vocab_size=0), "vocab_size"),
@@ -28,6 +28,14 @@ BAD_CONFIGS = [
 def test_bad_config_raises(gpt_config, overrides, field):
     with pytest.raises(ValueError, match=field):
         gpt_config(**overrides)
+
+
+@pytest.mark.parametrize("overrides, field", [(dict(type_vocab_size=-1), "type_vocab_size"),
+                                              (dict(classifier_dropout_prob=1.5), "classifier_dropout_prob"),
+                                              (dict(num_hidden_groups=3), "num_hidden_groups")])
+def test_bad_albert_config_raises(albert_config, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        albert_config(**overrides)
 
 
 def test_good_config_builds(gpt_config):

@@ -74,7 +74,7 @@ def test_linear_op_backward_matches_autograd(kind):
 def test_checkpoint_gradcheck(gpt_config, dropout):
     model = double_model(gpt_config(**SMALL, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
     body = model.transformer.encoder
-    segment = body.sublayers(None, causal=True)[:2]
+    segment = body.sublayers(None, True, seq_len=3, device=torch.device("cpu"))[:2]
     params = body.trainable_tensors([body.layers[0]])
 
     def run(x, *unused_params):
@@ -88,7 +88,7 @@ def test_checkpoint_gradcheck(gpt_config, dropout):
 def test_reversible_gradcheck(gpt_config, dropout):
     model = double_model(gpt_config(**SMALL, reversible=True, hidden_dropout_prob=dropout))
     body = model.transformer.encoder
-    branches = body.sublayers(None, causal=False)
+    branches = body.sublayers(None, False, seq_len=3, device=torch.device("cpu"))
     params = body.trainable_tensors([body.layers])
 
     def run(x0, x1, *unused_params):

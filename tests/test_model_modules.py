@@ -87,6 +87,30 @@ def test_fp32_residual_under_bf16_autocast(gpt_config, fp32_residual):
     assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("architecture", [dict(), dict(reversible=True), dict(fp32_residual=True, hidden_act="swiglu")])
+def test_options_under_bf16_autocast(gpt_config, architecture):
+    """In half precision the recomputations may round differently, so gradients agree to bf16 precision."""
+    model = LeanGPTForCausalLM(gpt_config(hidden_dropout_prob=0.1, **architecture)).train()
+    input_ids = torch.randint(0, 61, (2, 8))
+    options = [dict(ffn_custom_grad=False), dict(), dict(checkpoint_attention_core=True)]
+    if not architecture.get("reversible"):
+        options.append(dict(gradient_checkpointing=2))
+    results = []
+    for option in options:
+        model.set_optimizations(**option)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (reference_loss, reference_grads), *others = results
+    for loss, grads in others:
+        assert loss == reference_loss  # the forward pass is the same computation under every option
+        assert grads.dtype == torch.float32 and grads.isfinite().all()
+        assert (grads - reference_grads).norm() <= 1e-2 * reference_grads.norm()
+
+
 def saved_storages(model, input_ids) -> list[int]:
     """Sizes (in fp32 elements) of the unique non-parameter storages autograd keeps for backward."""
     with SavedTensorCounter(exclude=model.parameters()).record() as counter:

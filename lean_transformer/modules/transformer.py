@@ -12,7 +12,8 @@ from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.attention import LeanSelfAttention
 from lean_transformer.modules.checkpoint import checkpoint, reversible, reversible_couple
 from lean_transformer.modules.ffn import LeanFFN
-from lean_transformer.modules.linear import SharedLinear, SharedMatrix
+from lean_transformer.modules.linear import SharedLinear, make_shared_matrix
+from lean_transformer.modules.rotary import rotary_cos_sin
 
 
 class SharedMatrices(nn.Module):
@@ -21,10 +22,10 @@ class SharedMatrices(nn.Module):
     def __init__(self, config: LeanTransformerConfig):
         super().__init__()
         d, inner = config.hidden_size, config.intermediate_size
-        self.qkv = SharedMatrix(d, 3 * d)
-        self.attention_out = SharedMatrix(d, d)
-        self.ffn_in = SharedMatrix(d, inner * (2 if config.is_gated else 1))
-        self.ffn_out = SharedMatrix(inner, d)
+        self.qkv = make_shared_matrix(config, d, 3 * d)
+        self.attention_out = make_shared_matrix(config, d, d)
+        self.ffn_in = make_shared_matrix(config, d, inner * (2 if config.is_gated else 1))
+        self.ffn_out = make_shared_matrix(config, inner, d)
 
 
 class LeanTransformerLayer(nn.Module):
@@ -61,12 +62,17 @@ class LeanTransformer(nn.Module):
         inner = self.config.num_inner_groups
         return [(i // per_group) * inner + (i % per_group) % inner for i in range(self.config.num_hidden_layers)]
 
-    def sublayers(self, attention_mask: Optional[Tensor], causal: bool) -> list[Callable[[Tensor], Tensor]]:
+    def sublayers(self, attention_mask: Optional[Tensor], causal: bool, seq_len: int, device: torch.device
+                  ) -> list[Callable[[Tensor], Tensor]]:
         """The residual branches in order of depth: attention, feed-forward, attention, ..."""
+        rotary = None
+        if self.config.position_embedding_type == "rotary":  # computed once per forward pass, shared by all layers
+            rotary = rotary_cos_sin(seq_len, self.config.head_dim, self.config.rotary_base, device, torch.float32)
         result = []
         for index in self.layer_order():
             layer = self.layers[index]
-            result.append(functools.partial(layer.attention, attention_mask=attention_mask, causal=causal))
+            result.append(functools.partial(layer.attention, attention_mask=attention_mask, causal=causal,
+                                            rotary=rotary))
             result.append(layer.ffn)
         return result
 
@@ -77,7 +83,7 @@ class LeanTransformer(nn.Module):
             for sub in module.modules():
                 tensors = list(sub.parameters(recurse=False))
                 if isinstance(sub, SharedLinear):
-                    tensors.append(sub.shared.weight)
+                    tensors.extend(sub.shared.parameters())
                 found.update((id(t), t) for t in tensors if t.requires_grad)
         return list(found.values())
 
@@ -94,7 +100,7 @@ class LeanTransformer(nn.Module):
     def forward(self, hidden: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
         if self.config.fp32_residual:
             hidden = hidden.float()
-        sublayers = self.sublayers(attention_mask, causal)
+        sublayers = self.sublayers(attention_mask, causal, hidden.shape[1], hidden.device)
         grad_needed = torch.is_grad_enabled()
         if self.config.reversible:
             if grad_needed:

@@ -23,8 +23,13 @@ authorization passes :func:`load_identity_key`'s key both to ``RSASignatureValid
 
 What it covers: every DHT request and response (hivemind's ``AuthorizerBase`` hook in ``DHTProtocol``), so a peer
 without a valid token can neither store nor read the swarm's records, and honest peers never put it in their
-routing tables. Averaging traffic is not covered by hivemind 1.1.12's authorizer; an outsider is kept out of
-averaging groups because matchmaking goes through the DHT, where it cannot announce itself or find anybody.
+routing tables. Averaging messages carry no auth field in hivemind 1.1.12, so they are not signed: an outsider is
+kept out of averaging groups only because matchmaking goes through the DHT, where it can neither announce itself
+nor find a group leader. One that learns a trainer's peer ID and the run_id elsewhere could still send it a join
+request directly.
+
+Peers' clocks must agree within a minute (use NTP): hivemind refuses requests whose timestamp is further off, as
+replay protection, and token expiry is checked against each peer's own clock.
 """
 
 from __future__ import annotations
@@ -327,10 +332,6 @@ class SwarmAuthorizer(TokenAuthorizerBase):
             f"valid until {token_expiration(token).isoformat()}"
         )
 
-    @property
-    def identity_key(self) -> RSAPrivateKey:
-        return self._local_private_key
-
     def _load_own_token(self) -> AccessToken:
         token = load_token(self._token_path)
         check_token(token, self._authority_public_key, peer_public_key=self.local_public_key)
@@ -372,11 +373,11 @@ def make_authorizer(
     if token_path is None and authority_public_key_path is None:
         return None
     if token_path is None:
-        raise ValueError("authority_public_key_path is set but auth_token_path is not: an authorized peer needs both")
+        raise ValueError("--authority_public_key_path is set but --auth_token_path is not: a peer needs both")
     if authority_public_key_path is None:
-        raise ValueError("auth_token_path is set but authority_public_key_path is not: an authorized peer needs both")
+        raise ValueError("--auth_token_path is set but --authority_public_key_path is not: a peer needs both")
     if identity_path is None:
-        raise ValueError("auth_token_path needs identity_path: the access token is bound to the peer's identity key")
+        raise ValueError("--auth_token_path needs --identity_path: the access token is bound to that identity's key")
     authority_public_key = load_public_key(authority_public_key_path, "authority public key file")
     return SwarmAuthorizer(load_identity_key(identity_path), authority_public_key, token_path)
 

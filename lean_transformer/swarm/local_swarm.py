@@ -1,0 +1,490 @@
+"""A whole swarm on this machine in one command: an aux peer and N trainer peers on 127.0.0.1 train the tiny LeanGPT
+on the embedded corpus (no GPU, no internet), with a live view, then a checkpoint, a plot and a summary.
+
+    python -m lean_transformer.swarm.local_swarm [--duration 180] [--num_trainers 2] [--output_dir outputs/demo]
+
+Every peer is a separate process running the project's own ``run_aux_peer.py`` / ``run_trainer.py`` (exactly what a
+volunteer runs), in its own session, logging to ``OUTPUT_DIR/logs/NAME.log``. The live view is read from those
+logs; the summary from the aux peer's metrics file and the trainers' logs. Ctrl+C or SIGTERM stops every peer
+gracefully (a second Ctrl+C at once); whatever is left of a peer's process group afterwards is killed, and the p2p
+daemons' socket files left in /tmp are removed, so nothing outlives the command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NoReturn, Optional, Sequence
+
+from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.run_history import read_rows
+from lean_transformer.swarm.shutdown import descendant_pids
+
+REPO = Path(__file__).resolve().parents[2]  # run_trainer.py, run_aux_peer.py and tasks/ live at the repository root
+MARKER_FILE = "local_swarm.json"  # marks an output directory as ours, so that a new run may replace it
+HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"  # where hivemind's p2p daemon and clients put their unix sockets
+KEEP_CHECKPOINTS = 3
+STARTUP_LIMIT = 300  # seconds for the peers to start and join (minutes on a busy machine)
+
+# the tiny model trains at a few hundred samples/s per CPU core: a swarm epoch (optimizer step) every few seconds
+SWARM_ARGS = dict(target_batch_size=256, per_device_batch_size=8, max_sequence_length=64, matchmaking_time=3,
+                  averaging_timeout=20, learning_rate=0.02, warmup_steps=5, total_steps=10_000, startup_timeout=120,
+                  shutdown_timeout=20)
+
+_LOG_PREFIX = re.compile(r"^\w{3} \d{1,2} [\d:.]+ \[\w+\] (?:\[[^\]]*\] )?")  # hivemind's "Nov 21 13:19:44.098 [INFO] "
+_TRAINER_STATUS = re.compile(r"^epoch \d+ \|")
+_AUX_STATUS = re.compile(r"^swarm epoch \d+ \|")
+_EPOCH_REPORT = re.compile(r"^Reached epoch (\d+): mean loss (\S+) over (\d+) mini-steps \((\d+) samples")
+_GRADIENT_ROUND = re.compile(r"^Averaged gradients with (\d+) peers")
+_STATE_ROUND = re.compile(r"^Averaged parameters with (\d+) peers")
+_JOINED = re.compile(r"^Joined the swarm at epoch \d+")
+
+
+class PeerLog:
+    """Follows one peer's log file and keeps what the live view and the summary need."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset, self._partial = 0, ""
+        self.initial_peers: Optional[list[str]] = None
+        self.status = ""  # the newest progress line, or the newest line of any kind before the first one
+        self.epoch_reports: dict[int, tuple[float, int, int]] = {}  # epoch -> (mean loss, mini-steps, samples)
+        self.gradient_rounds = self.state_rounds = 0  # averaging rounds with at least one other peer
+        self.joined = False
+
+    def update(self) -> None:
+        try:
+            with self.path.open("r", encoding="utf-8", errors="replace") as file:
+                file.seek(self._offset)
+                text = file.read()
+                self._offset = file.tell()
+        except FileNotFoundError:
+            return
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._read_line(_LOG_PREFIX.sub("", line.strip()))
+
+    def _read_line(self, line: str) -> None:
+        if not line:
+            return
+        if line.startswith("--initial_peers "):
+            self.initial_peers = line.split()[1:]
+        elif _TRAINER_STATUS.match(line) or _AUX_STATUS.match(line):
+            self.status = line
+        elif not _TRAINER_STATUS.match(self.status) and not _AUX_STATUS.match(self.status):
+            self.status = line[:160]  # starting up: show what it is doing
+        if _JOINED.match(line):
+            self.joined = True
+        elif match := _EPOCH_REPORT.match(line):
+            epoch, loss, mini_steps, samples = match.groups()
+            self.epoch_reports[int(epoch)] = (float(loss), int(mini_steps), int(samples))
+        elif (match := _GRADIENT_ROUND.match(line)) and int(match.group(1)) > 1:
+            self.gradient_rounds += 1
+        elif (match := _STATE_ROUND.match(line)) and int(match.group(1)) > 1:
+            self.state_rounds += 1
+
+    def tail(self, lines: int = 8) -> str:
+        try:
+            return "\n".join(self.path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+
+@dataclass
+class Peer:
+    """One peer process in its own session (so that its hivemind children can be found and stopped with it)."""
+
+    name: str
+    argv: list[str]
+    log: PeerLog
+    env: dict
+    process: Optional[subprocess.Popen] = None
+    stop_requested: bool = False
+    reported_exit: bool = False
+
+    def start(self) -> None:
+        self.log.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.path.open("ab") as log_file:
+            self.process = subprocess.Popen([sys.executable, *self.argv], cwd=REPO, stdin=subprocess.DEVNULL,
+                                            stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.process.poll() if self.process is not None else None
+
+    def request_stop(self) -> None:
+        """SIGTERM to the peer itself (not its group): it leaves the swarm and stops its hivemind processes."""
+        self.stop_requested = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+
+
+class ProcessTracker:
+    """Remembers every process below ``root_pid`` (default: this one) and the hivemind socket files they listen on,
+    so that after the peers have stopped nothing of them is left: no process that escaped its group, no socket file
+    in /tmp (hivemind leaves its clients' sockets behind even when it shuts down cleanly)."""
+
+    def __init__(self, root_pid: Optional[int] = None):
+        self.root_pid = os.getpid() if root_pid is None else root_pid
+        self.processes: dict[int, str] = {}  # pid -> start time (to tell a recycled pid apart)
+        self.sockets: set[str] = set()
+
+    def scan(self) -> None:
+        pids = descendant_pids(self.root_pid)
+        for pid in pids:
+            started = _start_time(pid)
+            if started is not None:
+                self.processes.setdefault(pid, started)
+        self.sockets |= _listening_sockets(pids)
+
+    def alive(self) -> list[int]:
+        return [pid for pid, started in self.processes.items() if _start_time(pid) == started]
+
+    def leftover_sockets(self) -> list[str]:
+        return [path for path in self.sockets if os.path.exists(path)]
+
+    def clean_up(self) -> None:
+        for pid in self.alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for path in self.leftover_sockets():
+            Path(path).unlink(missing_ok=True)
+
+
+def _start_time(pid: int) -> Optional[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _listening_sockets(pids: Sequence[int]) -> set[str]:
+    """Paths of the hivemind unix sockets that ``pids`` hold open (read from /proc; empty where there is none)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for entry in os.scandir(f"/proc/{pid}/fd"):
+                target = os.readlink(entry.path)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+    try:
+        with open("/proc/net/unix") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+    except OSError:
+        return set()
+    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith(HIVEMIND_SOCKET_PREFIX)}
+
+
+class StopSignals:
+    """Turns the first Ctrl+C / SIGTERM into a graceful stop and a second one into an immediate one."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.count, self.name = 0, ""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.count += 1
+        self.name = signal.Signals(signum).name
+        self.event.set()
+        if self.count == 1:
+            print(f"\nCaught {self.name}: stopping the peers (press Ctrl+C again to stop them at once)", flush=True)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + signal.Signals[self.name].value if self.name else 0
+
+
+@dataclass
+class LocalSwarm:
+    output_dir: Path
+    num_trainers: int
+    duration: float
+    refresh: float
+    wandb: bool
+    peers: list[Peer] = field(default_factory=list)
+    tracker: ProcessTracker = field(default_factory=ProcessTracker)
+    problems: list[str] = field(default_factory=list)  # peers that crashed or did not stop cleanly
+
+    @property
+    def aux(self) -> Peer:
+        return self.peers[0]
+
+    @property
+    def trainers(self) -> list[Peer]:
+        return self.peers[1:]
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.output_dir / "metrics.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def _peer(self, name: str, script: str, *args: str) -> Peer:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # one compute thread pool per trainer, sized so that they do not fight over the cores
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.num_trainers)))
+        if self.wandb:
+            env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(self.output_dir))
+        shared = [item for key, value in SWARM_ARGS.items() for item in (f"--{key}", str(value))]
+        argv = [str(REPO / script), "--run_id", "local_swarm", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *shared, *args]
+        return Peer(name, argv, PeerLog(self.output_dir / "logs" / f"{name}.log"), env)
+
+    def _poll(self) -> None:
+        """Read the peers' new log lines, remember their processes and sockets, report peers that died."""
+        self.tracker.scan()
+        for peer in self.peers:
+            peer.log.update()
+            if peer.returncode is not None and not peer.reported_exit:
+                self._report_exit(peer)
+
+    def start(self, stop: threading.Event) -> bool:
+        """Start the aux peer, then (once it is reachable) the trainers; False if stopped or failed meanwhile."""
+        aux = self._peer("aux", "run_aux_peer.py", "--refresh_period", "2", "--metrics_path", str(self.metrics_path),
+                         "--checkpoint_dir", str(self.checkpoint_dir), "--checkpoint_every_epochs", "10",
+                         "--keep_checkpoints", str(KEEP_CHECKPOINTS), "--wandb_project",
+                         "lean_transformer-local" if self.wandb else "")
+        self.peers.append(aux)
+        aux.start()
+        print(f"Started the aux peer (pid {aux.process.pid}); waiting for its address ...", flush=True)
+        if not self._wait_for(lambda: aux.log.initial_peers is not None, stop, "the aux peer to print its address"):
+            return False
+        for index in range(1, self.num_trainers + 1):
+            trainer = self._peer(f"trainer{index}", "run_trainer.py", "--initial_peers", *aux.log.initial_peers,
+                                 "--output_dir", str(self.output_dir / f"trainer{index}"),
+                                 "--progress_every", str(self.refresh))
+            self.peers.append(trainer)
+            trainer.start()
+        print(f"Started {self.num_trainers} trainer(s) joining through {aux.log.initial_peers[0]}; "
+              f"logs in {self.output_dir / 'logs'}", flush=True)
+        return self._wait_for(lambda: any(trainer.log.joined for trainer in self.trainers), stop,
+                              "a trainer to join the swarm")
+
+    def _wait_for(self, condition: Callable[[], bool], stop: threading.Event, what: str) -> bool:
+        deadline = time.monotonic() + STARTUP_LIMIT
+        while not stop.wait(0.5):
+            self._poll()
+            if condition():
+                return True
+            if self.aux.returncode is not None or (self.trainers and all(t.returncode is not None for t in self.trainers)):
+                return False
+            if time.monotonic() > deadline:
+                self.problems.append(f"timed out after {STARTUP_LIMIT} s waiting for {what}")
+                print(f"error: timed out after {STARTUP_LIMIT} s waiting for {what}; see the logs in "
+                      f"{self.output_dir / 'logs'}", file=sys.stderr)
+                return False
+        return False
+
+    def watch(self, stop: threading.Event) -> None:
+        """Train for ``duration`` s with a view of the progress every ``refresh`` s, unless a stop is requested or
+        the swarm loses its aux peer or all its trainers."""
+        started_at = next_view = time.monotonic()
+        print(f"Training for {_minutes(self.duration)} min", flush=True)
+        while not stop.wait(0.5):
+            self._poll()
+            if self.aux.returncode is not None or all(trainer.returncode is not None for trainer in self.trainers):
+                print("Stopping: the swarm has no aux peer or no trainer left", file=sys.stderr)
+                return
+            elapsed = time.monotonic() - started_at
+            if elapsed >= self.duration:
+                print(f"The {_minutes(self.duration)} min are over: stopping the peers", flush=True)
+                return
+            if time.monotonic() >= next_view:
+                self._print_view(elapsed)
+                next_view += self.refresh
+
+    def _print_view(self, elapsed: float) -> None:
+        clock = f"[{_minutes(elapsed)} / {_minutes(self.duration)}]"
+        for index, peer in enumerate(self.peers):
+            state = peer.log.status or "starting"
+            if peer.returncode is not None:
+                state = f"exited with code {peer.returncode}"
+            print(f"{clock if index == 0 else ' ' * len(clock)} {peer.name:<9} {state}")
+        sys.stdout.flush()
+
+    def _report_exit(self, peer: Peer) -> None:
+        peer.reported_exit = True
+        if peer.returncode == 0 and peer.stop_requested:
+            return
+        how = "stopped with" if peer.stop_requested else "exited unexpectedly with"
+        self.problems.append(f"{peer.name} {how} code {peer.returncode}")
+        print(f"error: {peer.name} {how} code {peer.returncode}; the end of {peer.log.path}:\n{peer.log.tail()}",
+              file=sys.stderr, flush=True)
+
+    def shutdown(self, stop: StopSignals, grace: float) -> None:
+        """Ask every peer to stop at once, wait up to ``grace`` s (cut short by another Ctrl+C), then kill whatever
+        is left of their process groups and remove their socket files."""
+        self.tracker.scan()
+        for peer in self.peers:
+            peer.request_stop()
+        deadline, signals_before = time.monotonic() + grace, stop.count
+        while any(peer.returncode is None for peer in self.peers):
+            if time.monotonic() > deadline or stop.count > signals_before:
+                break
+            time.sleep(0.2)
+        for peer in self.peers:
+            if peer.returncode is None:
+                print(f"warning: {peer.name} did not stop in time; killing it", file=sys.stderr)
+            peer.kill_group()
+            peer.log.update()
+            if not peer.reported_exit:
+                self._report_exit(peer)
+        self.tracker.clean_up()
+
+    def publish_final_checkpoint(self) -> Optional[tuple[int, Path, str]]:
+        """The newest state the swarm reached as a checkpoint in ``checkpoints/``: the aux peer's newest checkpoint,
+        or a trainer's exit backup when that is newer (copied over atomically). Returns (epoch, path, source)."""
+        candidates = []
+        for source in [self.aux, *self.trainers]:
+            folder = self.checkpoint_dir if source is self.aux else self.output_dir / source.name / "backups"
+            if folder.is_dir():
+                latest = CheckpointDir(folder, keep_last=KEEP_CHECKPOINTS).latest()
+                if latest is not None:
+                    candidates.append((latest[0], source is self.aux, latest[1], source.name))
+        if not candidates:
+            return None
+        epoch, from_aux, path, name = max(candidates)
+        if not from_aux:
+            path = CheckpointDir(self.checkpoint_dir, keep_last=KEEP_CHECKPOINTS).save(
+                epoch, lambda directory: shutil.copytree(path, directory, dirs_exist_ok=True))
+        return epoch, path, f"{name}'s state at epoch {epoch}"
+
+    def summary(self, floor: float) -> list[str]:
+        rows = list(read_rows(self.metrics_path)) if self.metrics_path.exists() else []
+        finished = [row for row in rows if math.isfinite(row.loss)]
+        lines = []
+        if finished:
+            last = finished[-1]
+            lines.append(f"final loss {last.loss:.4f} nats/token at swarm epoch {last.epoch}; the corpus's entropy "
+                         f"floor is {floor:.4f} (gap {last.loss - floor:.4f})")
+            from lean_transformer.swarm.plot import redraw_plot
+
+            redraw_plot(rows, self.metrics_path.with_suffix(".png"), title="local swarm")
+        else:
+            lines.append(f"no swarm epoch was completed, so there is no loss to show (entropy floor {floor:.4f})")
+        reports = [report for trainer in self.trainers for report in trainer.log.epoch_reports.values()]
+        epochs = max((epoch for trainer in self.trainers for epoch in trainer.log.epoch_reports), default=0)
+        lines.append(f"samples processed: {sum(samples for _, _, samples in reports):,} in {epochs} swarm epochs "
+                     f"(target batch {SWARM_ARGS['target_batch_size']})")
+        per_trainer = ", ".join(f"{trainer.name} {trainer.log.gradient_rounds}" for trainer in self.trainers)
+        lines.append(f"averaging rounds completed: {max(t.log.gradient_rounds for t in self.trainers)} of gradients "
+                     f"and {max(t.log.state_rounds for t in self.trainers)} of parameters ({per_trainer})")
+        return lines
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def entropy_floor(corpus_seed: int = 0) -> float:
+    """The loss floor (nats per byte-level token) of the embedded corpus the trainers train on."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # tasks/ is a top-level folder of the repository, like run_trainer.py
+    from tasks.markov import MarkovCorpus
+
+    return MarkovCorpus.generate(corpus_seed).entropy_per_byte
+
+
+def prepare_output_dir(path: Path) -> None:
+    """A fresh output directory; one left by an earlier run of this command is replaced, anything else is kept."""
+    if path.exists() and any(path.iterdir()):
+        if not (path / MARKER_FILE).is_file():
+            raise ValueError(f"--output_dir: {path} is not empty and was not made by this command; choose another")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m lean_transformer.swarm.local_swarm", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--duration", type=float, default=180.0,
+                        help="seconds of training, counted from when the first trainer has joined (start-up takes "
+                             "20-60 s more)")
+    parser.add_argument("--num_trainers", type=int, default=2, help="trainer peers to start")
+    parser.add_argument("--output_dir", type=Path, default=Path("outputs/demo"),
+                        help="logs, metrics, plot and checkpoints; an earlier run's folder here is replaced")
+    parser.add_argument("--refresh", type=float, default=5.0, help="seconds between two views of the progress")
+    parser.add_argument("--wandb", action="store_true", help="also log the metrics to an offline wandb run")
+    args = parser.parse_args(argv)
+    if args.duration <= 0:
+        parser.error(f"--duration must be positive, got {args.duration:g}")
+    if not 1 <= args.num_trainers <= 16:
+        parser.error(f"--num_trainers must be between 1 and 16, got {args.num_trainers}")
+    if args.refresh <= 0:
+        parser.error(f"--refresh must be positive, got {args.refresh:g}")
+    if not (REPO / "run_trainer.py").is_file():
+        parser.error(f"run_trainer.py is not in {REPO}; run this from a checkout of the repository")
+    try:
+        prepare_output_dir(args.output_dir)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    floor = entropy_floor()
+    (args.output_dir / MARKER_FILE).write_text(json.dumps(
+        dict(duration=args.duration, num_trainers=args.num_trainers, started=time.time(), **SWARM_ARGS), indent=2))
+    print(f"Local swarm: 1 aux peer and {args.num_trainers} trainer(s) train the tiny LeanGPT on the embedded corpus "
+          f"(entropy floor {floor:.4f} nats/token) for {args.duration:g} s; Ctrl+C stops it", flush=True)
+    swarm = LocalSwarm(args.output_dir, args.num_trainers, args.duration, args.refresh, args.wandb)
+    stop = StopSignals()
+    started_at = time.monotonic()
+    try:
+        if swarm.start(stop.event):
+            swarm.watch(stop.event)
+    finally:
+        swarm.shutdown(stop, grace=SWARM_ARGS["shutdown_timeout"] + 10)
+
+    print(f"\nSummary of the local swarm ({_minutes(time.monotonic() - started_at)} min):")
+    for line in swarm.summary(floor):
+        print(f"  {line}")
+    checkpoint = swarm.publish_final_checkpoint()
+    if checkpoint is not None:
+        epoch, path, source = checkpoint
+        print(f"  checkpoint: {path} ({source}; LeanGPTForCausalLM.from_pretrained or --resume_from)")
+    plot = swarm.metrics_path.with_suffix(".png")
+    print(f"  plot: {plot if plot.exists() else 'none'}; metrics: {swarm.metrics_path}; logs: {args.output_dir / 'logs'}")
+    if swarm.problems:
+        print(f"  problems: {'; '.join(swarm.problems)} (see the logs)")
+    sys.stdout.flush()
+    if stop.count:
+        return stop.exit_code
+    return 1 if swarm.problems or checkpoint is None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

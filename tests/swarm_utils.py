@@ -1,0 +1,58 @@
+"""Shared by the tests that run whole swarms of peer processes: watching a process tree while it runs (to check
+afterwards that nothing of it is left), and reading what trainers report in their logs."""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+from lean_transformer.swarm.local_swarm import ProcessTracker
+
+_EPOCH_REPORT = re.compile(r"Reached epoch (\d+): mean loss (\S+) over (\d+) mini-steps \((\d+) samples, (\d+) skipped\)")
+
+
+class TreeWatcher:
+    """Scans the processes below ``root_pid`` (and the hivemind sockets they hold) every ``interval`` s in a
+    background thread, from ``start()`` until ``stop()``; ``tracker`` then knows every process and socket seen."""
+
+    def __init__(self, root_pid: int, interval: float = 0.3):
+        self.tracker = ProcessTracker(root_pid)
+        self._interval, self._stopped = interval, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-watcher", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            self.tracker.scan()
+
+    def start(self) -> "TreeWatcher":
+        self.tracker.scan()
+        self._thread.start()
+        return self
+
+    def stop(self) -> ProcessTracker:
+        self._stopped.set()
+        self._thread.join(10)
+        return self.tracker
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """What a trainer logged (and published as its metrics record) when it reached ``epoch``."""
+
+    epoch: int
+    mean_loss: float
+    mini_steps: int
+    samples: int
+    skipped: int
+
+
+def epoch_reports(log: str) -> Dict[int, EpochReport]:
+    """The trainer's reports by epoch (a restarted trainer's log may hold an epoch twice: the later one wins)."""
+    return {int(match[0]): EpochReport(int(match[0]), float(match[1]), int(match[2]), int(match[3]), int(match[4]))
+            for match in _EPOCH_REPORT.findall(log)}
+
+
+def read_text(path: Path) -> Optional[str]:
+    return path.read_text(errors="replace") if path.exists() else None

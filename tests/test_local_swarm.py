@@ -1,0 +1,118 @@
+"""The one-command local swarm (``python -m lean_transformer.swarm.local_swarm``), run for real: an aux peer and two
+trainers on 127.0.0.1. A short run ends with a checkpoint, a plot and a summary; Ctrl+C (SIGINT to its process
+group, as a terminal sends it) stops every process it started and leaves no socket files behind."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aux_utils import PeerProcess, assert_valid_png
+from lean_transformer.swarm import local_swarm
+from swarm_utils import TreeWatcher
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+SUMMARY = re.compile(r"final loss ([\d.]+) nats/token at swarm epoch (\d+); the corpus's entropy floor is ([\d.]+)")
+CHECKPOINT = re.compile(r"checkpoint: (\S+) \(")
+VIEW = re.compile(r"^\[\d+:\d\d / \d+:\d\d\] aux +swarm epoch \d+ \|.*\n +trainer1 +epoch \d+ \| .* samples/s",
+                  re.MULTILINE)
+
+
+def start_local_swarm(tmp_path: Path, *args: str) -> tuple[PeerProcess, TreeWatcher]:
+    run = PeerProcess("local_swarm", ["-m", "lean_transformer.swarm.local_swarm", "--output_dir",
+                                      str(tmp_path / "demo"), "--refresh", "2", *args], tmp_path)
+    return run, TreeWatcher(run.process.pid).start()
+
+
+def assert_nothing_left(watcher: TreeWatcher, tmp_path: Path) -> None:
+    tracker = watcher.stop()
+    assert len(tracker.processes) >= 6, "expected the peers and their hivemind processes to have been seen"
+    assert tracker.sockets, "expected the peers' p2p sockets to have been seen"
+    assert tracker.alive() == [], "processes outlived the command"
+    assert tracker.leftover_sockets() == [], "socket files were left in /tmp"
+    mentioning_run = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path).encode()
+                      in _cmdline(pid)]
+    assert mentioning_run == [], "a process started for this run is still alive"
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path):
+    from lean_transformer import LeanGPTForCausalLM
+    from lean_transformer.swarm.training_state import read_epoch
+
+    run, watcher = start_local_swarm(tmp_path, "--duration", "40")
+    try:
+        assert run.wait(240) == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    finally:
+        run.kill()
+    out = run.stdout
+    assert_nothing_left(watcher, tmp_path)
+
+    assert VIEW.search(out), f"no live view with the aux peer's and the trainers' progress:\n{out[-3000:]}"
+    loss, epoch, floor = SUMMARY.search(out).groups()
+    assert float(floor) == pytest.approx(local_swarm.entropy_floor(), abs=1e-4)
+    assert float(floor) < float(loss) < math.log(256), "the loss should be between the floor and chance"
+    rounds = int(re.search(r"averaging rounds completed: (\d+) of gradients", out).group(1))
+    samples = int(re.search(r"samples processed: ([\d,]+)", out).group(1).replace(",", ""))
+    assert rounds >= 1 and samples >= local_swarm.SWARM_ARGS["target_batch_size"], out[-2000:]
+
+    checkpoint = Path(CHECKPOINT.search(out).group(1))
+    assert checkpoint.parent == tmp_path / "demo" / "checkpoints"
+    assert read_epoch(checkpoint) == int(checkpoint.name.split("-")[1]) >= int(epoch)
+    model = LeanGPTForCausalLM.from_pretrained(checkpoint)
+    assert all(torch.isfinite(param).all() for param in model.parameters())
+    assert_valid_png(tmp_path / "demo" / "metrics.png")
+    print(f"local swarm, 40 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
+          f"{rounds} averaging rounds; checkpoint {checkpoint.name} loads; PNG valid; nothing left running")
+
+
+def test_ctrl_c_stops_every_process_it_started(tmp_path: Path):
+    run, watcher = start_local_swarm(tmp_path, "--duration", "600")
+    try:
+        run.wait_for(r"trainer\d +epoch \d+ \|", timeout=240, stream="stdout")  # training is under way
+        os.killpg(run.process.pid, signal.SIGINT)  # what Ctrl+C in a terminal does
+        interrupted = time.monotonic()
+        code = run.wait(90)
+        seconds = time.monotonic() - interrupted
+    finally:
+        run.kill()
+    assert code == 128 + signal.SIGINT, run.stderr[-3000:]
+    assert seconds < local_swarm.SWARM_ARGS["shutdown_timeout"] + 15
+    assert_nothing_left(watcher, tmp_path)
+    assert "Summary of the local swarm" in run.stdout and "problems:" not in run.stdout, run.stdout[-2000:]
+    print(f"Ctrl+C during training: exited with {code} after {seconds:.1f} s; every peer stopped cleanly, "
+          f"no process or socket file left")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--duration", "0"], "--duration must be positive"),
+    (["--num_trainers", "0"], "--num_trainers must be between 1 and 16"),
+    (["--refresh", "-1"], "--refresh must be positive"),
+])
+def test_bad_arguments_give_one_line(args, message, capsys, tmp_path: Path):
+    with pytest.raises(SystemExit) as exit_info:
+        local_swarm.main([*args, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_an_output_dir_it_did_not_make_is_kept(capsys, tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        local_swarm.main(["--output_dir", str(tmp_path)])
+    assert "not empty and was not made by this command" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
