@@ -173,9 +173,10 @@ class TrainingArguments:
         "help": "Decay of the LR after warmup."})
     weight_decay: float = field(default=0.01, metadata={
         "help": "Weight decay (not applied to biases and LayerNorm weights)."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB's beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "LAMB's beta2."})
-    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB's epsilon."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB's beta1 (decay of the gradient's average)."})
+    adam_beta2: float = field(default=0.999, metadata={
+        "help": "LAMB's beta2 (decay of the squared gradient's average)."})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB's epsilon (added to the denominator)."})
     max_grad_norm: Optional[float] = field(default=1.0, metadata={
         "help": "Clip the averaged gradient to this global norm (none: no clipping)."})
     clamp_value: float = field(default=10_000.0, metadata={"help": "LAMB's upper bound on the trust ratio."})
@@ -263,10 +264,14 @@ class ArgumentParser(HfArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def build_parser(dataclass_types: Sequence[type], description: Optional[str] = None) -> ArgumentParser:
+    return ArgumentParser(dataclass_types, description=description, formatter_class=_HelpFormatter)
+
+
 def parse_arguments(dataclass_types: Sequence[type], argv: Optional[Sequence[str]] = None, *,
                     description: Optional[str] = None) -> tuple:
     """Parse ``argv`` into one instance of each dataclass; a bad value exits with one line on stderr (code 2)."""
-    parser = ArgumentParser(dataclass_types, description=description, formatter_class=_HelpFormatter)
+    parser = build_parser(dataclass_types, description)
     try:
         return tuple(parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False))
     except ValueError as e:

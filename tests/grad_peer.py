@@ -6,10 +6,12 @@ before every ``step``. After each epoch transition it records the averaging roun
 averaged gradients, and at the end saves everything to ``--out``.
 
 It prints "ready" once it has joined and starts stepping when ``--start_file`` appears, so that the test's peers
-start in the same epoch (a peer that is alone races through epochs, and a late one spends its first rounds
-catching up).
+start together. It stops after ``--rounds`` rounds with at least ``--group_size`` peers, or at epoch
+``--max_epochs`` (fresh peers race alone through their first epochs until they see each other, and a peer that
+falls behind catches up by downloading the state, in which case it records no round).
 
-Usage: python tests/grad_peer.py --out FILE --grad_seed N --epochs E --start_file F [run_trainer.py arguments]
+Usage: python tests/grad_peer.py --out FILE --grad_seed N --rounds R --group_size G --max_epochs E --start_file F
+       [run_trainer.py arguments]
 """
 import argparse
 import sys
@@ -31,7 +33,9 @@ def main() -> None:
     own = argparse.ArgumentParser()
     own.add_argument("--out", required=True)
     own.add_argument("--grad_seed", type=int, required=True)
-    own.add_argument("--epochs", type=int, required=True)
+    own.add_argument("--rounds", type=int, required=True)
+    own.add_argument("--group_size", type=int, required=True)
+    own.add_argument("--max_epochs", type=int, required=True)
     own.add_argument("--start_file", required=True)
     own.add_argument("--deadline", type=float, default=120.0)
     options, rest = own.parse_known_args()
@@ -54,7 +58,8 @@ def main() -> None:
         time.sleep(0.05)
 
     rounds = []
-    while optimizer.local_epoch < options.epochs and time.monotonic() < deadline:
+    while (sum(len(r["group"]) >= options.group_size for r in rounds) < options.rounds
+           and optimizer.local_epoch < options.max_epochs and time.monotonic() < deadline):
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         epoch = optimizer.local_epoch
@@ -67,7 +72,7 @@ def main() -> None:
                                    group=sorted(peer.to_base58() for peer in group),
                                    averaged=[tensor.clone() for tensor in averaged]))
             print(f"round at epoch {optimizer.local_epoch}: {len(group)} peers", flush=True)
-        time.sleep(0.1)
+        time.sleep(0.3)  # slower than the trackers' first look at each other (they would race alone otherwise)
 
     torch.save(dict(peer_id=dht.peer_id.to_base58(), grads=grads, rounds=rounds), options.out)
     optimizer.shutdown()

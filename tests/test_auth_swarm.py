@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -162,7 +163,7 @@ class Peer:
         self._log = open(self._log_path, "w")
         self._proc = subprocess.Popen(
             [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, cwd=Path(__file__).parent.parent,
+            text=True, cwd=Path(__file__).parent.parent, start_new_session=True,  # own process group: see close_all
         )
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -210,8 +211,8 @@ def close_all(peers) -> None:
     for peer in peers:
         try:
             peer._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            peer._proc.kill()
+        except subprocess.TimeoutExpired:  # the whole group: the peer, its DHT process and the p2p daemon
+            os.killpg(peer._proc.pid, signal.SIGKILL)
             peer._proc.wait(timeout=10)
         peer._log.close()
 

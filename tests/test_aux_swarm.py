@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from aux_utils import PeerProcess, assert_valid_png, read_wandb_history, stop_all, wait_until
+from swarm_utils import epoch_reports
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
@@ -27,7 +28,6 @@ from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 CHECKPOINT_EVERY = 2
-TRAINER_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+|nan) over (\d+) mini-steps \((\d+) samples")
 
 
 def free_port() -> int:
@@ -60,8 +60,8 @@ def tree_digest(path: Path) -> Dict[str, str]:
 
 def published_records(trainer: PeerProcess) -> Dict[int, tuple]:
     """epoch -> (mean loss, mini-steps, samples) as the trainer logged the metrics record it published."""
-    return {int(epoch): (float(loss), int(steps), int(samples))
-            for epoch, loss, steps, samples in TRAINER_LINE.findall(trainer.stderr)}
+    return {epoch: (report.mean_loss, report.mini_steps, report.samples)
+            for epoch, report in epoch_reports(trainer.stderr).items()}
 
 
 @dataclass
@@ -252,7 +252,7 @@ def assert_same_optimizer_state(expected: dict, actual: dict) -> None:
 def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchanged(tmp_path: Path):
     """Two peers with known gradients average in rounds that the assisting aux peer joins (it is one of the group):
     every round returns exactly the sample-weighted mean of the two peers' gradients, as if it were not there."""
-    run = swarm_args("aux-assist", target_batch_size=24, grad_compression="none", matchmaking_time=3)
+    run = swarm_args("aux-assist", target_batch_size=48, grad_compression="none", matchmaking_time=3)
     start_file = tmp_path / "start"
     peers: List[PeerProcess] = []
     try:
@@ -263,7 +263,8 @@ def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchang
         initial_peers = aux.initial_peers()
         aux_id = initial_peers[0].rsplit("/p2p/", 1)[1]
         workers = [PeerProcess(f"worker{seed}", ["tests/grad_peer.py", "--out", str(tmp_path / f"{seed}.pt"),
-                                                 "--grad_seed", str(seed), "--epochs", "4", "--start_file",
+                                                 "--grad_seed", str(seed), "--rounds", "2", "--group_size", "3",
+                                                 "--max_epochs", "15", "--start_file",
                                                  str(start_file), *run, "--per_device_batch_size", str(batch),
                                                  "--initial_peers", *initial_peers], tmp_path)
                    for seed, batch in ((1, 3), (2, 5))]

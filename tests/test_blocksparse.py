@@ -3,8 +3,10 @@ from fractions import Fraction
 
 import pytest
 import torch
+from torch import nn
 
 from lean_transformer.modules.blocksparse import BlockSparseLinear, make_layout, parse_layout, register_layout
+from lean_transformer.modules.linear import LinearOp, SharedLinear
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -22,8 +24,8 @@ def lower_triangle(out_blocks: int, in_blocks: int) -> torch.Tensor:
 
 
 def reference_weight(layer: BlockSparseLinear, mask: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The dense masked matrix, built block by block from the documented storage order: row o's kept blocks,
-    by increasing input block, are the consecutive column slices of blocks[o]."""
+    """The dense masked matrix, built block by block (differentiably) from the documented storage order: row o's
+    kept blocks, by increasing input block, are the consecutive column slices of blocks[o]."""
     size = layer.block_size
     weight = torch.zeros(layer.out_features, layer.in_features, dtype=blocks.dtype)
     for o in range(mask.shape[0]):
@@ -32,12 +34,45 @@ def reference_weight(layer: BlockSparseLinear, mask: torch.Tensor, blocks: torch
     return weight
 
 
-def randomized(layer: BlockSparseLinear) -> BlockSparseLinear:
-    """Every parameter random, so that the low-rank term and the bias matter (V and b start at zero)."""
+def randomized(layer: nn.Module) -> nn.Module:
+    """Every parameter random, so that low-rank terms, adapters and biases matter (some start at zero)."""
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_()
     return layer
+
+
+def check_matches_masked_dense(layer: LinearOp, core: BlockSparseLinear, x: torch.Tensor) -> None:
+    """``layer``'s op_params() are ``core.blocks``, then (in-factor, out-factor) pairs of low-rank terms (the
+    core's own, then adapters), then possibly a bias. Its forward, its autograd gradients and its op_backward
+    must equal those of ``x @ W_masked^T + sum (x @ P_in^T) @ P_out^T + b`` computed densely."""
+    grad_y = torch.randn(*x.shape[:-1], layer.out_features)
+    mask = make_layout(core.layout, core.out_features, core.in_features)
+    params = [p.detach().clone().requires_grad_() for p in layer.op_params()]
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = x_ref @ reference_weight(core, mask, params[0]).t()
+    factors = params[1:-1] if params[-1].dim() == 1 else params[1:]
+    for factor_in, factor_out in zip(factors[0::2], factors[1::2]):
+        y_ref = y_ref + (x_ref @ factor_in.t()) @ factor_out.t()
+    if params[-1].dim() == 1:
+        y_ref = y_ref + params[-1]
+    y_ref.backward(grad_y)
+
+    for param in layer.op_params():
+        param.grad = None  # a shared core may carry another layer's gradient
+    x = x.detach().requires_grad_()
+    y = layer(x)  # autograd through op_forward
+    torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
+    y.backward(grad_y)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
+    for param, want in zip(layer.op_params(), params):
+        torch.testing.assert_close(param.grad, want.grad, rtol=RTOL, atol=ATOL)
+
+    grad_x, grads = layer.op_backward(x.detach(), grad_y, layer.op_params())  # the protocol's explicit backward
+    torch.testing.assert_close(grad_x, x_ref.grad, rtol=RTOL, atol=ATOL)
+    assert len(grads) == len(params)
+    for got, want in zip(grads, params):
+        torch.testing.assert_close(got, want.grad, rtol=RTOL, atol=ATOL)
 
 
 CASES = [  # in, out, layout, lowrank_dim, bias
@@ -54,47 +89,24 @@ CASES = [  # in, out, layout, lowrank_dim, bias
 def test_forward_and_gradients_match_masked_dense(in_features, out_features, layout, lowrank_dim, bias):
     torch.manual_seed(0)
     layer = randomized(BlockSparseLinear(in_features, out_features, layout, lowrank_dim=lowrank_dim, bias=bias))
-    mask = make_layout(layout, out_features, in_features)
-    x = torch.randn(2, 7, in_features, requires_grad=True)
-    grad_y = torch.randn(2, 7, out_features)
-
-    dense = reference_weight(layer, mask, layer.blocks.detach()).requires_grad_()
-    lowrank = [p.detach().clone().requires_grad_() for p in layer.op_params()[1:]]
-    x_ref = x.detach().clone().requires_grad_()
-    y_ref = x_ref @ dense.t()
-    if lowrank_dim:
-        y_ref = y_ref + (x_ref @ lowrank[0].t()) @ lowrank[1].t()
-    if bias:
-        y_ref = y_ref + lowrank[-1]
-    y_ref.backward(grad_y)
-    expected = [reference_blocks_grad(layer, mask, dense.grad)] + [p.grad for p in lowrank]
-
-    # autograd through op_forward
-    y = layer(x)
-    torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
-    y.backward(grad_y)
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=RTOL, atol=ATOL)
-    for param, want in zip(layer.op_params(), expected):
-        torch.testing.assert_close(param.grad, want, rtol=RTOL, atol=ATOL)
-
-    # the explicit backward of the protocol
-    grad_x, grads = layer.op_backward(x.detach(), grad_y, layer.op_params())
-    torch.testing.assert_close(grad_x, x_ref.grad, rtol=RTOL, atol=ATOL)
-    assert len(grads) == len(expected)
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-
-    torch.testing.assert_close(layer.dense_weight().detach(), dense.detach() + (
-        lowrank[1] @ lowrank[0] if lowrank_dim else 0), rtol=RTOL, atol=ATOL)
+    check_matches_masked_dense(layer, layer, torch.randn(2, 7, in_features))
 
 
-def reference_blocks_grad(layer: BlockSparseLinear, mask: torch.Tensor, dense_grad: torch.Tensor) -> torch.Tensor:
-    size = layer.block_size
-    grad = torch.empty_like(layer.blocks)
-    for o in range(mask.shape[0]):
-        for t, j in enumerate(mask[o].nonzero().flatten().tolist()):
-            grad[o, :, t * size:(t + 1) * size] = dense_grad[o * size:(o + 1) * size, j * size:(j + 1) * size]
-    return grad
+@pytest.mark.parametrize("lowrank_dim", [0, 2])
+def test_shared_block_sparse_matrix_with_adapter_matches_masked_dense(lowrank_dim):
+    """A block-sparse matrix shared by layers, each adding its own adapter and bias (SharedLinear)."""
+    torch.manual_seed(0)
+    core = BlockSparseLinear(64, 128, "pixelfly(block_size=8)", lowrank_dim=lowrank_dim, bias=False)
+    layers = [randomized(SharedLinear(randomized(core), adapter_dim=3)) for _ in range(2)]
+    for layer in layers:
+        check_matches_masked_dense(layer, core, torch.randn(5, 64))
+
+
+def test_dense_weight_is_the_masked_matrix_plus_the_low_rank_term():
+    layer = randomized(BlockSparseLinear(64, 128, "hypercube(block_size=8, folded=True)", lowrank_dim=3))
+    mask = make_layout(layer.layout, 128, 64)
+    expected = reference_weight(layer, mask, layer.blocks) + layer.lowrank_out @ layer.lowrank_in
+    torch.testing.assert_close(layer.dense_weight(), expected, rtol=RTOL, atol=ATOL)
 
 
 def test_frozen_parameters_get_no_gradient():
@@ -108,10 +120,12 @@ def test_frozen_parameters_get_no_gradient():
     assert grads[2] is not None and grads[3] is not None
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("in_features,out_features", [(16, 32), (32, 8)])  # (32, 8): 4 blocks per bmm
+def test_gradcheck_float64(in_features, out_features):
     torch.manual_seed(0)
-    layer = randomized(BlockSparseLinear(16, 32, "hypercube(block_size=4, folded=True)", lowrank_dim=2)).double()
-    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    layer = BlockSparseLinear(in_features, out_features, "hypercube(block_size=4, folded=True)", lowrank_dim=2)
+    layer = randomized(layer).double()
+    x = torch.randn(3, in_features, dtype=torch.float64, requires_grad=True)
 
     def fn(x, *params):
         return layer.op_forward(x, params)

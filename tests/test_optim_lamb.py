@@ -131,3 +131,106 @@ def test_8bit_tracks_float32_reference_at_least_as_well_as_bitsandbytes_quantiza
     assert relative_error(params, ref_params) <= relative_error(bnb_params, ref_params)
     # the fused kernel computes what the simple simulation does (up to rounding, amplified over 50 steps)
     torch.testing.assert_close(losses, sim_losses, rtol=2e-3, atol=0)
+
+
+def big_params(seed: int = 0) -> list[torch.Tensor]:
+    """A tensor spanning several tiles with a partial last block, plus a small float32-state tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(3 * 4096 + 100, generator=gen).requires_grad_(), torch.randn(10, generator=gen).requires_grad_()]
+
+
+def run_steps(params, optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+
+
+OPTIONS = dict(lr=0.01, weight_decay=0.1, max_grad_norm=5.0, tile_size=1024)
+
+
+def test_chunked_update_is_identical_to_single_pass():
+    results = []
+    for chunk_size in (2**24, 1000):  # single pass with a full update buffer / two passes over 1024-element tiles
+        params = big_params()
+        optimizer = CPULAMB8Bit(params, chunk_size=chunk_size, **OPTIONS)
+        run_steps(params, optimizer, steps=4, seed=1)
+        results.append((params, optimizer.state[params[0]]))
+    (params_a, state_a), (params_b, state_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    assert all(torch.equal(state_a[key], state_b[key]) for key in state_a if key != "step")
+
+
+def test_state_dict_round_trip_continues_identically():
+    params = big_params()
+    optimizer = CPULAMB8Bit(params, **OPTIONS)
+    run_steps(params, optimizer, steps=3, seed=1)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict()}, buffer)
+    run_steps(params, optimizer, steps=3, seed=2)
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    restored = [p.clone().requires_grad_() for p in saved["params"]]
+    optimizer2 = CPULAMB8Bit(restored, **OPTIONS)
+    optimizer2.load_state_dict(saved["optimizer"])
+    state = optimizer2.state[restored[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.uint8  # not cast to the param's dtype
+    run_steps(restored, optimizer2, steps=3, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(params, restored))
+    for key, value in optimizer.state[params[0]].items():
+        assert value == state[key] if key == "step" else torch.equal(value, state[key])
+
+
+def test_state_is_at_most_2_1_bytes_per_parameter():
+    params = [torch.zeros(1 << 20, requires_grad=True), torch.zeros(1000, 300, requires_grad=True)]
+    optimizer = CPULAMB8Bit(params)
+    run_steps(params, optimizer, steps=1, seed=0)
+    numel = sum(p.numel() for p in params)
+    assert optimizer.state_bytes() / numel <= 2.1
+    assert all(optimizer.state[p]["exp_avg"].dtype == torch.uint8 for p in params)
+
+
+def test_rejects_state_dict_of_another_layout():
+    params = big_params()
+    optimizer = CPULAMB8Bit(params)
+    run_steps(params, optimizer, steps=1, seed=0)
+    state_dict = optimizer.state_dict()
+    with pytest.raises(ValueError, match="shape"):  # same count, different shapes
+        CPULAMB8Bit(big_params()[::-1]).load_state_dict(copy.deepcopy(state_dict))
+    with pytest.raises(ValueError, match="number of parameter"):
+        CPULAMB8Bit(big_params()[:1]).load_state_dict(copy.deepcopy(state_dict))
+    with pytest.raises(ValueError, match="block_size=512"):
+        CPULAMB8Bit(big_params(), block_size=512).load_state_dict(copy.deepcopy(state_dict))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1e-3), "lr"),
+        (dict(betas=(1.0, 0.999)), "betas"),
+        (dict(betas=(0.9, -0.1)), "betas"),
+        (dict(eps=-1.0), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(clamp_value=0.0), "clamp_value"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(block_size=0), "block_size"),
+        (dict(min_8bit_size=-1), "min_8bit_size"),
+    ],
+)
+def test_rejects_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CPULAMB8Bit([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_rejects_bad_parameters_and_gradients():
+    with pytest.raises(ValueError, match="float32 CPU"):
+        CPULAMB8Bit([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"lr"):  # a later param group is validated too
+        CPULAMB8Bit([{"params": [torch.zeros(3, requires_grad=True)]}, {"params": [torch.zeros(3, requires_grad=True)], "lr": -1}])
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    optimizer = CPULAMB8Bit(embedding.parameters())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        optimizer.step()

@@ -1,6 +1,7 @@
 """Bad input to run_trainer.py: one readable line on stderr and a non-zero exit code, in bounded time.
 
-All cases run at once (each is a separate process), so the module costs about one start-up."""
+The cases of the issue run as real processes, all at once; tests/test_args.py covers more flags in-process (through
+the same parser)."""
 from __future__ import annotations
 
 import os
@@ -34,13 +35,9 @@ def cases(port: int) -> dict[str, tuple[list[str], str]]:
         "unknown task": (["--task", "translation"], "--task: unknown task 'translation'"),
         "missing dataset": (["--dataset", "/nonexistent/*.txt"], "--dataset: no files match"),
         "missing config": (["--model_config_path", "/nonexistent/config.json"], "--model_config_path:"),
-        "missing tokenizer": (["--tokenizer_path", "/nonexistent/tokenizer"], "--tokenizer_path:"),
-        "missing resume dir": (["--resume_from", "/nonexistent/checkpoints"], "--resume_from:"),
         "malformed multiaddr": (["--initial_peers", "/ip4/127.0.0.1/tcp/notaport"], "--initial_peers:"),
-        "multiaddr without peer id": (["--initial_peers", "/ip4/127.0.0.1/tcp/1234"], "no /p2p/<peer id>"),
         "unreachable peer": (["--initial_peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{SOME_PEER_ID}",
                               "--startup_timeout", str(UNREACHABLE_TIMEOUT)], "--initial_peers"),
-        "missing run_id": (["--run_id"], "--run_id"),
     }
 
 
@@ -55,7 +52,7 @@ def results(silent_listener, tmp_path_factory) -> dict[str, tuple[subprocess.Com
                                           env={**os.environ, **ENV}), time.monotonic())
     finished = {}
     for name, (process, start) in started.items():
-        stdout, stderr = process.communicate(timeout=120)
+        stdout, stderr = process.communicate(timeout=300)
         finished[name] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr),
                           time.monotonic() - start)
     return finished
@@ -76,4 +73,4 @@ def test_bad_input_gives_one_clear_line(name, results, silent_listener):
 
 def test_unreachable_peer_fails_within_the_startup_timeout(results):
     _, seconds = results["unreachable peer"]
-    assert seconds < UNREACHABLE_TIMEOUT + 60  # the timeout plus the (slow, shared-CPU) start-up of the process
+    assert seconds < UNREACHABLE_TIMEOUT + 90  # plus the start-up of a process on a busy, shared CPU

@@ -55,7 +55,9 @@ class LeanPreTrainedModel(PreTrainedModel):
         :param gradient_checkpointing: False; True to keep only each layer's input (one checkpoint per layer:
             checkpointing attention and feed-forward separately would keep twice the inputs for the same
             recomputation); or an int N to keep only the inputs of N equal segments of layers.
-        :param checkpoint_attention_core: recompute the attention core (SDPA) in backward.
+        :param checkpoint_attention_core: recompute the attention core (SDPA) in backward; it pays off where SDPA
+            keeps more than q, k, v and its output (the math kernel, used e.g. with attention dropout on CPU,
+            keeps the attention matrix).
         :param ffn_custom_grad: use the feed-forward's hand-written backward (keeps 5 d-words per token instead of
             about 10 for a 4x-wide plain-autograd feed-forward).
         :param preserve_rng_state: replay the RNG in recomputations so that dropout masks match the forward pass.

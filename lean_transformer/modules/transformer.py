@@ -98,6 +98,10 @@ class LeanTransformer(nn.Module):
         return x
 
     def forward(self, hidden: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+        """:param hidden: embeddings [batch, seq, hidden_size].
+        :param attention_mask: from ``make_attention_mask``.
+        A reversible stack runs two streams that start as copies of ``hidden``; each sub-layer adds its output to
+        the other stream (RevNet coupling), the result is their mean, and the streams keep ``hidden``'s dtype."""
         if self.config.fp32_residual:
             hidden = hidden.float()
         sublayers = self.sublayers(attention_mask, causal, hidden.shape[1], hidden.device)

@@ -61,9 +61,10 @@ def amax_blocks(x: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Te
 def encode_signed_(
     x: torch.Tensor, x_abs: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor
 ) -> None:
-    """codes (int8) <- sqrt-companded x; ``x_abs`` holds |x| on entry and is used as scratch."""
-    scale = (SIGNED_LEVELS**2) / absmax.clamp_min(_TINY)
-    mul_blocks_(x_abs, scale, block_size).sqrt_().copysign_(x).round_()
+    """codes (int8) <- round(127 * sign(x) * sqrt(|x| / absmax)); ``x_abs`` holds |x| on entry, then scratch."""
+    # computed as x * rsqrt(|x| * absmax / 127**2 + tiny): cheaper than sqrt + copysign, and the tiny term
+    # turns 0 * inf into 0 for zeros (including all-zero blocks)
+    mul_blocks_(x_abs, absmax / SIGNED_LEVELS**2, block_size).add_(_TINY).rsqrt_().mul_(x).round_()
     codes.copy_(x_abs)
 
 

@@ -1,0 +1,87 @@
+"""The trainer's command line: defaults, --help, and one clear line for every bad value."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from arguments import (CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, build_parser,
+                       parse_arguments)
+
+TRAINER = [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments]
+PEER_ID = "12D3KooWDNh6GZkBqi2zGzKXH27ZXhcm2aMoKHjZ3YdYXTndzrRs"
+
+
+def test_defaults():
+    network, collaboration, training, task = parse_arguments(TRAINER, ["--run_id", "my_run"])
+    assert network.run_id == "my_run" and network.initial_peers == []
+    assert network.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
+    assert collaboration.grad_compression == "size_adaptive" and collaboration.offload_optimizer
+    assert task.task == "causal_lm" and task.dataset == "embedded" and task.tokenizer_path is None
+    assert training.stop_epoch == training.total_steps and training.checkpointing_option() is False
+
+
+def test_values_are_parsed_into_the_right_types():
+    network, collaboration, training, task = parse_arguments(TRAINER, [
+        "--run_id", "r", "--initial_peers", f"/ip4/10.0.0.1/tcp/31337/p2p/{PEER_ID}", f"/dns/a.b/tcp/1/p2p/{PEER_ID}",
+        "--client_mode", "--no_use_relay", "--target_batch_size", "128", "--matchmaking_time", "2.5",
+        "--grad_compression", "float16", "--bf16", "--gradient_checkpointing", "3", "--max_epochs", "7",
+        "--task", "mlm", "--dataset", "hf:wikitext:wikitext-2-raw-v1"])
+    assert len(network.initial_peers) == 2 and network.client_mode and not network.use_relay
+    assert collaboration.target_batch_size == 128 and collaboration.matchmaking_time == 2.5
+    assert collaboration.grad_compression == "float16"
+    assert training.bf16 and training.checkpointing_option() == 3 and training.stop_epoch == 7
+    assert task.task == "mlm" and task.dataset.startswith("hf:")
+
+
+@pytest.mark.parametrize("value, expected", [("false", False), ("true", True), ("True", True), ("2", 2)])
+def test_gradient_checkpointing_option(value, expected):
+    training, = parse_arguments([TrainingArguments], ["--gradient_checkpointing", value])
+    assert training.checkpointing_option() == expected
+
+
+def test_every_field_has_help_and_help_shows_every_group():
+    for group in TRAINER:
+        for field in dataclasses.fields(group):
+            assert len(field.metadata.get("help", "")) > 15, f"{group.__name__}.{field.name} has no real help"
+    text = build_parser(TRAINER, "Join a swarm.").format_help()
+    for group in TRAINER:
+        assert group._argument_group_name in text
+    for field in ("--run_id", "--initial_peers", "--target_batch_size", "--per_device_batch_size", "--task",
+                  "--sequence_length_warmup_steps", "--identity_path", "--backup_every_epochs"):
+        assert field in text
+
+
+BAD = {
+    "missing run_id": ([], "--run_id"),
+    "run_id with a slash": (["--run_id", "a/b"], "--run_id"),
+    "unknown task": (["--task", "translation"], "--task: unknown task"),
+    "garbage multiaddr": (["--initial_peers", "garbage"], "--initial_peers: 'garbage' is not a valid multiaddr"),
+    "multiaddr without peer id": (["--initial_peers", "/ip4/127.0.0.1/tcp/1234"], "no /p2p/<peer id> part"),
+    "malformed host maddr": (["--host_maddrs", "/ip4/300.0.0.1/tcp/1"], "--host_maddrs"),
+    "missing config": (["--model_config_path", "/nonexistent.json"], "--model_config_path: /nonexistent.json"),
+    "missing tokenizer": (["--tokenizer_path", "/nonexistent/tok"], "--tokenizer_path"),
+    "missing resume dir": (["--resume_from", "/nonexistent/dir"], "--resume_from"),
+    "identity in a missing dir": (["--identity_path", "/nonexistent/dir/id.key"], "--identity_path"),
+    "zero target batch": (["--target_batch_size", "0"], "--target_batch_size: must be positive"),
+    "fp16 and bf16": (["--fp16", "--bf16"], "mutually exclusive"),
+    "grad averaging delay alone": (["--delay_grad_averaging"], "--delay_grad_averaging: needs"),
+    "sequence warmup above max": (["--initial_sequence_length", "512", "--max_sequence_length", "128"],
+                                  "--initial_sequence_length"),
+    "bad checkpointing": (["--gradient_checkpointing", "sometimes"], "--gradient_checkpointing"),
+    "unknown compression": (["--grad_compression", "zip"], "--grad_compression"),
+    "not a number": (["--learning_rate", "fast"], "--learning_rate"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_value_exits_with_one_line(name, capsys):
+    argv, fragment = BAD[name]
+    if name != "missing run_id" and "--run_id" not in argv:
+        argv = ["--run_id", "r", *argv]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(TRAINER, argv)
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith(f"{build_parser(TRAINER).prog}: error: ") and fragment in stderr, stderr
