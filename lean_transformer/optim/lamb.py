@@ -8,11 +8,12 @@ Per parameter tensor ``w`` with gradient ``g`` (optionally scaled by global norm
     w = w - lr * clamp(||w||, 0, clamp_value) / ||u|| * u       # trust ratio is 1 if either norm is 0
 
 Large tensors keep ``m`` and ``v`` as block-wise quantized bytes (see ``quantization.py``): a step decodes
-one cache-sized tile at a time, updates it in float32, re-encodes it and writes the tile of ``u``. Because
-the trust ratio needs ``||u||`` of the whole tensor before any weight moves, ``u`` goes to a float32 buffer
-for tensors of up to ``chunk_size`` elements; bigger tensors are walked twice (norms first, then the update
-recomputed tile by tile from the same old state), so the extra memory never exceeds ``4 * chunk_size``
-bytes. Both routes run the same per-tile arithmetic and give bit-identical results.
+one cache-sized tile at a time, updates it in float32, re-encodes it and writes the tile of ``u``; tiles are
+spread over worker threads (see ``workers.py``). Because the trust ratio needs ``||u||`` of the whole tensor
+before any weight moves, ``u`` goes to a float32 buffer for tensors of up to ``chunk_size`` elements; bigger
+tensors are walked twice (norms first, then the update recomputed tile by tile from the same old state), so
+the extra memory never exceeds ``4 * chunk_size`` bytes. Both routes run the same per-tile arithmetic and
+give bit-identical results, whatever the number of threads.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from lean_transformer.optim.workers import TileWorkers
 from lean_transformer.optim.quantization import (
     SIGNED_LEVELS,
     UNSIGNED_LEVELS,
@@ -33,9 +35,9 @@ from lean_transformer.optim.quantization import (
     num_blocks,
 )
 
-# elements per tile: small enough that the ~5 float32 tiles a step touches stay in L2, large enough that
-# per-op dispatch overhead (a few microseconds) stays small next to the arithmetic
-DEFAULT_TILE_SIZE = 2**16
+# elements per tile: large enough that the Python and dispatch overhead of ~25 ops (a few microseconds each,
+# holding the GIL) stays small next to their arithmetic, small enough that a tile's buffers stay in cache
+DEFAULT_TILE_SIZE = 2**18
 QUANTIZED_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -96,6 +98,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
       optimizer's only sizeable scratch memory (``4 * chunk_size`` bytes at most)
     :param max_grad_norm: if set, gradients are scaled as by ``clip_grad_norm_`` over all parameters of all
       groups (without modifying ``.grad``)
+    :param tile_size: elements processed per tile (rounded down to whole blocks)
     """
 
     def __init__(
@@ -113,28 +116,28 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         chunk_size: int = 2**24,
         tile_size: int = DEFAULT_TILE_SIZE,
     ):
-        for name, value in (("min_8bit_size", min_8bit_size), ("block_size", block_size), ("chunk_size", chunk_size), ("tile_size", tile_size)):
-            if not isinstance(value, int) or value < (0 if name == "min_8bit_size" else 1):
-                raise ValueError(f"{name} must be a {'non-negative' if name == 'min_8bit_size' else 'positive'} int, got {value!r}")
+        for name, value, minimum in (("min_8bit_size", min_8bit_size, 0), ("block_size", block_size, 1), ("chunk_size", chunk_size, 1), ("tile_size", tile_size, 1)):
+            if not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         self.min_8bit_size, self.block_size, self.chunk_size = min_8bit_size, block_size, chunk_size
         self.tile_size = max(block_size, tile_size // block_size * block_size)  # tiles hold whole blocks
         self._update_buffer = torch.empty(0)
-        self._tile_buffers = [torch.empty(self.tile_size) for _ in range(3)]
+        self._workers = TileWorkers(num_buffers=4, buffer_size=self.tile_size)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value, bias_correction=bias_correction)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_hyperparameters(group)
-        for index, param in enumerate(group["params"]):
+        group_index = len(self.param_groups) - 1
+        _check_hyperparameters(self.param_groups[-1], group_index)
+        for index, param in enumerate(self.param_groups[-1]["params"]):
             if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
                 raise ValueError(
-                    f"param_groups[{len(self.param_groups) - 1}]['params'][{index}] must be a contiguous float32 CPU "
-                    f"tensor (got {param.dtype} on {param.device}); keep low-precision or GPU weights in OffloadedOptimizer"
+                    f"param_groups[{group_index}]['params'][{index}] must be a contiguous float32 CPU tensor "
+                    f"(got {param.dtype} on {param.device}); keep low-precision or GPU weights in OffloadedOptimizer"
                 )
 
     @torch.no_grad()
@@ -148,10 +151,11 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             for index, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
+                where = f"param_groups[{group_index}]['params'][{index}]"
                 if param.grad.is_sparse:
-                    raise ValueError(f"param_groups[{group_index}]['params'][{index}] has a sparse gradient; CPULAMB8Bit needs dense gradients")
+                    raise ValueError(f"{where} has a sparse gradient; CPULAMB8Bit needs dense gradients")
                 if param.grad.shape != param.shape:
-                    raise ValueError(f"param_groups[{group_index}]['params'][{index}]: grad shape {tuple(param.grad.shape)} != param shape {tuple(param.shape)}")
+                    raise ValueError(f"{where}: grad shape {tuple(param.grad.shape)} != param shape {tuple(param.shape)}")
                 work.append((group, param))
         clip = self._clip_coefficient([param.grad for _, param in work])
         for group, param in work:
@@ -159,7 +163,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             if not state:
                 self._init_state(param, state)
             state["step"] += 1
-            constants = self._step_constants(group, state, clip)
+            constants = self._step_constants(group, state["step"], clip)
             if state["exp_avg"].dtype == torch.uint8:
                 self._update_quantized(param, state, group, constants)
             else:
@@ -183,9 +187,9 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             state[key] = torch.zeros(param.shape, dtype=torch.uint8)
             state[f"{key}_absmax"] = torch.zeros(blocks)
 
-    def _step_constants(self, group: dict[str, Any], state: dict[str, Any], clip: float) -> _StepConstants:
+    @staticmethod
+    def _step_constants(group: dict[str, Any], step: int, clip: float) -> _StepConstants:
         beta1, beta2 = group["betas"]
-        step = state["step"]
         return _StepConstants(
             beta1=beta1,
             beta2=beta2,
@@ -197,57 +201,53 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         )
 
     @staticmethod
-    def _apply(param_flat: torch.Tensor, tiles: Iterable[tuple[int, int, torch.Tensor]], update_norms: torch.Tensor, update_scale: float, group: dict[str, Any]) -> None:
-        """w -= lr * trust_ratio * update_scale * U for each tile of U, given the per-tile norms of U."""
-        weight_norm = torch.linalg.vector_norm(param_flat).item()
-        update_norm = update_scale * torch.linalg.vector_norm(update_norms.double()).item()
+    def _step_size(weight_norm: float, update_norm: float, group: dict[str, Any]) -> float:
+        """lr times the trust ratio clamp(||w||, 0, clamp_value) / ||u|| (1 if either norm is 0)."""
         trust_ratio = min(weight_norm, group["clamp_value"]) / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
-        alpha = -group["lr"] * trust_ratio * update_scale
-        for start, end, update in tiles:
-            param_flat[start:end].add_(update, alpha=alpha)
+        return group["lr"] * trust_ratio
 
     def _update_full_precision(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
         grad, m, v = param.grad, state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(k.beta1).add_(grad, alpha=(1 - k.beta1) * k.clip)
-        v.mul_(k.beta2).addcmul_(grad, grad, value=(1 - k.beta2) * k.clip**2)
+        if k.clip != 1.0:
+            grad = grad * k.clip
+        m.mul_(k.beta1).add_(grad, alpha=1 - k.beta1)
+        v.mul_(k.beta2).addcmul_(grad, grad, value=1 - k.beta2)
         update = (m / k.bias_correction1).div_((v / k.bias_correction2).sqrt_().add_(k.eps))
         if k.weight_decay:
             update.add_(param, alpha=k.weight_decay)
-        update = update.view(-1)
-        self._apply(param.view(-1), [(0, param.numel(), update)], torch.linalg.vector_norm(update).reshape(1), 1.0, group)
+        step_size = self._step_size(torch.linalg.vector_norm(param).item(), torch.linalg.vector_norm(update).item(), group)
+        param.sub_(update, alpha=step_size)
 
     def _update_quantized(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
-        numel, tile = param.numel(), self.tile_size
-        folded = _FoldedConstants.from_step(k)
+        numel, folded = param.numel(), _FoldedConstants.from_step(k)
         grad, weight = param.grad.reshape(-1), param.view(-1)
         decode_scales = (state["exp_avg_absmax"] * folded.m_decode, state["exp_avg_sq_absmax"] * folded.v_decode)
-        bounds = [(start, min(start + tile, numel)) for start in range(0, numel, tile)]
-        update_norms = torch.empty(len(bounds))
+        bounds = [(start, min(start + self.tile_size, numel)) for start in range(0, numel, self.tile_size)]
+        norms = torch.empty(2, len(bounds))  # per tile: ||U|| and ||w||
+        single_pass = numel <= self.chunk_size
+        if single_pass and self._update_buffer.numel() < numel:
+            self._update_buffer = torch.empty(numel)
 
-        if numel <= self.chunk_size:
-            if self._update_buffer.numel() < numel:
-                self._update_buffer = torch.empty(numel)
-            updates = [self._update_buffer[start:end] for start, end in bounds]
-            for i in range(len(bounds)):
-                self._tile_step(grad, weight, state, decode_scales, *bounds[i], folded, updates[i], store=True)
-                torch.linalg.vector_norm(updates[i], out=update_norms[i])
-            tiles = ((start, end, update) for (start, end), update in zip(bounds, updates))
-        else:
-            scratch = torch.empty(tile)
-            for i in range(len(bounds)):
-                update = scratch[: bounds[i][1] - bounds[i][0]]
-                self._tile_step(grad, weight, state, decode_scales, *bounds[i], folded, update, store=False)
-                torch.linalg.vector_norm(update, out=update_norms[i])
+        def tile_update(i: int, store: bool) -> torch.Tensor:
+            start, end = bounds[i]
+            update = self._update_buffer[start:end] if single_pass else self._workers.buffers()[3][: end - start]
+            self._tile_step(grad, weight, state, decode_scales, start, end, folded, update, store)
+            return update
 
-            def recomputed_tiles() -> Iterator[tuple[int, int, torch.Tensor]]:
-                # the state of a tile is replaced only here, so this repeats the first pass exactly
-                for start, end in bounds:
-                    update = scratch[: end - start]
-                    self._tile_step(grad, weight, state, decode_scales, start, end, folded, update, store=True)
-                    yield start, end, update
+        def first_pass(i: int) -> None:
+            torch.linalg.vector_norm(tile_update(i, store=single_pass), out=norms[0, i])
+            torch.linalg.vector_norm(weight[bounds[i][0] : bounds[i][1]], out=norms[1, i])
 
-            tiles = recomputed_tiles()
-        self._apply(weight, tiles, update_norms, folded.update_scale, group)
+        self._workers.run(first_pass, range(len(bounds)))
+        update_norm, weight_norm = torch.linalg.vector_norm(norms.double(), dim=1).tolist()
+        alpha = -self._step_size(weight_norm, folded.update_scale * update_norm, group) * folded.update_scale
+
+        def second_pass(i: int) -> None:
+            # without a full update buffer, recompute the tile from its old state (replaced only now)
+            update = self._update_buffer[bounds[i][0] : bounds[i][1]] if single_pass else tile_update(i, store=True)
+            weight[bounds[i][0] : bounds[i][1]].add_(update, alpha=alpha)
+
+        self._workers.run(second_pass, range(len(bounds)))
 
     def _tile_step(
         self,
@@ -264,7 +264,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         """Write U (see _FoldedConstants) for elements [start, end) into ``update``; if ``store``, save the new moments."""
         size, block = end - start, self.block_size
         blocks = slice(start // block, num_blocks(end, block))
-        m, v, scratch = (buffer[:size] for buffer in self._tile_buffers)
+        m, v, scratch = (buffer[:size] for buffer in self._workers.buffers()[:3])
         g, w = grad[start:end], weight[start:end]
         m_codes, v_codes = state["exp_avg"].view(-1)[start:end].view(torch.int8), state["exp_avg_sq"].view(-1)[start:end]
 
@@ -323,14 +323,15 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         return sum(value.numel() * value.element_size() for state in self.state.values() for value in state.values() if isinstance(value, torch.Tensor))
 
 
-def _check_hyperparameters(group: dict[str, Any]) -> None:
+def _check_hyperparameters(group: dict[str, Any], group_index: int) -> None:
+    betas = group["betas"]
     checks = {
         "lr": group["lr"] >= 0,
         "eps": group["eps"] >= 0,
         "weight_decay": group["weight_decay"] >= 0,
         "clamp_value": group["clamp_value"] > 0,
-        "betas": len(group["betas"]) == 2 and all(0 <= beta < 1 for beta in group["betas"]),
+        "betas": isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= beta < 1 for beta in betas),
     }
     for name, ok in checks.items():
         if not ok:
-            raise ValueError(f"invalid {name}: {group[name]!r}")
+            raise ValueError(f"param_groups[{group_index}] has an invalid {name}: {group[name]!r}")

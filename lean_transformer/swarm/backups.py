@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 class NonFiniteParametersError(RuntimeError):
-    """The parameters became NaN or infinite and no usable local backup could replace them."""
+    """The parameters became NaN or infinite (or keep producing non-finite losses) and no usable local backup could
+    replace them."""
 
 
 def parameters_are_finite(model: torch.nn.Module) -> bool:
@@ -28,13 +29,14 @@ def parameters_are_finite(model: torch.nn.Module) -> bool:
 class LocalBackups:
     """Backups in ``directory/epoch-NNNNNN/`` (the newest ``keep`` of them), one every ``every_epochs`` epochs.
 
-    ``max_restores`` bounds how often the parameters may be restored in a row without getting past the epoch where
-    they broke, so that a run that diverges deterministically stops instead of looping.
+    When the parameters break, the newest backup is restored; if they break again before getting past the epoch where
+    they first broke, the next restore goes one backup further back (the newest one may hold parameters that were
+    finite but already useless), and when none is left the peer stops with a clear error instead of looping.
     """
 
-    def __init__(self, directory: os.PathLike, every_epochs: int, keep: int, max_restores: int = 3):
+    def __init__(self, directory: os.PathLike, every_epochs: int, keep: int):
         self.checkpoints = CheckpointDir(directory, keep_last=keep)
-        self.every_epochs, self.max_restores = every_epochs, max_restores
+        self.every_epochs = every_epochs
         self.restores_in_a_row, self.broken_at_epoch = 0, -1
 
     @property
@@ -53,27 +55,29 @@ class LocalBackups:
     def on_new_epoch(self, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> None:
         """Called once per epoch: restore a backup if the parameters broke, else back up when it is time."""
         if not parameters_are_finite(model):
-            self.restore(model, optimizer)
+            self.restore(model, optimizer, reason="parameters became non-finite")
             return
         if optimizer.local_epoch > self.broken_at_epoch:
             self.restores_in_a_row = 0  # got past the epoch where the parameters broke
         if self.every_epochs and optimizer.local_epoch % self.every_epochs == 0:
             self.save(model, optimizer)
 
-    def restore(self, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> int:
+    def restore(self, model: PreTrainedModel, optimizer: hivemind.Optimizer, reason: str) -> int:
+        """Load a backup because of ``reason`` (e.g. "parameters became non-finite"); returns its epoch."""
         epoch = optimizer.local_epoch
-        latest = self.checkpoints.latest()
-        if latest is None:
+        backups = self.checkpoints.checkpoints()  # oldest first
+        if not backups:
             raise NonFiniteParametersError(
-                f"parameters became non-finite at epoch {epoch} and there is no local backup in {self.directory} "
+                f"{reason} at epoch {epoch} and there is no local backup in {self.directory} "
                 f"(--backup_every_epochs); lower --learning_rate or --resume_from a checkpoint")
-        if self.restores_in_a_row >= self.max_restores:
+        if self.restores_in_a_row >= len(backups):
             raise NonFiniteParametersError(
-                f"parameters became non-finite again at epoch {epoch} after {self.restores_in_a_row} restores of "
-                f"{latest[1]}; training diverges, lower --learning_rate")
+                f"{reason} at epoch {epoch}, again after restoring each of the {len(backups)} local backups in "
+                f"{self.directory}; training diverges, lower --learning_rate")
+        _, path = backups[-1 - self.restores_in_a_row]
         self.restores_in_a_row += 1
         self.broken_at_epoch = max(self.broken_at_epoch, epoch)
-        restored_epoch = load_training_state(latest[1], model, optimizer)
-        logger.warning(f"Parameters became non-finite at epoch {epoch}; restored the backup of epoch "
-                       f"{restored_epoch} from {latest[1]}")
+        restored_epoch = load_training_state(path, model, optimizer)
+        logger.warning(f"{reason[0].upper()}{reason[1:]} at epoch {epoch}; restored the backup of epoch "
+                       f"{restored_epoch} from {path}")
         return restored_epoch

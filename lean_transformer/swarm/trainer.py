@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# this many local steps in a row with non-finite loss or gradients mean the parameters are broken even if finite
+MAX_NON_FINITE_STEPS_IN_A_ROW = 20
+
 
 @dataclass
 class EpochWork:
@@ -112,7 +115,7 @@ def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimi
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
     progress = ProgressLine(training.progress_every)
-    work, epoch = EpochWork(), optimizer.local_epoch
+    work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
@@ -132,8 +135,14 @@ def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimi
         if not finite and scaler is None:
             discard_local_gradients(optimizer, reuse_grad_buffers)
             work.skipped += accumulation
+            non_finite_in_a_row += 1
             logger.warning(f"Skipped {accumulation} micro-batch(es) with non-finite loss or gradients (not counted)")
+            if non_finite_in_a_row == MAX_NON_FINITE_STEPS_IN_A_ROW:
+                backups.restore(model, optimizer, reason=f"{non_finite_in_a_row} local steps in a row had "
+                                                         f"non-finite loss or gradients")
+                non_finite_in_a_row, epoch = 0, optimizer.local_epoch
             continue
+        non_finite_in_a_row = 0
 
         # report the samples to the swarm; this averages and steps when the swarm has reached the target batch
         optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it

@@ -1,0 +1,53 @@
+"""Runs per-tile optimizer work on single-threaded worker threads.
+
+A quantized step is ~25 elementwise torch ops per tile. Letting each op fork/join its own OpenMP team costs a
+barrier per op, and on a busy machine (other processes, data loaders, hivemind's threads) a barrier waits
+for whichever core was descheduled. Instead each worker runs whole tiles with intra-op parallelism off (torch
+ops release the GIL, and ``torch.set_num_threads`` is per thread), so workers never wait for each other
+inside a tile, and the per-tile result does not depend on how many workers there are.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+
+class TileWorkers:
+    """``run(fn, items)`` calls ``fn`` on every item using as many threads as the caller's torch thread count."""
+
+    def __init__(self, num_buffers: int, buffer_size: int):
+        self.num_buffers, self.buffer_size = num_buffers, buffer_size
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    def run(self, fn: Callable[[int], None], items: Sequence[int]) -> None:
+        num_threads = torch.get_num_threads()
+        if num_threads == 1:
+            for item in items:
+                fn(item)
+            return
+        if self._pool_size != num_threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="lamb8bit", initializer=torch.set_num_threads, initargs=(1,))
+            self._pool_size = num_threads
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
+
+        def call(item: int) -> None:
+            with torch.set_grad_enabled(grad_enabled):
+                fn(item)
+
+        for future in [self._pool.submit(call, item) for item in items]:
+            future.result()  # re-raises a worker's exception here
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The calling thread's own float32 scratch buffers of ``buffer_size`` elements."""
+        if not hasattr(self._local, "buffers"):
+            self._local.buffers = [torch.empty(self.buffer_size) for _ in range(self.num_buffers)]
+        return self._local.buffers
