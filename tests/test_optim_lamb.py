@@ -162,6 +162,20 @@ def test_chunked_update_is_identical_to_single_pass():
     assert all(torch.equal(state_a[key], state_b[key]) for key in state_a if key != "step")
 
 
+def test_result_does_not_depend_on_the_thread_count():
+    """Tiles run on as many worker threads as torch uses (conftest pins tests to one); each tile is computed alike."""
+    results, previous = [], torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            params = big_params()
+            run_steps(params, CPULAMB8Bit(params, **OPTIONS), steps=3, seed=1)
+        finally:
+            torch.set_num_threads(previous)
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_state_dict_round_trip_continues_identically():
     params = big_params()
     optimizer = CPULAMB8Bit(params, **OPTIONS)

@@ -66,6 +66,17 @@ def test_round_trip_error_bounds_and_edge_cases(signed):
         assert torch.equal(torch.sign(y[block])[y[block] != 0], torch.sign(x[block])[y[block] != 0])
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_are_scale_invariant_over_a_wide_range_of_magnitudes(signed):
+    x = torch.randn(4 * BLOCK)
+    x = x if signed else x.square()
+    codes, _ = quantize_blockwise(x, signed, BLOCK)
+    for scale in (1e-15, 1e-6, 1e6, 1e15):  # tiny or huge gradients: only the absmax changes
+        scaled_codes, absmax = quantize_blockwise(x * scale, signed, BLOCK)
+        assert torch.equal(scaled_codes, codes)
+        torch.testing.assert_close(dequantize_blockwise(scaled_codes, absmax, signed, BLOCK), round_trip(x, signed) * scale)
+
+
 def test_second_moment_keeps_a_wide_dynamic_range():
     """A linear code would zero everything below absmax / 510; sqrt(v) -> 0 would make m / sqrt(v) explode."""
     v = torch.tensor([1.0] + [10.0**-k for k in range(1, 11)]).repeat(BLOCK // 11 + 1)[:BLOCK]

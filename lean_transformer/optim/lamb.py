@@ -26,6 +26,7 @@ import torch
 from lean_transformer.optim.workers import TileWorkers
 from lean_transformer.optim.quantization import (
     SIGNED_LEVELS,
+    TINY,
     UNSIGNED_LEVELS,
     amax_blocks,
     decode_signed_,
@@ -274,7 +275,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             m_absmax, v_absmax = state["exp_avg_absmax"][blocks], state["exp_avg_sq_absmax"][blocks]
             amax_blocks(torch.abs(m, out=scratch), block, out=m_absmax)
             amax_blocks(v, block, out=v_absmax)
-        v.sqrt_()
+        v.add_(TINY).sqrt_()
         torch.add(v, k.eps, out=update)
         if k.add_weight:
             torch.addcdiv(w, m, update, value=k.value, out=update)

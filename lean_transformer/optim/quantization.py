@@ -26,8 +26,9 @@ import torch
 
 SIGNED_LEVELS = 127
 UNSIGNED_LEVELS = 255
-# scales for all-zero blocks: 0 * inf would give NaN, a zero block must encode to zero codes
-_TINY = torch.finfo(torch.float32).tiny
+# the smallest normal float32, added before a (r)sqrt: rsqrt(0) * 0 would be NaN, and zeros or denormals
+# send torch's CPU sqrt down a ~5x slower path
+TINY = torch.finfo(torch.float32).tiny
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -61,11 +62,14 @@ def amax_blocks(x: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Te
 def encode_signed_(
     x: torch.Tensor, x_abs: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor
 ) -> None:
-    """codes (int8) <- round(127 * sign(x) * sqrt(|x| / absmax)); ``x_abs`` holds |x| on entry, then scratch."""
-    # computed as x * rsqrt(|x| * absmax / 127**2 + tiny): cheaper than sqrt + copysign, and the tiny term
-    # turns 0 * inf into 0 for zeros (including all-zero blocks)
-    mul_blocks_(x_abs, absmax / SIGNED_LEVELS**2, block_size).add_(_TINY).rsqrt_().mul_(x).round_()
-    codes.copy_(x_abs)
+    """codes (int8) <- round(127 * sign(x) * sqrt(|x| / absmax)); ``x_abs`` holds |x| on entry. Both are
+    overwritten (used as scratch)."""
+    # as 127 * (x / absmax) * rsqrt(|x| / absmax + tiny): cheaper than sqrt + copysign, and the tiny term turns
+    # 0 * inf into 0 for zeros (including all-zero blocks); normalizing first keeps the codes scale-invariant
+    inverse = 1 / absmax.clamp_min(TINY)
+    mul_blocks_(x_abs, inverse, block_size).add_(TINY).rsqrt_()
+    mul_blocks_(x, inverse * SIGNED_LEVELS, block_size).mul_(x_abs).round_()
+    codes.copy_(x)
 
 
 def decode_signed_(
@@ -83,7 +87,7 @@ def decode_signed_(
 
 def encode_unsigned_from_sqrt_(sqrt_x: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor) -> None:
     """codes (uint8) <- 255 * (x / absmax) ** (1/4), given sqrt(x) (consumed as scratch)."""
-    scale = (UNSIGNED_LEVELS**2) / absmax.sqrt().clamp_min(_TINY)
+    scale = (UNSIGNED_LEVELS**2) / absmax.sqrt().clamp_min(TINY)
     mul_blocks_(sqrt_x, scale, block_size).sqrt_().round_()
     codes.copy_(sqrt_x)
 
@@ -98,7 +102,7 @@ def decode_unsigned_(codes: torch.Tensor, scale: torch.Tensor, block_size: int, 
 
 def quantize_blockwise(x: torch.Tensor, signed: bool, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a float tensor; returns (uint8 codes shaped like x, float32 absmax per block)."""
-    flat = x.detach().reshape(-1).float()
+    flat = x.detach().reshape(-1).to(torch.float32, copy=True)  # the signed encoder overwrites its input
     absmax = torch.empty(num_blocks(flat.numel(), block_size))
     codes = torch.empty(flat.shape, dtype=torch.uint8)
     scratch = flat.abs()

@@ -149,12 +149,17 @@ class AuxPeer:
     def checkpoint(self) -> None:
         """Download the swarm's state and write it as a checkpoint (then maybe upload it)."""
         with self.lock, self.optimizer.snapshot_from_peers() as epoch:
-            if epoch is None:
-                logger.warning("No peer shared the swarm's state; will try to checkpoint again at the next refresh")
+            if epoch is None or epoch <= self.last_checkpoint_epoch:
+                logger.warning(f"No peer shared a state newer than epoch {self.last_checkpoint_epoch}; will try to "
+                               f"checkpoint again at the next refresh")
                 return
             logger.info(f"Writing the checkpoint of epoch {epoch}")
-            path = self.checkpoints.save(epoch, lambda directory: save_training_state(directory, self.model,
-                                                                                      self.optimizer))
+            try:
+                path = self.checkpoints.save(epoch, lambda directory: save_training_state(directory, self.model,
+                                                                                          self.optimizer))
+            except OSError as error:  # e.g. a full disk: the previous checkpoints are intact, keep the peer up
+                logger.error(f"Could not write the checkpoint of epoch {epoch}: {error}")
+                return
         self.last_checkpoint_epoch = epoch
         logger.info(f"Saved the swarm's state at epoch {epoch} to {path}")
         if self.hub is not None:

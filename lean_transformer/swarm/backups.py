@@ -43,12 +43,14 @@ class LocalBackups:
     def directory(self) -> Path:
         return self.checkpoints.root
 
-    def save(self, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> Optional[Path]:
+    def save(self, model: PreTrainedModel, optimizer: hivemind.Optimizer, wait_for_averaging: bool = False
+             ) -> Optional[Path]:
         """Back up the current state, unless it is non-finite (which would only replace a good backup)."""
         if not parameters_are_finite(model):
             logger.warning("Not backing up non-finite parameters")
             return None
-        path = self.checkpoints.save(optimizer.local_epoch, lambda tmp: save_training_state(tmp, model, optimizer))
+        path = self.checkpoints.save(optimizer.local_epoch,
+                                     lambda tmp: save_training_state(tmp, model, optimizer, wait_for_averaging))
         logger.info(f"Backed up epoch {optimizer.local_epoch} to {path}")
         return path
 

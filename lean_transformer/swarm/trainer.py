@@ -169,9 +169,10 @@ def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimi
             work, epoch = EpochWork(), optimizer.local_epoch
         progress.maybe_report(optimizer, work.mean_loss)
 
-    reason = "stop requested" if shutdown.requested.is_set() else f"reached epoch {training.stop_epoch}"
-    logger.info(f"Stopping at epoch {optimizer.local_epoch} ({reason})")
-    backups.save(model, optimizer)
+    finished = not shutdown.requested.is_set()
+    logger.info(f"Stopping at epoch {optimizer.local_epoch} "
+                f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")
+    backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
 
 
 def gradients_are_finite(model: torch.nn.Module) -> bool:

@@ -19,15 +19,22 @@ TRAINING_STATE_FILE = "training_state.pt"
 _EPOCH_IN_NAME = re.compile(r"(\d+)$")
 
 
-def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> None:
-    """Write the model and the optimizer/scheduler/epoch state into ``directory`` (which should be fresh)."""
+def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: hivemind.Optimizer,
+                        wait_for_averaging: bool = False) -> None:
+    """Write the model and the optimizer/scheduler/epoch state into ``directory`` (which should be fresh).
+
+    Background work that has finished is applied first. A state-averaging round still in flight is waited for only
+    with ``wait_for_averaging``: it needs other peers and may take up to --averaging_timeout, during which a
+    training peer would stop contributing.
+    """
     directory = Path(directory)
     averager = optimizer.state_averager
-    averager.step(wait_for_delayed_updates=True)  # a delayed optimizer step would otherwise be missing
-    model.save_pretrained(directory, safe_serialization=True)
-    torch.save(dict(epoch=optimizer.local_epoch, optimizer=averager.optimizer.state_dict(),
-                    scheduler=averager.scheduler.state_dict() if averager.scheduler is not None else None),
-               directory / TRAINING_STATE_FILE)
+    averager.step(wait_for_delayed_updates=wait_for_averaging)
+    with averager.lock_optimizer:  # a delayed optimizer step (--delay_optimizer_step) may be running meanwhile
+        model.save_pretrained(directory, safe_serialization=True)
+        torch.save(dict(epoch=optimizer.local_epoch, optimizer=averager.optimizer.state_dict(),
+                        scheduler=averager.scheduler.state_dict() if averager.scheduler is not None else None),
+                   directory / TRAINING_STATE_FILE)
 
 
 def read_epoch(directory: os.PathLike) -> int:
@@ -50,7 +57,7 @@ def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
     del loaded
     state = torch.load(directory / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
     averager = optimizer.state_averager
-    averager.step(wait_for_delayed_updates=True)
+    averager.step(wait_for_delayed_updates=True)  # nothing running in the background may overwrite what we load
     offloaded = [param for group in averager.optimizer.param_groups for param in group["params"]]
     for main_param, offloaded_param in zip(averager.main_parameters, offloaded):
         if offloaded_param is not main_param:

@@ -1,0 +1,66 @@
+"""run_aux_peer.py's arguments, and bad input: one readable line on stderr and a non-zero exit code, no traceback."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arguments import (AuxPeerArguments, AuxTrainingArguments, CollaborationArguments, NetworkArguments,
+                       TaskArguments, parse_arguments)
+
+REPO = Path(__file__).resolve().parent.parent
+AUX = [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_aux_options_are_parsed(tmp_path: Path):
+    *_, training, aux = parse_arguments(AUX, [
+        "--run_id", "r", "--refresh_period", "2.5", "--checkpoint_every_epochs", "3", "--keep_checkpoints", "4",
+        "--assist_in_averaging", "--hub_repo_id", "me/lean", "--resume_from", str(tmp_path), "--learning_rate", "0.01"])
+    assert (aux.refresh_period, aux.checkpoint_every_epochs, aux.keep_checkpoints) == (2.5, 3, 4)
+    assert aux.assist_in_averaging and aux.hub_repo_id == "me/lean"
+    assert training.resume_from == str(tmp_path) and training.learning_rate == 0.01
+    *_, training, _ = parse_arguments(AUX, ["--run_id", "r", "--resume_from", "someone/checkpoints"])
+    assert training.resume_from == "someone/checkpoints"  # a Hub repo, downloaded when the peer starts
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--keep_checkpoints", "0"], "--keep_checkpoints: must be positive, got 0"),
+    (["--checkpoint_every_epochs", "-1"], "--checkpoint_every_epochs: must be non-negative, got -1"),
+    (["--resume_from", "no/such/dir"], "--resume_from: no/such/dir is neither a directory nor a Hub repo id"),
+    (["--hub_repo_id", "not a repo"], "--hub_repo_id: 'not a repo' is not a Hub repo id"),
+])
+def test_bad_option_exits_with_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(AUX, ["--run_id", "r", *args])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"error: {message}" in lines[0], lines
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--assist_in_averaging", "--client_mode"], 1, "--assist_in_averaging: averaging through this peer needs "
+                                                     "incoming connections"),
+    (["--resume_from", "someone/missing-checkpoint"], 1, "--resume_from: someone/missing-checkpoint is not a local "
+                                                         "directory and could not be downloaded as a Hub repo"),
+])
+def test_bad_input_gives_one_line(args, code, message, tmp_path: Path):
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "WANDB_MODE": "disabled",
+           "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    result = subprocess.run(
+        [sys.executable, "run_aux_peer.py", "--run_id", "cli-test", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--checkpoint_dir", str(tmp_path / "ckpt"), "--metrics_path", str(tmp_path / "m.jsonl"), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == code, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr

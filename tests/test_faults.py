@@ -1,0 +1,399 @@
+"""The fault suite: a real swarm on 127.0.0.1 (every peer its own process) keeps training through crashes, bad
+gradients, bad metrics records and kills at checkpoint time. Each case prints a report line: what was tried, what held.
+
+One swarm (the module fixture, ~2 minutes) serves the first three cases: an aux peer and three trainers, "steady",
+"victim" and "faulty". While they train, a metrics attacker (a DHT node without the metrics validator) tries to store
+forged, malformed, oversized and negative records; the victim is SIGKILLed in the middle of an averaging round and
+restarted; the faulty trainer's gradients turn NaN or infinite on every third micro-batch.
+
+Fault injection is test-only: run as a script, this file is one of two misbehaving peers (see ``__main__``).
+``nonfinite SCRIPT ARGS`` runs SCRIPT (``run_trainer.py``) with a forward hook on the model's input embeddings that
+turns every ``NONFINITE_EVERY``-th micro-batch non-finite, alternately in the forward pass (the loss is NaN) and
+only in the backward pass (the loss is finite, the gradients are infinite). The trainer itself has no fault knob.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import runpy
+import sys
+import time
+from dataclasses import dataclass
+from itertools import combinations
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # aux_utils, swarm_utils (when run as a script)
+
+from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
+from swarm_utils import EpochReport, epoch_reports  # noqa: E402
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+PREFIX = "@@ "  # marks the attacker's result lines on stdout
+SWARM = dict(target_batch_size=64, per_device_batch_size=4, max_sequence_length=32, matchmaking_time=2,
+             averaging_timeout=10, startup_timeout=90, learning_rate=0.02, warmup_steps=2)
+NONFINITE_EVERY = 3
+
+
+def swarm_args(run_id: str, **overrides) -> List[str]:
+    options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", **SWARM, **overrides)
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+
+
+def trainer_argv(name: str, root: Path, run_id: str, initial_peers: List[str], *extra: str) -> List[str]:
+    joining = ["--initial_peers", *initial_peers] if initial_peers else []
+    return ["run_trainer.py", *swarm_args(run_id), *joining, "--output_dir", str(root / name),
+            "--backup_every_epochs", "1", "--keep_backups", "1000", "--progress_every", "2", *extra]
+
+
+def read_jsonl(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def newest_epoch(peer: PeerProcess) -> int:
+    return max(epoch_reports(peer.stderr), default=0)
+
+
+# ---------------------------------------------------------------- the swarm under faults
+
+
+@dataclass
+class FaultRun:
+    root: Path
+    aux: PeerProcess
+    steady: PeerProcess
+    victim: PeerProcess
+    restarted: PeerProcess
+    faulty: PeerProcess
+    attacker: PeerProcess
+    killed_at_epoch: int
+    kill_landed_mid_round: bool
+    seconds_to_go_on: Dict[str, float]  # survivor -> seconds from the kill to its next epoch
+    exit_codes: Dict[str, int]
+
+    @property
+    def trainers(self) -> List[PeerProcess]:
+        return [self.steady, self.victim, self.restarted, self.faulty]
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+
+def kill_during_averaging_round(peer: PeerProcess, min_epoch: int, timeout: float) -> tuple[int, bool]:
+    """SIGKILL ``peer`` as soon as it begins the optimizer step of an epoch >= ``min_epoch``, i.e. while that step's
+    gradient averaging round is under way. Returns the epoch and whether the round was still unfinished."""
+    begin = re.compile(r"Beginning optimizer step #(\d+)")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = peer.stderr
+        steps = [int(epoch) for epoch in begin.findall(log)]
+        if steps and steps[-1] >= min_epoch and f"Transitioning to epoch {steps[-1] + 1}\n" not in log:
+            peer.kill()
+            return steps[-1], f"Transitioning to epoch {steps[-1] + 1}\n" not in peer.stderr
+        if peer.process.poll() is not None:
+            break
+        time.sleep(0.01)
+    raise AssertionError(f"{peer.name} began no optimizer step >= {min_epoch} in time:\n{peer.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> FaultRun:
+    root = tmp_path_factory.mktemp("faults")
+    run_id = "faults"
+    peers: List[PeerProcess] = []
+    try:
+        aux = PeerProcess("aux", ["run_aux_peer.py", *swarm_args(run_id), "--refresh_period", "0.5",
+                                  "--metrics_path", str(root / "metrics.jsonl"), "--checkpoint_every_epochs", "0",
+                                  "--wandb_project", ""], root)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        attacker = PeerProcess("attacker", [__file__, "attack-metrics", "--run_id", run_id, "--initial_peers",
+                                            *initial_peers], root)
+        steady = PeerProcess("steady", trainer_argv("steady", root, run_id, initial_peers), root)
+        victim_argv = trainer_argv("victim", root, run_id, initial_peers, "--identity_path", str(root / "victim.id"))
+        victim = PeerProcess("victim", victim_argv, root)
+        faulty = PeerProcess("faulty", [__file__, "nonfinite", *trainer_argv("faulty", root, run_id, initial_peers)],
+                             root)
+        peers += [attacker, steady, victim, faulty]
+
+        # once the three trainers have averaged together, kill the victim in the middle of a round and restart it
+        steady.wait_for(r"Averaged gradients with [34] peers", timeout=180)
+        killed_at, mid_round = kill_during_averaging_round(victim, max(2, newest_epoch(steady) + 1), timeout=90)
+        killed = time.monotonic()
+        restarted = PeerProcess("victim-restarted", victim_argv, root)
+        peers.append(restarted)
+        seconds_to_go_on = {}
+        for survivor in (steady, faulty):
+            survivor.wait_for(rf"Transitioning to epoch {killed_at + 1}\n", timeout=SWARM["averaging_timeout"] + 30)
+            seconds_to_go_on[survivor.name] = time.monotonic() - killed
+        joined = int(restarted.wait_for(r"Joined the swarm at epoch (\d+)", timeout=150).group(1))
+        restarted.wait_for(rf"Reached epoch {joined + 2}\b", timeout=90)
+        assert attacker.wait(120) == 0, attacker.stderr[-3000:]
+
+        # none crashed: all still running until told to stop, then a clean exit (hivemind may log the tracebacks of
+        # averaging rounds it gave up on; those are handled, not crashes)
+        trainers = [steady, restarted, faulty]
+        crashed = [peer.name for peer in (aux, *trainers) if peer.process.poll() is not None]
+        assert not crashed, f"{crashed} exited before the end"
+        exit_codes = dict(zip([trainer.name for trainer in trainers], stop_all(trainers)))
+        exit_codes["aux"] = aux.stop()
+        yield FaultRun(root, aux, steady, victim, restarted, faulty, attacker, killed_at, mid_round,
+                       seconds_to_go_on, exit_codes)
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faults: FaultRun):
+    timeout = SWARM["averaging_timeout"]
+    assert faults.exit_codes == {"steady": 0, "victim-restarted": 0, "faulty": 0, "aux": 0}
+    for peer in (faults.steady, faults.faulty, faults.restarted, faults.aux):
+        assert "Shut down cleanly" in peer.stderr, peer.name
+    assert faults.kill_landed_mid_round, "the kill should land before the victim's round finished"
+    for name, seconds in faults.seconds_to_go_on.items():
+        assert seconds < timeout + 10, f"{name} took {seconds:.1f} s to go on after the kill"
+
+    # nothing lost: the survivors' epochs only went forward, the restarted victim joined at the swarm's epoch
+    for survivor in (faults.steady, faults.faulty):
+        epochs = [int(epoch) for epoch in re.findall(r"Transitioning to epoch (\d+)", survivor.stderr)]
+        assert epochs == sorted(epochs) and epochs[-1] > faults.killed_at_epoch + 2, survivor.name
+    joined = int(re.search(r"Joined the swarm at epoch (\d+)", faults.restarted.stderr).group(1))
+    assert joined >= faults.killed_at_epoch
+
+    # caught up: its first epoch's loss (computed with the parameters it loaded) is the swarm's, not a fresh model's
+    first_life, second_life = epoch_reports(faults.victim.stderr), epoch_reports(faults.restarted.stderr)
+    initial = first_life[min(first_life)].mean_loss
+    first_epoch = min(second_life)
+    restarted_first = second_life[first_epoch].mean_loss
+    steady_then = epoch_reports(faults.steady.stderr)[first_epoch].mean_loss
+    assert initial - steady_then > 0.3, "the swarm should have learned something before the check means anything"
+    assert abs(restarted_first - steady_then) < abs(restarted_first - initial), (initial, restarted_first, steady_then)
+    print(f"SIGKILL of a trainer in the averaging round of epoch {faults.killed_at_epoch}: survivors went on in "
+          f"{', '.join(f'{name} {s:.1f} s' for name, s in faults.seconds_to_go_on.items())} (averaging_timeout "
+          f"{timeout} s), none crashed; the restarted peer joined at epoch {joined} with loss {restarted_first:.3f} "
+          f"(swarm {steady_then:.3f}, fresh model {initial:.3f}) and trained on")
+
+
+def test_nonfinite_gradients_are_not_contributed_and_poison_nobody(faults: FaultRun):
+    from safetensors.torch import load_file
+
+    reports = epoch_reports(faults.faulty.stderr)
+    skipped = sum(report.skipped for report in reports.values())
+    skip_lines = faults.faulty.stderr.count("with non-finite loss or gradients (not counted)")
+    assert skipped >= 2 and skip_lines == skipped, (skipped, skip_lines)
+    batch = SWARM["per_device_batch_size"]
+    assert all(report.samples == report.mini_steps * batch for report in reports.values()), "skipped ones counted"
+    assert re.search(r"Averaged gradients with [234] peers", faults.faulty.stderr), "it should still average"
+
+    checked = 0
+    for trainer in ("steady", "victim", "faulty"):
+        for backup in sorted((faults.root / trainer / "backups").glob("epoch-*")):
+            params = load_file(backup / "model.safetensors")
+            assert all(bool(tensor.isfinite().all()) for tensor in params.values()), backup
+            checked += 1
+    for peer in faults.trainers:
+        assert "non-finite at epoch" not in peer.stderr, peer.name  # no trainer had to restore a backup
+    rows = read_jsonl(faults.metrics_path)  # a NaN loss would be stored as null
+    assert rows and all(row["loss"] is not None for row in rows if row["mini_steps"])
+    print(f"non-finite gradients on every {NONFINITE_EVERY}rd micro-batch of one trainer: {skipped} micro-batches "
+          f"skipped and not counted, it kept averaging; {checked} backups of 3 trainers all finite, no restore, "
+          f"{len(rows)} swarm epochs with a finite loss")
+
+
+def test_bad_metrics_records_are_rejected_and_aggregates_undisturbed(faults: FaultRun):
+    results = [json.loads(line[len(PREFIX):]) for line in faults.attacker.stdout.splitlines()
+               if line.startswith(PREFIX)]
+    stores = {result["case"]: result["stored"] for result in results if "case" in result}
+    readback = next(result for result in results if "readback" in result)["readback"]
+    assert stores.pop("control: a valid record under its own key") is True, "the attacker could not store at all"
+    assert len(stores) >= 8 and not any(stores.values()), stores
+    assert readback["subkeys"] >= 2 and not readback["forged_seen"] and readback["all_valid"], readback
+
+    # every row the aux peer logged is made of honest trainers' reports only
+    honest: Dict[int, List[EpochReport]] = {}
+    for trainer in faults.trainers:
+        for epoch, report in epoch_reports(trainer.stderr).items():
+            honest.setdefault(epoch, []).append(report)
+    rows = read_jsonl(faults.metrics_path)
+    assert len(rows) >= 4
+    for row in rows:
+        groups = [group for group in combinations(honest.get(row["epoch"], []), row["alive_peers"])
+                  if aggregates_to(group, row)]
+        assert groups, f"epoch {row['epoch']}: {row} is not an aggregate of the trainers' own reports"
+    print(f"metrics attack: {len(stores)} bad records ({', '.join(stores)}) all rejected, a valid control record "
+          f"accepted; readback holds {readback['subkeys']} valid records; all {len(rows)} aggregated rows match the "
+          f"honest trainers' reports")
+
+
+# ---------------------------------------------------------------- kills while a checkpoint is written
+
+# moments of a backup's write (CheckpointDir.save) at which the writer is killed, each recognised on disk; each one
+# during a save that follows a complete backup, so that there is something to lose
+KILL_MOMENTS = {
+    "a new backup's temporary directory was just created": ".tmp-epoch-*",
+    "the new backup's files are written and being flushed": ".tmp-epoch-*/training_state.pt",
+    "the new backup is published and the oldest one is being rotated out": ".trash-epoch-*",
+}
+
+
+def complete_backups(folder: Path) -> List[int]:
+    """The epochs of the complete backups in ``folder``, after checking that each one loads and is finite."""
+    from lean_transformer import LeanGPTForCausalLM
+    from lean_transformer.swarm.training_state import read_epoch
+
+    epochs = []
+    for path in sorted(folder.glob("epoch-*")):
+        model = LeanGPTForCausalLM.from_pretrained(path)
+        assert all(bool(param.isfinite().all()) for param in model.parameters()), path
+        assert read_epoch(path) == int(path.name.split("-")[1]), path
+        epochs.append(read_epoch(path))
+    return epochs
+
+
+def test_backups_stay_loadable_through_kills_at_several_moments_of_a_write(tmp_path: Path):
+    backups = tmp_path / "writer" / "backups"
+    argv = ["tests/slow_disk.py", *trainer_argv("writer", tmp_path, "kills", [], "--keep_backups", "2"),
+            "--target_batch_size", "16"]
+    slow_disk = dict(SLOW_FSYNC_SECONDS="0.3")  # a backup then takes ~2 s: time to hit each moment
+    reports, newest, dead_pid = [], None, None
+    for index, (moment, pattern) in enumerate([*KILL_MOMENTS.items(), (None, None)]):
+        resume = ["--resume_from", str(backups)] if newest is not None else []
+        writer = PeerProcess(f"writer{index}", [*argv, *resume, *([] if moment else ["--max_epochs", str(newest + 1)])],
+                             tmp_path, slow_disk)
+        try:
+            if newest is not None:  # the newest complete backup is what the restarted writer resumes from
+                loaded = writer.wait_for(r"Loaded local checkpoint \S+ \(epoch (\d+)\)", timeout=120)
+                assert int(loaded.group(1)) == newest, writer.stderr[-2000:]
+                writer.wait_for(r"Joined the swarm", timeout=60)
+                leftovers = [path.name for path in backups.iterdir() if path.name.endswith(f"-{dead_pid}")]
+                assert not leftovers, f"the killed writer's partial directories are still there: {leftovers}"
+            if moment is None:
+                assert writer.wait(60) == 0, writer.stderr[-2000:]
+                break
+            wait_until(lambda: list(backups.glob("epoch-*")) and list(backups.glob(pattern)), timeout=120,
+                       what=f"the moment when {moment}", interval=0.005)
+            writer.kill()
+        finally:
+            writer.kill()
+        epochs = complete_backups(backups)
+        assert epochs and (newest is None or epochs[-1] >= newest), f"a complete backup was lost: {epochs}"
+        newest, dead_pid = epochs[-1], writer.process.pid
+        reports.append(f"killed when {moment}: backups {epochs} complete and loadable, resumed from {newest}")
+    print("checkpoint kills: " + "; ".join(reports) + "; the last restart trained on and stopped cleanly")
+
+
+def aggregates_to(reports: Sequence[EpochReport], row: dict) -> bool:
+    """Whether ``row`` is the aux peer's aggregate of these reports (trainers log mean losses to 4 decimals)."""
+    mini_steps = sum(report.mini_steps for report in reports)
+    if mini_steps != row["mini_steps"] or sum(report.samples for report in reports) != row["samples_in_epoch"]:
+        return False
+    if mini_steps == 0:
+        return row["loss"] is None
+    return abs(sum(report.mean_loss * report.mini_steps for report in reports) / mini_steps - row["loss"]) < 1e-3
+
+
+# ---------------------------------------------------------------- the misbehaving peers
+
+
+def run_with_nonfinite_gradients(argv: List[str]) -> None:
+    """Run ``argv`` (a trainer script and its arguments) with every NONFINITE_EVERY-th micro-batch made non-finite."""
+    from tasks.base import Task
+
+    calls = itertools.count(1)
+
+    def poison(_module, _inputs, output):
+        call = next(calls)
+        if call % NONFINITE_EVERY:
+            return None
+        if (call // NONFINITE_EVERY) % 2:
+            return output * float("nan")  # the loss turns NaN
+        output.register_hook(lambda grad: grad * float("inf"))  # the loss stays finite, the gradients do not
+        return None
+
+    build_model = Task.build_model
+
+    def build_poisoned_model(self):
+        model = build_model(self)
+        model.get_input_embeddings().register_forward_hook(poison)
+        return model
+
+    Task.build_model = build_poisoned_model
+    sys.argv = argv
+    runpy.run_path(str(REPO / argv[0]), run_name="__main__")
+
+
+def attack_metrics(argv: List[str]) -> None:
+    """Join the swarm's DHT without the metrics validator, try to store bad records under the run's metrics key and
+    print one result line per case, then what the swarm's nodes return for that key."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.metrics import LocalMetrics, metrics_key
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run_id", required=True)
+    parser.add_argument("--initial_peers", nargs="+", required=True)
+    args = parser.parse_args(argv)
+    validator = RSASignatureValidator()  # signs our own records, so that only the content can be at fault
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                       record_validators=[validator])
+    key, own = metrics_key(args.run_id), validator.local_public_key
+
+    def records(at_least: int = 0) -> dict:
+        entry = dht.get(key, latest=True)
+        found = {} if entry is None or not isinstance(entry.value, dict) else entry.value
+        return found if len(found) >= at_least else {}
+
+    victim_key = next(iter(wait_until(lambda: records(at_least=2), timeout=240, what="two trainers' records")))
+    valid = LocalMetrics(epoch=1, samples_per_second=10.0, samples_accumulated=64, loss_sum=50.0,
+                         mini_steps=16).model_dump()
+    cases = {
+        "forged: a valid record under another peer's key": (victim_key, {**valid, "epoch": 10**6}),
+        "malformed: not a mapping": (own, "loss 0.0"),
+        "malformed: missing fields": (own, {"epoch": 1}),
+        "malformed: an extra field": (own, {**valid, "admin": True}),
+        "malformed: a string count": (own, {**valid, "mini_steps": "16"}),
+        "oversized: 64 KiB": (own, {**valid, "padding": "x" * 65536}),
+        "negative samples": (own, {**valid, "samples_accumulated": -64}),
+        "negative epoch": (own, {**valid, "epoch": -1}),
+        "negative loss": (own, {**valid, "loss_sum": -50.0}),
+        "non-finite loss": (own, {**valid, "loss_sum": float("nan")}),
+        "infinite speed": (own, {**valid, "samples_per_second": float("inf")}),
+        "no owner key in the subkey": (b"somebody", valid),
+        # epoch 0 is long released by the aux peer, and the record expires in seconds: it cannot disturb anything
+        "control: a valid record under its own key": (own, {**valid, "epoch": 0}),
+    }
+    for case, (subkey, value) in cases.items():
+        expiration = get_dht_time() + (5 if case.startswith("control") else 600)
+        stored = dht.store(key, value, expiration, subkey=subkey, exclude_self=True)
+        print(PREFIX + json.dumps(dict(case=case, stored=bool(stored))), flush=True)
+
+    def valid_record(value) -> bool:
+        try:
+            LocalMetrics.model_validate(value)
+            return True
+        except Exception:
+            return False
+
+    time.sleep(6)  # the control record expires
+    found = records()
+    print(PREFIX + json.dumps(dict(readback=dict(
+        subkeys=len(found), forged_seen=any(item.value.get("epoch") == 10**6 for item in found.values()
+                                            if isinstance(item.value, dict)),
+        all_valid=all(valid_record(item.value) for item in found.values())))), flush=True)
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # arguments.py and tasks/, as for run_trainer.py
+    os.chdir(REPO)
+    command, rest = sys.argv[1], sys.argv[2:]
+    {"nonfinite": run_with_nonfinite_gradients, "attack-metrics": attack_metrics}[command](rest)
