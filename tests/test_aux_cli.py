@@ -1,6 +1,7 @@
 """run_aux_peer.py's arguments, and bad input: one readable line on stderr and a non-zero exit code, no traceback."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from arguments import (AuxPeerArguments, AuxTrainingArguments, CollaborationArguments, NetworkArguments,
-                       TaskArguments, parse_arguments)
+                       TaskArguments, build_parser, parse_arguments)
 
 REPO = Path(__file__).resolve().parent.parent
 AUX = [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments]
@@ -20,6 +21,15 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_help_shows_every_aux_option():
+    text = build_parser(AUX, "aux").format_help()
+    for field in dataclasses.fields(AuxPeerArguments):
+        assert len(field.metadata.get("help", "")) > 15, f"{field.name} has no real help"
+        assert f"--{field.name}" in text
+    assert AuxPeerArguments._argument_group_name in text and AuxTrainingArguments._argument_group_name in text
+    assert "Hub repo id" in text  # --resume_from's help is the aux peer's, not the trainer's
 
 
 def test_aux_options_are_parsed(tmp_path: Path):

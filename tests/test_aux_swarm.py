@@ -190,10 +190,12 @@ def test_checkpoints_hold_the_swarm_state_of_their_epoch(swarm_run: SwarmRun):
     assert epochs[0] // CHECKPOINT_EVERY < epochs[1] // CHECKPOINT_EVERY and epochs[0] >= CHECKPOINT_EVERY
     # the trainers backed up their parameters at every epoch: the backup nearest to a checkpoint is of its epoch
     backups = [(int(path.name.split("-")[1]), load_file(path / "model.safetensors"))
-               for trainer in swarm_run.trainers for path in (swarm_run.root / trainer.name / "backups").glob("epoch-*")]
+               for trainer in swarm_run.trainers
+               for path in (swarm_run.root / trainer.name / "backups").glob("epoch-*")]
     for epoch, path in checkpoints:
         assert torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)["epoch"] == epoch
-        params = {name: tensor.detach() for name, tensor in LeanGPTForCausalLM.from_pretrained(path).state_dict().items()}
+        model = LeanGPTForCausalLM.from_pretrained(path)  # loads on its own, as anyone would load it
+        params = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         distances = sorted((sum(float((params[name] - backup[name]).norm()) for name in backup), backup_epoch)
                            for backup_epoch, backup in backups)
         assert distances[0][1] == epoch, f"checkpoint {epoch} is nearest to a backup of epoch {distances[0][1]}"

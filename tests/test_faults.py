@@ -245,9 +245,12 @@ KILL_MOMENTS = {
 
 def complete_backups(folder: Path) -> List[int]:
     """The epochs of the complete backups in ``folder``, after checking that each one loads and is finite."""
+    from transformers.utils.logging import disable_progress_bar
+
     from lean_transformer import LeanGPTForCausalLM
     from lean_transformer.swarm.training_state import read_epoch
 
+    disable_progress_bar()
     epochs = []
     for path in sorted(folder.glob("epoch-*")):
         model = LeanGPTForCausalLM.from_pretrained(path)
@@ -258,35 +261,46 @@ def complete_backups(folder: Path) -> List[int]:
 
 
 def test_backups_stay_loadable_through_kills_at_several_moments_of_a_write(tmp_path: Path):
-    backups = tmp_path / "writer" / "backups"
-    argv = ["tests/slow_disk.py", *trainer_argv("writer", tmp_path, "kills", [], "--keep_backups", "2"),
-            "--target_batch_size", "16"]
-    slow_disk = dict(SLOW_FSYNC_SECONDS="0.3")  # a backup then takes ~2 s: time to hit each moment
-    reports, newest, dead_pid = [], None, None
-    for index, (moment, pattern) in enumerate([*KILL_MOMENTS.items(), (None, None)]):
-        resume = ["--resume_from", str(backups)] if newest is not None else []
-        writer = PeerProcess(f"writer{index}", [*argv, *resume, *([] if moment else ["--max_epochs", str(newest + 1)])],
-                             tmp_path, slow_disk)
-        try:
-            if newest is not None:  # the newest complete backup is what the restarted writer resumes from
-                loaded = writer.wait_for(r"Loaded local checkpoint \S+ \(epoch (\d+)\)", timeout=120)
-                assert int(loaded.group(1)) == newest, writer.stderr[-2000:]
-                writer.wait_for(r"Joined the swarm", timeout=60)
-                leftovers = [path.name for path in backups.iterdir() if path.name.endswith(f"-{dead_pid}")]
-                assert not leftovers, f"the killed writer's partial directories are still there: {leftovers}"
-            if moment is None:
-                assert writer.wait(60) == 0, writer.stderr[-2000:]
-                break
-            wait_until(lambda: list(backups.glob("epoch-*")) and list(backups.glob(pattern)), timeout=120,
-                       what=f"the moment when {moment}", interval=0.005)
-            writer.kill()
-        finally:
-            writer.kill()
-        epochs = complete_backups(backups)
-        assert epochs and (newest is None or epochs[-1] >= newest), f"a complete backup was lost: {epochs}"
-        newest, dead_pid = epochs[-1], writer.process.pid
-        reports.append(f"killed when {moment}: backups {epochs} complete and loadable, resumed from {newest}")
-    print("checkpoint kills: " + "; ".join(reports) + "; the last restart trained on and stopped cleanly")
+    """One writer per moment, all at once (to stay within the time budget): a solo trainer on a slow disk backs up
+    every epoch; it is SIGKILLed at its moment, its backups are checked, then it restarts from them and trains on."""
+    def writer(index: int, *extra: str) -> PeerProcess:
+        argv = trainer_argv(f"writer{index}", tmp_path, f"kills{index}", [], "--keep_backups", "2",
+                            "--target_batch_size", "16", *extra)
+        return PeerProcess(f"writer{index}-{'restarted' if extra else 'killed'}", ["tests/slow_disk.py", *argv],
+                           tmp_path, dict(SLOW_FSYNC_SECONDS="0.3"))  # a backup takes ~2 s: time to hit each moment
+
+    folders = [tmp_path / f"writer{index}" / "backups" for index in range(len(KILL_MOMENTS))]
+    killed = [writer(index) for index in range(len(KILL_MOMENTS))]
+    restarted: List[PeerProcess] = []
+    try:
+        waiting = dict(enumerate(KILL_MOMENTS.values()))
+        def kill_those_at_their_moment() -> bool:
+            for index, pattern in list(waiting.items()):
+                if list(folders[index].glob("epoch-*")) and list(folders[index].glob(pattern)):
+                    killed[index].kill()
+                    del waiting[index]
+            return not waiting
+        wait_until(kill_those_at_their_moment, timeout=180, what="every writer's moment", interval=0.005)
+
+        reports = []
+        for index, (moment, folder) in enumerate(zip(KILL_MOMENTS, folders)):
+            epochs = complete_backups(folder)
+            assert epochs, f"killed when {moment}: no complete backup left"
+            partial = [path.name for path in folder.iterdir() if path.name.startswith(".")]
+            restarted.append(writer(index, "--resume_from", str(folder), "--max_epochs", str(epochs[-1] + 1)))
+            reports.append((moment, epochs, partial))
+        for peer, folder, (moment, epochs, partial) in zip(restarted, folders, reports):
+            assert peer.wait(120) == 0, peer.stderr[-3000:]
+            loaded = re.search(r"Loaded local checkpoint \S+ \(epoch (\d+)\)", peer.stderr)
+            assert loaded and int(loaded.group(1)) == epochs[-1], peer.stderr[-3000:]
+            assert not any(path.name.startswith(".") for path in folder.iterdir()), "partial directories remain"
+            assert complete_backups(folder)[-1] == epochs[-1] + 1
+            print(f"SIGKILL when {moment}: left {len(partial)} partial and {len(epochs)} complete backups "
+                  f"{epochs}, all loadable; the restarted writer resumed from epoch {epochs[-1]}, removed the partial "
+                  f"ones and trained on")
+    finally:
+        for peer in killed + restarted:
+            peer.kill()
 
 
 def aggregates_to(reports: Sequence[EpochReport], row: dict) -> bool:
@@ -336,7 +350,7 @@ def attack_metrics(argv: List[str]) -> None:
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils import get_dht_time
 
-    from lean_transformer.swarm.metrics import LocalMetrics, metrics_key
+    from lean_transformer.swarm.metrics import MAX_RECORD_BYTES, LocalMetrics, metrics_key
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--run_id", required=True)
@@ -361,7 +375,7 @@ def attack_metrics(argv: List[str]) -> None:
         "malformed: missing fields": (own, {"epoch": 1}),
         "malformed: an extra field": (own, {**valid, "admin": True}),
         "malformed: a string count": (own, {**valid, "mini_steps": "16"}),
-        "oversized: 64 KiB": (own, {**valid, "padding": "x" * 65536}),
+        "oversized: 4 KiB": (own, {**valid, "padding": "x" * 4 * MAX_RECORD_BYTES}),
         "negative samples": (own, {**valid, "samples_accumulated": -64}),
         "negative epoch": (own, {**valid, "epoch": -1}),
         "negative loss": (own, {**valid, "loss_sum": -50.0}),

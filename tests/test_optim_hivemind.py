@@ -72,7 +72,9 @@ def test_single_peer_hivemind_optimizer_steps_with_cpulamb8bit():
 
 def test_state_survives_hivemind_dump_and_load():
     """What a joining peer does: dump_optimizer_state on one side, load_optimizer_state into a fresh optimizer."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
     from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
+    from test_optim_lamb import same_state
 
     def make():
         torch.manual_seed(0)
@@ -89,11 +91,10 @@ def test_state_survives_hivemind_dump_and_load():
         param.grad = torch.zeros_like(param)
     fresh.step()
     metadata, tensors = dump_optimizer_state(optimizer)
-    load_optimizer_state(fresh, metadata, [tensor.clone() for tensor in tensors])
+    received = [deserialize_torch_tensor(serialize_torch_tensor(tensor)) for tensor in tensors]  # as sent over the wire
+    load_optimizer_state(fresh, metadata, received)
     for param, fresh_param in zip(params, fresh_params):
-        for key, value in optimizer.state[param].items():
-            loaded = fresh.state[fresh_param][key]
-            assert loaded == value if key == "step" else (loaded.dtype == value.dtype and torch.equal(loaded, value))
+        assert same_state(optimizer.state[param], fresh.state[fresh_param])
 
 
 if __name__ == "__main__":

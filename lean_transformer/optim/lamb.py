@@ -99,7 +99,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
       optimizer's only sizeable scratch memory (``4 * chunk_size`` bytes at most)
     :param max_grad_norm: if set, gradients are scaled as by ``clip_grad_norm_`` over all parameters of all
       groups (without modifying ``.grad``)
-    :param tile_size: elements processed per tile (rounded down to whole blocks)
+    :param tile_size: elements processed at a time by one thread (rounded down to whole blocks)
     """
 
     def __init__(
@@ -124,9 +124,9 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         self.min_8bit_size, self.block_size, self.chunk_size = min_8bit_size, block_size, chunk_size
-        self.tile_size = max(block_size, tile_size // block_size * block_size)  # tiles hold whole blocks
+        self.tile_size = tile_size
         self._update_buffer = torch.empty(0)
-        self._workers = TileWorkers(num_buffers=4, buffer_size=self.tile_size)
+        self._workers = TileWorkers(num_buffers=5)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value, bias_correction=bias_correction)
         super().__init__(params, defaults)
 
@@ -183,10 +183,10 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(param)
             state["exp_avg_sq"] = torch.zeros_like(param)
             return
-        blocks = num_blocks(param.numel(), self.block_size)
+        state["block_size"] = self.block_size  # saved with the state, so that loading it can never misread codes
         for key in QUANTIZED_KEYS:
             state[key] = torch.zeros(param.shape, dtype=torch.uint8)
-            state[f"{key}_absmax"] = torch.zeros(blocks)
+            state[f"{key}_absmax"] = torch.zeros(num_blocks(param.numel(), self.block_size))
 
     @staticmethod
     def _step_constants(group: dict[str, Any], step: int, clip: float) -> _StepConstants:
@@ -220,10 +220,11 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         param.sub_(update, alpha=step_size)
 
     def _update_quantized(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
-        numel, folded = param.numel(), _FoldedConstants.from_step(k)
+        numel, folded, block = param.numel(), _FoldedConstants.from_step(k), state["block_size"]
         grad, weight = param.grad.reshape(-1), param.view(-1)
         decode_scales = (state["exp_avg_absmax"] * folded.m_decode, state["exp_avg_sq_absmax"] * folded.v_decode)
-        bounds = [(start, min(start + self.tile_size, numel)) for start in range(0, numel, self.tile_size)]
+        tile = max(block, self.tile_size // block * block)  # tiles hold whole blocks
+        bounds = [(start, min(start + tile, numel)) for start in range(0, numel, tile)]
         norms = torch.empty(2, len(bounds))  # per tile: ||U|| and ||w||
         single_pass = numel <= self.chunk_size
         if single_pass and self._update_buffer.numel() < numel:
@@ -231,7 +232,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
 
         def tile_update(i: int, store: bool) -> torch.Tensor:
             start, end = bounds[i]
-            update = self._update_buffer[start:end] if single_pass else self._workers.buffers()[3][: end - start]
+            update = self._update_buffer[start:end] if single_pass else self._workers.buffers(tile)[4][: end - start]
             self._tile_step(grad, weight, state, decode_scales, start, end, folded, update, store)
             return update
 
@@ -263,9 +264,9 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         store: bool,
     ) -> None:
         """Write U (see _FoldedConstants) for elements [start, end) into ``update``; if ``store``, save the new moments."""
-        size, block = end - start, self.block_size
+        size, block = end - start, state["block_size"]
         blocks = slice(start // block, num_blocks(end, block))
-        m, v, scratch = (buffer[:size] for buffer in self._workers.buffers()[:3])
+        m, v, scratch, denominator = (buffer[:size] for buffer in self._workers.buffers(size)[:4])
         g, w = grad[start:end], weight[start:end]
         m_codes, v_codes = state["exp_avg"].view(-1)[start:end].view(torch.int8), state["exp_avg_sq"].view(-1)[start:end]
 
@@ -276,11 +277,11 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             amax_blocks(torch.abs(m, out=scratch), block, out=m_absmax)
             amax_blocks(v, block, out=v_absmax)
         v.add_(TINY).sqrt_()
-        torch.add(v, k.eps, out=update)
+        torch.add(v, k.eps, out=denominator)  # in a cached tile buffer: ``update`` may be a large, uncached one
         if k.add_weight:
-            torch.addcdiv(w, m, update, value=k.value, out=update)
+            torch.addcdiv(w, m, denominator, value=k.value, out=update)
         else:
-            torch.div(m, update, out=update)
+            torch.div(m, denominator, out=update)
         if store:
             encode_signed_(m, scratch, m_absmax, block, m_codes)
             m_absmax.mul_(k.m_store)
@@ -288,36 +289,21 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             v_absmax.mul_(k.v_store)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, rejecting one saved for a different parameter layout or block size."""
+        """Load a state dict, rejecting one saved for a different parameter layout."""
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(len(a["params"]) != len(b["params"]) for a, b in zip(groups, saved_groups)):
             raise ValueError("state_dict has a different number of parameter groups or parameters per group than this optimizer")
         params = [param for group in groups for param in group["params"]]
         saved_ids = [param_id for group in saved_groups for param_id in group["params"]]
         for param, param_id in zip(params, saved_ids):
-            saved = state_dict["state"].get(param_id)
-            if saved is not None:
-                self._check_saved_state(param, saved, param_id)
+            if param_id in state_dict["state"]:
+                _check_saved_state(param, state_dict["state"][param_id], f"state_dict['state'][{param_id!r}]")
         super().load_state_dict(state_dict)
         for param in params:  # torch casts every floating-point param's state to the param's dtype: undo for codes
             state = self.state.get(param)
-            if state and "exp_avg_absmax" in state:
+            if state and "block_size" in state:
                 for key in QUANTIZED_KEYS:
                     state[key] = state[key].to(torch.uint8)
-
-    def _check_saved_state(self, param: torch.Tensor, saved: dict[str, Any], param_id: Any) -> None:
-        quantized = "exp_avg_absmax" in saved
-        expected = {key: tuple(param.shape) for key in QUANTIZED_KEYS}
-        if quantized:
-            blocks = (num_blocks(param.numel(), self.block_size),)
-            expected.update({f"{key}_absmax": blocks for key in QUANTIZED_KEYS})
-        for key, shape in expected.items():
-            value = saved.get(key)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                raise ValueError(f"state_dict['state'][{param_id!r}][{key!r}] is {got}, expected shape {shape} for a parameter of shape {tuple(param.shape)} with block_size={self.block_size}")
-            if quantized and key in QUANTIZED_KEYS and value.dtype != torch.uint8:
-                raise ValueError(f"state_dict['state'][{param_id!r}][{key!r}] must be uint8 codes, got {value.dtype}")
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer state tensors (the codes, absmax values and float32 moments)."""
@@ -336,3 +322,20 @@ def _check_hyperparameters(group: dict[str, Any], group_index: int) -> None:
     for name, ok in checks.items():
         if not ok:
             raise ValueError(f"param_groups[{group_index}] has an invalid {name}: {group[name]!r}")
+
+
+def _check_saved_state(param: torch.Tensor, saved: dict[str, Any], where: str) -> None:
+    """The shapes and dtypes a parameter's saved state must have to be read back correctly."""
+    expected = {key: (tuple(param.shape), torch.float32) for key in QUANTIZED_KEYS}
+    if "block_size" in saved:
+        block_size = saved["block_size"]
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"{where}['block_size'] must be a positive int, got {block_size!r}")
+        blocks = (num_blocks(param.numel(), block_size),)
+        expected = {key: (tuple(param.shape), torch.uint8) for key in QUANTIZED_KEYS}
+        expected.update({f"{key}_absmax": (blocks, torch.float32) for key in QUANTIZED_KEYS})
+    for key, (shape, dtype) in expected.items():
+        value = saved.get(key)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(f"{where}[{key!r}] is {got}, expected {dtype} {shape} for a parameter of shape {tuple(param.shape)}")

@@ -64,11 +64,10 @@ def encode_signed_(
 ) -> None:
     """codes (int8) <- round(127 * sign(x) * sqrt(|x| / absmax)); ``x_abs`` holds |x| on entry. Both are
     overwritten (used as scratch)."""
-    # as 127 * (x / absmax) * rsqrt(|x| / absmax + tiny): cheaper than sqrt + copysign, and the tiny term turns
-    # 0 * inf into 0 for zeros (including all-zero blocks); normalizing first keeps the codes scale-invariant
-    inverse = 1 / absmax.clamp_min(TINY)
-    mul_blocks_(x_abs, inverse, block_size).add_(TINY).rsqrt_()
-    mul_blocks_(x, inverse * SIGNED_LEVELS, block_size).mul_(x_abs).round_()
+    # as x * rsqrt(|x| + tiny) * 127 / sqrt(absmax): cheaper than sqrt + copysign, and the tiny term turns
+    # 0 * inf into 0 for zeros (including all-zero blocks)
+    x.mul_(x_abs.add_(TINY).rsqrt_())
+    mul_blocks_(x, SIGNED_LEVELS / absmax.clamp_min(TINY).sqrt(), block_size).round_()
     codes.copy_(x)
 
 
@@ -87,7 +86,7 @@ def decode_signed_(
 
 def encode_unsigned_from_sqrt_(sqrt_x: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor) -> None:
     """codes (uint8) <- 255 * (x / absmax) ** (1/4), given sqrt(x) (consumed as scratch)."""
-    scale = (UNSIGNED_LEVELS**2) / absmax.sqrt().clamp_min(TINY)
+    scale = (UNSIGNED_LEVELS**2) / absmax.clamp_min(TINY).sqrt()
     mul_blocks_(sqrt_x, scale, block_size).sqrt_().round_()
     codes.copy_(sqrt_x)
 

@@ -19,8 +19,8 @@ import torch
 class TileWorkers:
     """``run(fn, items)`` calls ``fn`` on every item using as many threads as the caller's torch thread count."""
 
-    def __init__(self, num_buffers: int, buffer_size: int):
-        self.num_buffers, self.buffer_size = num_buffers, buffer_size
+    def __init__(self, num_buffers: int):
+        self.num_buffers = num_buffers
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -46,8 +46,9 @@ class TileWorkers:
         for future in [self._pool.submit(call, item) for item in items]:
             future.result()  # re-raises a worker's exception here
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The calling thread's own float32 scratch buffers of ``buffer_size`` elements."""
-        if not hasattr(self._local, "buffers"):
-            self._local.buffers = [torch.empty(self.buffer_size) for _ in range(self.num_buffers)]
-        return self._local.buffers
+    def buffers(self, size: int) -> list[torch.Tensor]:
+        """The calling thread's own float32 scratch buffers, of at least ``size`` elements (kept for reuse)."""
+        buffers = getattr(self._local, "buffers", [])
+        if not buffers or buffers[0].numel() < size:
+            buffers = self._local.buffers = [torch.empty(size) for _ in range(self.num_buffers)]
+        return buffers

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, Hashable, List, Mapping, Optional, Protocol, Sequence
+from typing import Dict, Hashable, List, Mapping, Protocol, Sequence
 
 
 class PeerRecord(Protocol):

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from lean_transformer.swarm.aggregation import SwarmStats
 
@@ -34,6 +35,7 @@ def redraw_plot(rows: Sequence[SwarmStats], path: os.PathLike, title: str = "") 
         ax.plot(minutes, values, color=color, marker="." if len(rows) < 50 else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    axes[-1].yaxis.set_major_locator(MaxNLocator(integer=True))  # peers are counted in whole numbers
     axes[-1].set_xlabel("minutes since the first logged epoch")
     last = rows[-1]
     figure.suptitle(f"{title}  epoch {last.epoch}, {last.alive_peers} peers".strip())
