@@ -7,6 +7,7 @@ per-round ratios to AdamW. State bytes per parameter count every tensor in ``opt
 
 Usage: python benchmarks/optimizer.py [--params 50_000_000] [--tensors 10] [--rounds 7] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,12 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-def build(name: str, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], init: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.optim.Optimizer:
+def build(
+    name: str,
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    init: list[torch.Tensor],
+    grads: list[torch.Tensor],
+) -> torch.optim.Optimizer:
     params = [torch.nn.Parameter(tensor.clone()) for tensor in init]
     for param, grad in zip(params, grads):
         param.grad = grad  # shared: none of the optimizers writes to gradients
@@ -76,17 +82,22 @@ def main() -> None:
 
     baseline = times["torch.optim.AdamW (fp32, foreach)"]
     numel = size * args.tensors
-    print(f"\n{numel / 1e6:.0f}M parameters in {args.tensors} tensors, {args.threads} threads, median of {args.rounds} steps\n")
+    setup = f"{numel / 1e6:.0f}M parameters in {args.tensors} tensors, {args.threads} threads"
+    print(f"\n{setup}, median of {args.rounds} steps\n")
     print("| optimizer | step (s) | M params/s | vs AdamW | state bytes/param |")
     print("|---|---:|---:|---:|---:|")
     for name, optimizer in optimizers.items():
         step = statistics.median(times[name])
         ratio = statistics.median(b / t for b, t in zip(baseline, times[name]))
-        print(f"| {name} | {step:.3f} | {numel / step / 1e6:.0f} | {ratio:.2f}x | {state_bytes(optimizer) / numel:.2f} |")
+        print(
+            f"| {name} | {step:.3f} | {numel / step / 1e6:.0f} | {ratio:.2f}x | {state_bytes(optimizer) / numel:.2f} |"
+        )
     lamb = optimizers["CPULAMB8Bit (ours)"]
     scratch = lamb._update_buffer.numel() * 4 / numel
-    print(f"\nCPULAMB8Bit also keeps a float32 update buffer for the largest tensor ({scratch:.2f} bytes/param here, "
-          f"at most 4 * chunk_size bytes). bitsandbytes' CPU LAMB8bit applies no trust ratio (it runs Adam's update).")
+    print(
+        f"\nCPULAMB8Bit also keeps a float32 update buffer for the largest tensor ({scratch:.2f} bytes/param here, "
+        f"at most 4 * chunk_size bytes). bitsandbytes' CPU LAMB8bit applies no trust ratio (it runs Adam's update)."
+    )
 
 
 if __name__ == "__main__":

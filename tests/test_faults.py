@@ -21,7 +21,7 @@ import re
 import runpy
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import combinations
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -311,6 +311,89 @@ def aggregates_to(reports: Sequence[EpochReport], row: dict) -> bool:
     if mini_steps == 0:
         return row["loss"] is None
     return abs(sum(report.mean_loss * report.mini_steps for report in reports) / mini_steps - row["loss"]) < 1e-3
+
+
+# ---------------------------------------------------------------- authorization
+
+
+def authorization_is_wired() -> bool:
+    """Whether the peers take access tokens (``--auth_token_path``, ``--authority_public_key_path``)."""
+    from arguments import NetworkArguments
+
+    return {"auth_token_path", "authority_public_key_path"} <= {field.name for field in fields(NetworkArguments)}
+
+
+@pytest.mark.skipif(not authorization_is_wired(), reason="the peers' arguments have no --auth_token_path yet: "
+                    "lean_transformer.swarm.auth is not wired into NetworkArguments and build_dht")
+def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path):
+    """An authorized swarm (an aux peer, alice and bob with tokens) and two outsiders: one without a token, one with
+    a token of another authority. Each peer except the aux sends known gradients (tests/grad_peer.py): the honest
+    peers' averaged gradients must be the mean of theirs alone, and no outsider may appear in a group."""
+    from datetime import datetime, timedelta, timezone
+
+    import torch
+    from hivemind.p2p import PeerID
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.auth import issue_token, load_identity_key, save_public_key, save_token
+
+    authorities = {"swarm": RSAPrivateKey(), "other": RSAPrivateKey()}
+    for name, key in authorities.items():
+        save_public_key(key, tmp_path / f"{name}.pub")
+
+    def credentials(name: str, authority: str = "swarm") -> List[str]:
+        identity = tmp_path / f"{name}.id"
+        key = load_identity_key(identity, create=True)
+        expires = datetime.now(timezone.utc) + timedelta(hours=1)
+        save_token(issue_token(authorities[authority], key.get_public_key(), expires, name), tmp_path / f"{name}.token")
+        return ["--identity_path", str(identity), "--auth_token_path", str(tmp_path / f"{name}.token"),
+                "--authority_public_key_path", str(tmp_path / f"{authority}.pub")]
+
+    run = swarm_args("auth", target_batch_size=24, grad_compression="none", matchmaking_time=3)
+    peers: List[PeerProcess] = []
+
+    def grad_peer(name: str, seed: int, initial_peers: List[str], *extra: str) -> PeerProcess:
+        peer = PeerProcess(name, ["tests/grad_peer.py", "--out", str(tmp_path / f"{name}.pt"), "--grad_seed",
+                                  str(seed), "--rounds", "2", "--deadline", "100", *run, "--per_device_batch_size",
+                                  str(seed + 2), "--initial_peers", *initial_peers, *extra], tmp_path)
+        peers.append(peer)
+        return peer
+
+    try:
+        aux = PeerProcess("aux", ["run_aux_peer.py", *run, "--checkpoint_every_epochs", "0", "--wandb_project", "",
+                                  "--metrics_path", str(tmp_path / "m.jsonl"), *credentials("aux")], tmp_path)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        honest = [grad_peer("alice", 1, initial_peers, *credentials("alice")),
+                  grad_peer("bob", 2, initial_peers, *credentials("bob"))]
+        outsiders = [grad_peer("no-token", 3, initial_peers, "--identity_path", str(tmp_path / "no-token.id")),
+                     grad_peer("other-authority", 4, initial_peers, *credentials("other-authority", "other"))]
+        for peer in honest:
+            assert peer.wait(150) == 0, peer.stderr[-3000:]
+        outsider_exits = [peer.wait(150) for peer in outsiders]
+        assert aux.stop() == 0, aux.stderr[-3000:]
+    finally:
+        for peer in peers:
+            peer.kill()
+
+    outsider_ids = {PeerID.from_identity((tmp_path / f"{peer.name}.id").read_bytes()).to_base58()
+                    for peer in outsiders}
+    dumps = {peer.name: torch.load(tmp_path / f"{peer.name}.pt", weights_only=True) for peer in honest}
+    by_id = {dump["peer_id"]: dump for dump in dumps.values()}
+    checked = 0
+    for dump in dumps.values():
+        for round_ in dump["rounds"]:
+            assert not outsider_ids & set(round_["group"]), f"an outsider was averaged in: {round_['group']}"
+            members = [by_id[peer] for peer in round_["group"] if peer in by_id]
+            weights = [next(r["weight"] for r in member["rounds"] if r["epoch"] == round_["epoch"])
+                       for member in members]
+            for index, averaged in enumerate(round_["averaged"]):
+                expected = sum(w * member["grads"][index] for w, member in zip(weights, members)) / sum(weights)
+                torch.testing.assert_close(averaged, expected, rtol=1e-4, atol=1e-5)
+            checked += len(members) == 2
+    assert checked >= 2, "alice and bob should have averaged together"
+    print(f"authorization: {checked} rounds of alice and bob averaged exactly their own gradients; the peer without a "
+          f"token and the one with another authority's token (exit codes {outsider_exits}) were never in a group")
 
 
 # ---------------------------------------------------------------- the misbehaving peers

@@ -4,6 +4,7 @@ through the state dump/load that peers use to download state from each other.
 The swarm test runs this file as a script: one peer with its own DHT (on 127.0.0.1) in a subprocess, printing a
 JSON summary as its last stdout line.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,11 +27,20 @@ def run_single_peer() -> dict:
 
     torch.manual_seed(0)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))  # 8192 weights: 8-bit
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1)
+    )  # 8192 weights: 8-bit
     initial = [param.detach().clone() for param in model.parameters()]
     optimizer = hivemind.Optimizer(
-        dht=dht, run_id="lamb8bit_test", params=model.parameters(), optimizer=functools.partial(CPULAMB8Bit, lr=0.01),
-        target_batch_size=16, batch_size_per_step=8, offload_optimizer=True, matchmaking_time=0.5, averaging_timeout=5.0,
+        dht=dht,
+        run_id="lamb8bit_test",
+        params=model.parameters(),
+        optimizer=functools.partial(CPULAMB8Bit, lr=0.01),
+        target_batch_size=16,
+        batch_size_per_step=8,
+        offload_optimizer=True,
+        matchmaking_time=0.5,
+        averaging_timeout=5.0,
     )
     x = torch.randn(8, 64)
     y = 2 * x[:, :1]

@@ -1,4 +1,5 @@
 """OffloadedOptimizer: training a tiny LeanGPT with the optimizer (and float32 master weights) on the CPU."""
+
 from __future__ import annotations
 
 import copy
@@ -90,4 +91,9 @@ def test_gpu_model_keeps_only_weights_and_grads_on_device(gpt_config):
     for param, slot in zip(model.parameters(), offloaded.slots):
         assert slot.master.device.type == "cpu" and slot.master.is_pinned()
         assert torch.equal(param.cpu(), slot.master.to(torch.bfloat16))
-    assert all(value.device.type == "cpu" for state in offloaded.optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor))
+    assert all(
+        value.device.type == "cpu"
+        for state in offloaded.optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )

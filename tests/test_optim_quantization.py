@@ -1,4 +1,5 @@
 """The companded block-wise 8-bit codes: exactness properties, and accuracy against bitsandbytes' dynamic map."""
+
 from __future__ import annotations
 
 import bitsandbytes.functional as bnb_functional
@@ -46,7 +47,9 @@ def test_more_accurate_than_bitsandbytes_dynamic_blockwise():
         ours, theirs = relative_rmse(round_trip(x, signed), x), relative_rmse(bnb_round_trip(x, signed), x)
         assert ours <= theirs, (signed, ours, theirs)
     # what Adam divides by: sqrt(v)
-    assert relative_rmse(round_trip(v, False).sqrt(), v.sqrt()) <= relative_rmse(bnb_round_trip(v, False).sqrt(), v.sqrt())
+    assert relative_rmse(round_trip(v, False).sqrt(), v.sqrt()) <= relative_rmse(
+        bnb_round_trip(v, False).sqrt(), v.sqrt()
+    )
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -75,7 +78,9 @@ def test_codes_are_scale_invariant_over_a_wide_range_of_magnitudes(signed):
     for scale in (1e-15, 1e-6, 1e6, 1e15):  # tiny or huge gradients: only the absmax changes
         scaled_codes, absmax = quantize_blockwise(x * scale, signed, BLOCK)
         assert torch.equal(scaled_codes, codes)
-        torch.testing.assert_close(dequantize_blockwise(scaled_codes, absmax, signed, BLOCK), round_trip(x, signed) * scale)
+        torch.testing.assert_close(
+            dequantize_blockwise(scaled_codes, absmax, signed, BLOCK), round_trip(x, signed) * scale
+        )
 
 
 def test_second_moment_keeps_a_wide_dynamic_range():

@@ -15,15 +15,15 @@ tensors are walked twice (norms first, then the update recomputed tile by tile f
 the extra memory never exceeds ``4 * chunk_size`` bytes. Both routes run the same per-tile arithmetic and
 give bit-identical results, whatever the number of threads.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from lean_transformer.optim.workers import TileWorkers
 from lean_transformer.optim.quantization import (
     SIGNED_LEVELS,
     TINY,
@@ -35,6 +35,7 @@ from lean_transformer.optim.quantization import (
     encode_unsigned_from_sqrt_,
     num_blocks,
 )
+from lean_transformer.optim.workers import TileWorkers
 
 # elements per tile: large enough that the Python and dispatch overhead of ~25 ops (a few microseconds each,
 # holding the GIL) stays small next to their arithmetic, small enough that a tile's buffers stay in cache
@@ -117,7 +118,12 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         chunk_size: int = 2**24,
         tile_size: int = DEFAULT_TILE_SIZE,
     ):
-        for name, value, minimum in (("min_8bit_size", min_8bit_size, 0), ("block_size", block_size, 1), ("chunk_size", chunk_size, 1), ("tile_size", tile_size, 1)):
+        for name, value, minimum in (
+            ("min_8bit_size", min_8bit_size, 0),
+            ("block_size", block_size, 1),
+            ("chunk_size", chunk_size, 1),
+            ("tile_size", tile_size, 1),
+        ):
             if not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -127,7 +133,14 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         self.tile_size = tile_size
         self._update_buffer = torch.empty(0)
         self._workers = TileWorkers(num_buffers=5)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value, bias_correction=bias_correction)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            clamp_value=clamp_value,
+            bias_correction=bias_correction,
+        )
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -156,7 +169,9 @@ class CPULAMB8Bit(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise ValueError(f"{where} has a sparse gradient; CPULAMB8Bit needs dense gradients")
                 if param.grad.shape != param.shape:
-                    raise ValueError(f"{where}: grad shape {tuple(param.grad.shape)} != param shape {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{where}: grad shape {tuple(param.grad.shape)} != param shape {tuple(param.shape)}"
+                    )
                 work.append((group, param))
         clip = self._clip_coefficient([param.grad for _, param in work])
         for group, param in work:
@@ -204,10 +219,14 @@ class CPULAMB8Bit(torch.optim.Optimizer):
     @staticmethod
     def _step_size(weight_norm: float, update_norm: float, group: dict[str, Any]) -> float:
         """lr times the trust ratio clamp(||w||, 0, clamp_value) / ||u|| (1 if either norm is 0)."""
-        trust_ratio = min(weight_norm, group["clamp_value"]) / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+        trust_ratio = (
+            min(weight_norm, group["clamp_value"]) / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+        )
         return group["lr"] * trust_ratio
 
-    def _update_full_precision(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
+    def _update_full_precision(
+        self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants
+    ) -> None:
         grad, m, v = param.grad, state["exp_avg"], state["exp_avg_sq"]
         if k.clip != 1.0:
             grad = grad * k.clip
@@ -216,10 +235,14 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         update = (m / k.bias_correction1).div_((v / k.bias_correction2).sqrt_().add_(k.eps))
         if k.weight_decay:
             update.add_(param, alpha=k.weight_decay)
-        step_size = self._step_size(torch.linalg.vector_norm(param).item(), torch.linalg.vector_norm(update).item(), group)
+        step_size = self._step_size(
+            torch.linalg.vector_norm(param).item(), torch.linalg.vector_norm(update).item(), group
+        )
         param.sub_(update, alpha=step_size)
 
-    def _update_quantized(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants) -> None:
+    def _update_quantized(
+        self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants
+    ) -> None:
         numel, folded, block = param.numel(), _FoldedConstants.from_step(k), state["block_size"]
         grad, weight = param.grad.reshape(-1), param.view(-1)
         decode_scales = (state["exp_avg_absmax"] * folded.m_decode, state["exp_avg_sq_absmax"] * folded.v_decode)
@@ -263,12 +286,15 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         update: torch.Tensor,
         store: bool,
     ) -> None:
-        """Write U (see _FoldedConstants) for elements [start, end) into ``update``; if ``store``, save the new moments."""
+        """Write U (see _FoldedConstants) of elements [start, end) to ``update``; if ``store``, save the new moments."""
         size, block = end - start, state["block_size"]
         blocks = slice(start // block, num_blocks(end, block))
         m, v, scratch, denominator = (buffer[:size] for buffer in self._workers.buffers(size)[:4])
         g, w = grad[start:end], weight[start:end]
-        m_codes, v_codes = state["exp_avg"].view(-1)[start:end].view(torch.int8), state["exp_avg_sq"].view(-1)[start:end]
+        m_codes, v_codes = (
+            state["exp_avg"].view(-1)[start:end].view(torch.int8),
+            state["exp_avg_sq"].view(-1)[start:end],
+        )
 
         decode_signed_(m_codes, decode_scales[0][blocks], block, out=m, scratch=scratch, add=g)
         decode_unsigned_(v_codes, decode_scales[1][blocks], block, out=v).addcmul_(g, g)
@@ -291,8 +317,12 @@ class CPULAMB8Bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, rejecting one saved for a different parameter layout."""
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved_groups) or any(len(a["params"]) != len(b["params"]) for a, b in zip(groups, saved_groups)):
-            raise ValueError("state_dict has a different number of parameter groups or parameters per group than this optimizer")
+        if len(groups) != len(saved_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, saved_groups)
+        ):
+            raise ValueError(
+                "state_dict has a different number of parameter groups or parameters per group than this optimizer"
+            )
         params = [param for group in groups for param in group["params"]]
         saved_ids = [param_id for group in saved_groups for param_id in group["params"]]
         for param, param_id in zip(params, saved_ids):
@@ -307,7 +337,12 @@ class CPULAMB8Bit(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer state tensors (the codes, absmax values and float32 moments)."""
-        return sum(value.numel() * value.element_size() for state in self.state.values() for value in state.values() if isinstance(value, torch.Tensor))
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
 
 
 def _check_hyperparameters(group: dict[str, Any], group_index: int) -> None:
@@ -338,4 +373,6 @@ def _check_saved_state(param: torch.Tensor, saved: dict[str, Any], where: str) -
         value = saved.get(key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            raise ValueError(f"{where}[{key!r}] is {got}, expected {dtype} {shape} for a parameter of shape {tuple(param.shape)}")
+            raise ValueError(
+                f"{where}[{key!r}] is {got}, expected {dtype} {shape} for a parameter of shape {tuple(param.shape)}"
+            )

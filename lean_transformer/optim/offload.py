@@ -5,6 +5,7 @@ gradients. Float32 master weights and the optimizer state live in host RAM. Each
 gradients off the device (through pinned buffers, without blocking, when the device is a GPU), runs the
 wrapped optimizer on the CPU and copies the updated weights back, rounded to the model's dtype.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
@@ -74,12 +75,15 @@ class OffloadedOptimizer:
         model_params = [param for group in groups for param in group["params"]]
         for index, param in enumerate(model_params):
             if not isinstance(param, torch.Tensor) or not param.is_floating_point():
-                raise ValueError(f"parameter {index} must be a floating-point tensor, got {type(param).__name__} {getattr(param, 'dtype', '')}")
+                got = param.dtype if isinstance(param, torch.Tensor) else type(param).__name__
+                raise ValueError(f"parameter {index} must be a floating-point tensor, got {got}")
         if pin_memory is None:
             pin_memory = any(param.is_cuda for param in model_params)
         self.slots = [_Slot(param, pin_memory) for param in model_params]
         masters = iter(slot.master for slot in self.slots)
-        self.optimizer = optimizer_factory([dict(group, params=[next(masters) for _ in group["params"]]) for group in groups])
+        self.optimizer = optimizer_factory(
+            [dict(group, params=[next(masters) for _ in group["params"]]) for group in groups]
+        )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -124,7 +128,9 @@ class OffloadedOptimizer:
         for index, (slot, master) in enumerate(zip(self.slots, masters)):
             if not isinstance(master, torch.Tensor) or master.shape != slot.master.shape:
                 got = tuple(master.shape) if isinstance(master, torch.Tensor) else type(master).__name__
-                raise ValueError(f"state_dict['master_weights'][{index}] is {got}, expected shape {tuple(slot.master.shape)}")
+                raise ValueError(
+                    f"state_dict['master_weights'][{index}] is {got}, expected shape {tuple(slot.master.shape)}"
+                )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for slot, master in zip(self.slots, masters):
             slot.master.copy_(master)

@@ -8,8 +8,8 @@ for an optimizer step).
 * signed values (first moment): ``q = round(127 * sign(x) * sqrt(|x| / absmax))``, stored as the int8 byte
   of ``q``; decoded as ``q * |q| * absmax / 127**2``.
 * non-negative values (second moment): ``q = round(255 * (x / absmax) ** (1/4))``, stored as uint8;
-  decoded as ``(q / 255) ** 4 * absmax``. The fourth root keeps ~11 decades of dynamic range, so small
-  second moments never collapse to zero and blow up ``m / sqrt(v)``.
+  decoded as ``(q / 255) ** 4 * absmax``. The fourth root keeps about ten decades of dynamic range, so
+  small second moments do not collapse to zero and blow up ``m / sqrt(v)``.
 
 Like bitsandbytes' dynamic map, both codes spend more levels near zero than a linear code; on
 Adam-like moments they have a lower relative RMSE than ``bitsandbytes.functional.quantize_blockwise``
@@ -18,6 +18,7 @@ Adam-like moments they have a lower relative RMSE than ``bitsandbytes.functional
 The ``*_`` functions work on preallocated buffers and are the pieces the fused optimizer kernel uses;
 ``quantize_blockwise`` / ``dequantize_blockwise`` are allocating conveniences built from them.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional
@@ -72,7 +73,12 @@ def encode_signed_(
 
 
 def decode_signed_(
-    codes: torch.Tensor, scale: torch.Tensor, block_size: int, out: torch.Tensor, scratch: torch.Tensor, add: Optional[torch.Tensor] = None
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    add: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """out <- add + q * |q| * scale[block] (``add`` defaults to 0); pass ``scale = absmax / 127**2`` times any
     factor to fold in. Adding in the same pass saves a sweep when the caller updates the decoded value."""
@@ -84,7 +90,9 @@ def decode_signed_(
     return torch.addcmul(add, out, scratch, out=out)
 
 
-def encode_unsigned_from_sqrt_(sqrt_x: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor) -> None:
+def encode_unsigned_from_sqrt_(
+    sqrt_x: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor
+) -> None:
     """codes (uint8) <- 255 * (x / absmax) ** (1/4), given sqrt(x) (consumed as scratch)."""
     scale = (UNSIGNED_LEVELS**2) / absmax.clamp_min(TINY).sqrt()
     mul_blocks_(sqrt_x, scale, block_size).sqrt_().round_()

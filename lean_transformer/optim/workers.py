@@ -6,6 +6,7 @@ for whichever core was descheduled. Instead each worker runs whole tiles with in
 ops release the GIL, and ``torch.set_num_threads`` is per thread), so workers never wait for each other
 inside a tile, and the per-tile result does not depend on how many workers there are.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,7 +35,9 @@ class TileWorkers:
         if self._pool_size != num_threads:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="lamb8bit", initializer=torch.set_num_threads, initargs=(1,))
+            self._pool = ThreadPoolExecutor(
+                num_threads, thread_name_prefix="lamb8bit", initializer=torch.set_num_threads, initargs=(1,)
+            )
             self._pool_size = num_threads
             weakref.finalize(self, self._pool.shutdown, wait=False)
         grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
