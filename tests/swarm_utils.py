@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 from lean_transformer.swarm.local_swarm import ProcessTracker
 
@@ -52,7 +51,3 @@ def epoch_reports(log: str) -> Dict[int, EpochReport]:
     """The trainer's reports by epoch (a restarted trainer's log may hold an epoch twice: the later one wins)."""
     return {int(match[0]): EpochReport(int(match[0]), float(match[1]), int(match[2]), int(match[3]), int(match[4]))
             for match in _EPOCH_REPORT.findall(log)}
-
-
-def read_text(path: Path) -> Optional[str]:
-    return path.read_text(errors="replace") if path.exists() else None

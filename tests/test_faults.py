@@ -1,10 +1,12 @@
 """The fault suite: a real swarm on 127.0.0.1 (every peer its own process) keeps training through crashes, bad
 gradients, bad metrics records and kills at checkpoint time. Each case prints a report line: what was tried, what held.
 
-One swarm (the module fixture, ~2 minutes) serves the first three cases: an aux peer and three trainers, "steady",
+One swarm (the module fixture, 1-2 minutes) serves the first three cases: an aux peer and three trainers, "steady",
 "victim" and "faulty". While they train, a metrics attacker (a DHT node without the metrics validator) tries to store
 forged, malformed, oversized and negative records; the victim is SIGKILLed in the middle of an averaging round and
-restarted; the faulty trainer's gradients turn NaN or infinite on every third micro-batch.
+restarted; the faulty trainer's gradients turn NaN or infinite on every third micro-batch. Then trainers writing
+backups on a slow disk are SIGKILLed at several moments of a write, and (once the peers take access tokens) an
+authorized swarm is shown to average the gradients of its token holders only.
 
 Fault injection is test-only: run as a script, this file is one of two misbehaving peers (see ``__main__``).
 ``nonfinite SCRIPT ARGS`` runs SCRIPT (``run_trainer.py``) with a forward hook on the model's input embeddings that
@@ -14,7 +16,6 @@ only in the backward pass (the loss is finite, the gradients are infinite). The 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -22,13 +23,14 @@ import runpy
 import sys
 import time
 from dataclasses import dataclass, fields
-from itertools import combinations
+from itertools import combinations, count
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # aux_utils, swarm_utils (when run as a script)
+# aux_utils and swarm_utils when run as a script; arguments.py and tasks/ (at the repository root) in any case
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
 from swarm_utils import EpochReport, epoch_reports  # noqa: E402
@@ -42,7 +44,7 @@ NONFINITE_EVERY = 3
 
 
 def swarm_args(run_id: str, **overrides) -> List[str]:
-    options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", **SWARM, **overrides)
+    options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", **{**SWARM, **overrides})
     return [item for key, value in options.items() for item in (f"--{key}", str(value))]
 
 
@@ -58,6 +60,11 @@ def read_jsonl(path: Path) -> List[dict]:
 
 def newest_epoch(peer: PeerProcess) -> int:
     return max(epoch_reports(peer.stderr), default=0)
+
+
+def transitions(peer: PeerProcess) -> List[int]:
+    """The epochs ``peer`` has moved to, in order (hivemind's "Transitioning to epoch N")."""
+    return [int(epoch) for epoch in re.findall(r"Transitioning to epoch (\d+)", peer.stderr)]
 
 
 # ---------------------------------------------------------------- the swarm under faults
@@ -131,10 +138,11 @@ def faults(tmp_path_factory) -> FaultRun:
         peers.append(restarted)
         seconds_to_go_on = {}
         for survivor in (steady, faulty):
-            survivor.wait_for(rf"Transitioning to epoch {killed_at + 1}\n", timeout=SWARM["averaging_timeout"] + 30)
+            wait_until(lambda: max(transitions(survivor), default=0) > killed_at,
+                       timeout=SWARM["averaging_timeout"] + 30, what=f"{survivor.name} to go on", interval=0.05)
             seconds_to_go_on[survivor.name] = time.monotonic() - killed
         joined = int(restarted.wait_for(r"Joined the swarm at epoch (\d+)", timeout=150).group(1))
-        restarted.wait_for(rf"Reached epoch {joined + 2}\b", timeout=90)
+        restarted.wait_for(rf"Reached epoch {joined + 1}\b", timeout=90)
         assert attacker.wait(120) == 0, attacker.stderr[-3000:]
 
         # none crashed: all still running until told to stop, then a clean exit (hivemind may log the tracebacks of
@@ -162,8 +170,8 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
 
     # nothing lost: the survivors' epochs only went forward, the restarted victim joined at the swarm's epoch
     for survivor in (faults.steady, faults.faulty):
-        epochs = [int(epoch) for epoch in re.findall(r"Transitioning to epoch (\d+)", survivor.stderr)]
-        assert epochs == sorted(epochs) and epochs[-1] > faults.killed_at_epoch + 2, survivor.name
+        epochs = transitions(survivor)
+        assert epochs == sorted(epochs) and epochs[-1] >= faults.killed_at_epoch + 2, (survivor.name, epochs)
     joined = int(re.search(r"Joined the swarm at epoch (\d+)", faults.restarted.stderr).group(1))
     assert joined >= faults.killed_at_epoch
 
@@ -187,7 +195,7 @@ def test_nonfinite_gradients_are_not_contributed_and_poison_nobody(faults: Fault
     reports = epoch_reports(faults.faulty.stderr)
     skipped = sum(report.skipped for report in reports.values())
     skip_lines = faults.faulty.stderr.count("with non-finite loss or gradients (not counted)")
-    assert skipped >= 2 and skip_lines == skipped, (skipped, skip_lines)
+    assert 2 <= skipped <= skip_lines, (skipped, skip_lines)  # the last, unfinished epoch reports no skips
     batch = SWARM["per_device_batch_size"]
     assert all(report.samples == report.mini_steps * batch for report in reports.values()), "skipped ones counted"
     assert re.search(r"Averaged gradients with [234] peers", faults.faulty.stderr), "it should still average"
@@ -350,12 +358,14 @@ def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path):
                 "--authority_public_key_path", str(tmp_path / f"{authority}.pub")]
 
     run = swarm_args("auth", target_batch_size=24, grad_compression="none", matchmaking_time=3)
+    start_file = tmp_path / "start"
     peers: List[PeerProcess] = []
 
     def grad_peer(name: str, seed: int, initial_peers: List[str], *extra: str) -> PeerProcess:
         peer = PeerProcess(name, ["tests/grad_peer.py", "--out", str(tmp_path / f"{name}.pt"), "--grad_seed",
-                                  str(seed), "--rounds", "2", "--deadline", "100", *run, "--per_device_batch_size",
-                                  str(seed + 2), "--initial_peers", *initial_peers, *extra], tmp_path)
+                                  str(seed), "--rounds", "2", "--group_size", "2", "--max_epochs", "15",
+                                  "--start_file", str(start_file), *run, "--per_device_batch_size", str(seed + 2),
+                                  "--initial_peers", *initial_peers, *extra], tmp_path)
         peers.append(peer)
         return peer
 
@@ -368,6 +378,9 @@ def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path):
                   grad_peer("bob", 2, initial_peers, *credentials("bob"))]
         outsiders = [grad_peer("no-token", 3, initial_peers, "--identity_path", str(tmp_path / "no-token.id")),
                      grad_peer("other-authority", 4, initial_peers, *credentials("other-authority", "other"))]
+        for peer in honest:
+            peer.wait_for("^ready$", timeout=120, stream="stdout")
+        start_file.touch()
         for peer in honest:
             assert peer.wait(150) == 0, peer.stderr[-3000:]
         outsider_exits = [peer.wait(150) for peer in outsiders]
@@ -403,7 +416,7 @@ def run_with_nonfinite_gradients(argv: List[str]) -> None:
     """Run ``argv`` (a trainer script and its arguments) with every NONFINITE_EVERY-th micro-batch made non-finite."""
     from tasks.base import Task
 
-    calls = itertools.count(1)
+    calls = count(1)
 
     def poison(_module, _inputs, output):
         call = next(calls)
@@ -490,7 +503,6 @@ def attack_metrics(argv: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))  # arguments.py and tasks/, as for run_trainer.py
     os.chdir(REPO)
     command, rest = sys.argv[1], sys.argv[2:]
     {"nonfinite": run_with_nonfinite_gradients, "attack-metrics": attack_metrics}[command](rest)

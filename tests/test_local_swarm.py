@@ -53,7 +53,7 @@ def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path):
     from lean_transformer import LeanGPTForCausalLM
     from lean_transformer.swarm.training_state import read_epoch
 
-    run, watcher = start_local_swarm(tmp_path, "--duration", "40")
+    run, watcher = start_local_swarm(tmp_path, "--duration", "20")
     try:
         assert run.wait(240) == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
@@ -75,14 +75,17 @@ def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path):
     model = LeanGPTForCausalLM.from_pretrained(checkpoint)
     assert all(torch.isfinite(param).all() for param in model.parameters())
     assert_valid_png(tmp_path / "demo" / "metrics.png")
-    print(f"local swarm, 40 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
+    print(f"local swarm, 20 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
           f"{rounds} averaging rounds; checkpoint {checkpoint.name} loads; PNG valid; nothing left running")
 
 
-def test_ctrl_c_stops_every_process_it_started(tmp_path: Path):
+def test_a_crash_is_reported_and_ctrl_c_stops_every_process_it_started(tmp_path: Path):
     run, watcher = start_local_swarm(tmp_path, "--duration", "600")
     try:
-        run.wait_for(r"trainer\d +epoch \d+ \|", timeout=240, stream="stdout")  # training is under way
+        run.wait_for(r"trainer2 +epoch \d+ \|", timeout=240, stream="stdout")  # training is under way
+        os.kill(peer_pid(run.process.pid, "trainer2"), signal.SIGKILL)  # its hivemind processes are orphaned
+        run.wait_for(r"error: trainer2 exited unexpectedly with code -9", timeout=30)
+        run.wait_for(r"trainer1 +epoch \d+ \|", timeout=30, stream="stdout")  # the others go on
         os.killpg(run.process.pid, signal.SIGINT)  # what Ctrl+C in a terminal does
         interrupted = time.monotonic()
         code = run.wait(90)
@@ -92,9 +95,22 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path: Path):
     assert code == 128 + signal.SIGINT, run.stderr[-3000:]
     assert seconds < local_swarm.SWARM_ARGS["shutdown_timeout"] + 15
     assert_nothing_left(watcher, tmp_path)
-    assert "Summary of the local swarm" in run.stdout and "problems:" not in run.stdout, run.stdout[-2000:]
-    print(f"Ctrl+C during training: exited with {code} after {seconds:.1f} s; every peer stopped cleanly, "
-          f"no process or socket file left")
+    assert "problems: trainer2 exited unexpectedly with code -9" in run.stdout, run.stdout[-2000:]
+    print(f"SIGKILL of trainer2: reported, the swarm went on; Ctrl+C: exited with {code} after {seconds:.1f} s, "
+          f"the others stopped cleanly, no process (not even trainer2's orphans) or socket file left")
+
+
+def peer_pid(orchestrator_pid: int, name: str) -> int:
+    """The main process of the peer ``name`` (its hivemind children share its command line but not its parent)."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and f"/{name}\0".encode() in _cmdline(pid):
+            try:
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            if parent == orchestrator_pid:
+                return int(pid)
+    raise AssertionError(f"no process of {name} below {orchestrator_pid}")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,6 +6,7 @@ import copy
 import functools
 import io
 import math
+import threading
 from typing import Callable, Optional
 
 import bitsandbytes.functional as bnb_functional
@@ -199,6 +200,11 @@ def test_result_does_not_depend_on_the_thread_count():
         try:
             params = big_params()
             run_steps(params, CPULAMB8Bit(params, **OPTIONS), steps=3, seed=1)
+            seen = []  # a thread started now must get the caller's thread count, not the workers' (which is 1)
+            thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert seen == [threads]
         finally:
             torch.set_num_threads(previous)
         results.append(params)

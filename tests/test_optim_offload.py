@@ -77,9 +77,12 @@ def test_state_dict_round_trip(gpt_config):
         OffloadedOptimizer(list(restored_model.parameters())[:-1], LAMB).load_state_dict(saved)
 
 
-def test_rejects_non_float_parameters():
+def test_rejects_bad_parameters():
     with pytest.raises(ValueError, match="floating-point"):
         OffloadedOptimizer([torch.zeros(3, dtype=torch.long)])
+    weight = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="more than once"):
+        OffloadedOptimizer([{"params": [weight]}, {"params": [weight]}])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

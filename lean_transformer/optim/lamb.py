@@ -38,7 +38,7 @@ from lean_transformer.optim.quantization import (
 from lean_transformer.optim.workers import TileWorkers
 
 # elements per tile: large enough that the Python and dispatch overhead of ~25 ops (a few microseconds each,
-# holding the GIL) stays small next to their arithmetic, small enough that a tile's buffers stay in cache
+# holding the GIL) stays small next to their arithmetic, small enough that the tile buffers stay in cache (L3)
 DEFAULT_TILE_SIZE = 2**18
 QUANTIZED_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -77,6 +77,8 @@ class OffloadedOptimizer:
             if not isinstance(param, torch.Tensor) or not param.is_floating_point():
                 got = param.dtype if isinstance(param, torch.Tensor) else type(param).__name__
                 raise ValueError(f"parameter {index} must be a floating-point tensor, got {got}")
+        if len({id(param) for param in model_params}) != len(model_params):
+            raise ValueError("a parameter appears more than once in params")
         if pin_memory is None:
             pin_memory = any(param.is_cuda for param in model_params)
         self.slots = [_Slot(param, pin_memory) for param in model_params]

@@ -21,7 +21,7 @@ The ``*_`` functions work on preallocated buffers and are the pieces the fused o
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -36,20 +36,20 @@ def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
 
-def block_views(x: torch.Tensor, block_size: int) -> Iterator[tuple[torch.Tensor, slice]]:
+def block_views(x: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, slice]]:
     """(2-D view of whole blocks, their block indices) pairs; a trailing partial block is its own row."""
     numel = x.numel()
     full = numel // block_size
-    if full:
-        yield x[: full * block_size].view(full, block_size), slice(0, full)
-    if numel > full * block_size:
-        yield x[full * block_size :].view(1, -1), slice(full, full + 1)
+    if numel == full * block_size:  # the common case, kept cheap: this runs several times per tile
+        return [(x.view(full, block_size), slice(None))]
+    views = [(x[: full * block_size].view(full, block_size), slice(0, full))] if full else []
+    return views + [(x[full * block_size :].view(1, -1), slice(full, full + 1))]
 
 
 def mul_blocks_(x: torch.Tensor, per_block: torch.Tensor, block_size: int) -> torch.Tensor:
     """x[i] *= per_block[i // block_size], in place."""
     for rows, idx in block_views(x, block_size):
-        rows.mul_(per_block[idx, None])
+        rows.mul_(per_block[idx].unsqueeze(1))
     return x
 
 
@@ -68,7 +68,7 @@ def encode_signed_(
     # as x * rsqrt(|x| + tiny) * 127 / sqrt(absmax): cheaper than sqrt + copysign, and the tiny term turns
     # 0 * inf into 0 for zeros (including all-zero blocks)
     x.mul_(x_abs.add_(TINY).rsqrt_())
-    mul_blocks_(x, SIGNED_LEVELS / absmax.clamp_min(TINY).sqrt(), block_size).round_()
+    mul_blocks_(x, absmax.clamp_min(TINY).rsqrt_().mul_(SIGNED_LEVELS), block_size).round_()
     codes.copy_(x)
 
 
@@ -94,7 +94,7 @@ def encode_unsigned_from_sqrt_(
     sqrt_x: torch.Tensor, absmax: torch.Tensor, block_size: int, codes: torch.Tensor
 ) -> None:
     """codes (uint8) <- 255 * (x / absmax) ** (1/4), given sqrt(x) (consumed as scratch)."""
-    scale = (UNSIGNED_LEVELS**2) / absmax.clamp_min(TINY).sqrt()
+    scale = absmax.clamp_min(TINY).rsqrt_().mul_(UNSIGNED_LEVELS**2)
     mul_blocks_(sqrt_x, scale, block_size).sqrt_().round_()
     codes.copy_(sqrt_x)
 

@@ -6,7 +6,6 @@ for whichever core was descheduled. Instead each worker runs whole tiles with in
 ops release the GIL, and ``torch.set_num_threads`` is per thread), so workers never wait for each other
 inside a tile, and the per-tile result does not depend on how many workers there are.
 """
-
 from __future__ import annotations
 
 import threading
@@ -15,6 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
+
+
+def _make_single_threaded(started: threading.Barrier) -> None:
+    torch.get_num_threads()  # let torch initialize this thread's OpenMP settings first, so that they stick
+    torch.set_num_threads(1)
+    started.wait()
 
 
 class TileWorkers:
@@ -33,13 +38,7 @@ class TileWorkers:
                 fn(item)
             return
         if self._pool_size != num_threads:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(
-                num_threads, thread_name_prefix="lamb8bit", initializer=torch.set_num_threads, initargs=(1,)
-            )
-            self._pool_size = num_threads
-            weakref.finalize(self, self._pool.shutdown, wait=False)
+            self._start_pool(num_threads)
         grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
 
         def call(item: int) -> None:
@@ -55,3 +54,16 @@ class TileWorkers:
         if not buffers or buffers[0].numel() < size:
             buffers = self._local.buffers = [torch.empty(size) for _ in range(self.num_buffers)]
         return buffers
+
+    def _start_pool(self, num_threads: int) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        started = threading.Barrier(num_threads + 1)
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="lamb8bit")
+        weakref.finalize(self, self._pool.shutdown, wait=False)
+        for _ in range(num_threads):  # each blocks until all have started, so every worker gets one
+            self._pool.submit(_make_single_threaded, started)
+        started.wait()
+        # torch.set_num_threads also sets the default that threads started later pick up: restore the caller's
+        torch.set_num_threads(num_threads)
+        self._pool_size = num_threads

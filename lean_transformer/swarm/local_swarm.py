@@ -37,8 +37,8 @@ KEEP_CHECKPOINTS = 3
 STARTUP_LIMIT = 300  # seconds for the peers to start and join (minutes on a busy machine)
 
 # the tiny model trains at a few hundred samples/s per CPU core: a swarm epoch (optimizer step) every few seconds
-SWARM_ARGS = dict(target_batch_size=256, per_device_batch_size=8, max_sequence_length=64, matchmaking_time=3,
-                  averaging_timeout=20, learning_rate=0.02, warmup_steps=5, total_steps=10_000, startup_timeout=120,
+SWARM_ARGS = dict(target_batch_size=256, per_device_batch_size=8, max_sequence_length=64, matchmaking_time=2,
+                  averaging_timeout=15, learning_rate=0.02, warmup_steps=5, total_steps=10_000, startup_timeout=120,
                   shutdown_timeout=20)
 
 _LOG_PREFIX = re.compile(r"^\w{3} \d{1,2} [\d:.]+ \[\w+\] (?:\[[^\]]*\] )?")  # hivemind's "Nov 21 13:19:44.098 [INFO] "
@@ -163,21 +163,27 @@ class ProcessTracker:
     def leftover_sockets(self) -> list[str]:
         return [path for path in self.sockets if os.path.exists(path)]
 
-    def clean_up(self) -> None:
+    def clean_up(self, timeout: float = 10.0) -> None:
+        """SIGKILL the processes still alive and wait (up to ``timeout`` s) until they are gone; remove the sockets."""
         for pid in self.alive():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         for path in self.leftover_sockets():
             Path(path).unlink(missing_ok=True)
 
 
 def _start_time(pid: int) -> Optional[str]:
+    """The start time of a living (not zombie) process ``pid``, which tells it apart from a later one with its pid."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return fields[19] if fields[0] != "Z" else None
 
 
 def _listening_sockets(pids: Sequence[int]) -> set[str]:
@@ -331,7 +337,7 @@ class LocalSwarm:
 
     def _report_exit(self, peer: Peer) -> None:
         peer.reported_exit = True
-        if peer.returncode == 0 and peer.stop_requested:
+        if peer.stop_requested and peer.returncode in (0, -signal.SIGTERM):  # SIGTERM before its handler was set
             return
         how = "stopped with" if peer.stop_requested else "exited unexpectedly with"
         self.problems.append(f"{peer.name} {how} code {peer.returncode}")
@@ -394,8 +400,10 @@ class LocalSwarm:
         lines.append(f"samples processed: {sum(samples for _, _, samples in reports):,} in {epochs} swarm epochs "
                      f"(target batch {SWARM_ARGS['target_batch_size']})")
         per_trainer = ", ".join(f"{trainer.name} {trainer.log.gradient_rounds}" for trainer in self.trainers)
-        lines.append(f"averaging rounds completed: {max(t.log.gradient_rounds for t in self.trainers)} of gradients "
-                     f"and {max(t.log.state_rounds for t in self.trainers)} of parameters ({per_trainer})")
+        gradient_rounds = max((trainer.log.gradient_rounds for trainer in self.trainers), default=0)
+        state_rounds = max((trainer.log.state_rounds for trainer in self.trainers), default=0)
+        lines.append(f"averaging rounds completed: {gradient_rounds} of gradients and {state_rounds} of parameters "
+                     f"({per_trainer or 'no trainer started'})")
         return lines
 
 
