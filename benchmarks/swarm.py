@@ -16,6 +16,7 @@ Prints markdown tables. Takes about 4 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import CompressionBase, CompressionInfo, serialization
 from hivemind.utils.crypto import RSAPrivateKey
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,58 +130,111 @@ class CountingCompression(CompressionBase):
         return self.inner.estimate_compression_ratio(info)
 
 
-def averaging_rounds(rounds: int) -> list[str]:
-    config = LeanGPTConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=6, num_attention_heads=8)
-    torch.manual_seed(0)
-    gradients = [torch.randn_like(param) * 1e-3 for param in LeanGPTForCausalLM(config).parameters()]
-    num_params = sum(tensor.numel() for tensor in gradients)
+@contextlib.contextmanager
+def counting_registry(counter):
+    """Count what hivemind serializes through its registry of compressions too: the all-reduce sends the averaged
+    parts back that way (the averagers fork inside this context, so they inherit it)."""
+    original = dict(serialization._BASE_COMPRESSION_TYPES)
+    serialization._BASE_COMPRESSION_TYPES.update(
+        {name: CountingCompression(compression, counter) for name, compression in original.items()})
+    try:
+        yield
+    finally:
+        serialization._BASE_COMPRESSION_TYPES.update(original)
+
+
+def one_compression(name: str, gradients: list[torch.Tensor], rounds: int) -> tuple[float, float]:
+    """Median all-reduce seconds and payload bytes sent per peer, for two fresh peers averaging ``gradients``."""
+    counter = mp.Value("q", 0)
     first = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
     second = hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=visible_maddrs(first))
-    results = {}
+    averagers = []
     try:
-        for name in COMPRESSIONS:
-            progress(f"averaging: {rounds} rounds of {num_params / 1e6:.1f}M parameters with {name}")
-            counter = mp.Value("q", 0)
+        with counting_registry(counter):
             compression = CountingCompression(make_compression(name), counter)
             averagers = [hivemind.DecentralizedAverager([g.clone() for g in gradients], dht, prefix=f"bench_{name}",
                                                         target_group_size=2, min_group_size=2,
                                                         min_matchmaking_time=1.0, compression=compression, start=True)
                          for dht in (first, second)]
-            seconds, sent = [], []
-            try:
-                for _ in range(rounds):
-                    controls = [averager.step(wait=False, require_trigger=True, timeout=60) for averager in averagers]
-                    deadline = time.monotonic() + 60
-                    while any(control.stage != AveragingStage.AWAITING_TRIGGER for control in controls):
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(f"matchmaking with {name} did not finish in 60 s")
-                        time.sleep(0.01)
-                    counter.value = 0
-                    start = time.perf_counter()
-                    for control in controls:
-                        control.allow_allreduce()
-                    for control in controls:
-                        control.result(timeout=60)
-                    seconds.append(time.perf_counter() - start)
-                    sent.append(counter.value / len(averagers))
-            finally:
-                for averager in averagers:
-                    averager.shutdown()
-            results[name] = (statistics.median(seconds), statistics.median(sent) / num_params)
+        seconds, sent = [], []
+        for _ in range(rounds):
+            controls = [averager.step(wait=False, require_trigger=True, timeout=60) for averager in averagers]
+            deadline = time.monotonic() + 60
+            while any(control.stage != AveragingStage.AWAITING_TRIGGER for control in controls):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"matchmaking with {name} did not finish in 60 s")
+                time.sleep(0.01)
+            counter.value = 0
+            start = time.perf_counter()
+            for control in controls:
+                control.allow_allreduce()
+            for control in controls:
+                control.result(timeout=60)
+            seconds.append(time.perf_counter() - start)
+            sent.append(counter.value / len(averagers))
     finally:
+        for averager in averagers:
+            averager.shutdown()
         second.shutdown()
         first.shutdown()
+    return statistics.median(seconds), statistics.median(sent)
+
+
+def averaging_rounds(rounds: int) -> list[str]:
+    config = LeanGPTConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=6, num_attention_heads=8)
+    torch.manual_seed(0)
+    gradients = [torch.randn_like(param) * 1e-3 for param in LeanGPTForCausalLM(config).parameters()]
+    num_params = sum(tensor.numel() for tensor in gradients)
+    results = {}
+    for name in COMPRESSIONS:
+        progress(f"averaging: {rounds} rounds of {num_params / 1e6:.1f}M parameters with {name}")
+        results[name] = one_compression(name, gradients, rounds)
     base_seconds, base_bytes = results["none"]
-    rows = [f"Two peers, {num_params / 1e6:.1f}M parameters, median of {rounds} rounds; payload bytes each peer sends "
-            f"(its part of the vector out, averaged parts back).", "",
+    rows = [f"Two peers, {num_params / 1e6:.1f}M parameters, median of {rounds} rounds. Bytes: the payload each peer "
+            f"sends in a round (its half of the vector out, the averaged half back).", "",
             "| compression | all-reduce s | vs none | bytes sent / parameter | vs none |", "|---|---|---|---|---|"]
-    for name, (seconds, per_param) in results.items():
-        rows.append(f"| {name} | {seconds:.3f} | {seconds / base_seconds:.2f}x | {per_param:.3f} | "
-                    f"{per_param / base_bytes:.2f}x |")
+    for name, (seconds, sent) in results.items():
+        rows.append(f"| {name} | {seconds:.3f} | {seconds / base_seconds:.2f}x | {sent / num_params:.3f} | "
+                    f"{sent / base_bytes:.2f}x |")
     return rows
 
 
 # ---------------------------------------------------------------- 3. newcomer loading a 100M-parameter state
+
+
+def state_download_seconds(task, state_compression: str) -> float:
+    """Seconds for a newcomer to load the state of a peer that holds it (checking that it did)."""
+    collaboration = CollaborationArguments(target_batch_size=4096, state_compression=state_compression)
+    peers = []
+    try:
+        for role in ("holder", "newcomer"):
+            initial = visible_maddrs(peers[0][0]) if peers else []
+            network = NetworkArguments(run_id=f"bench_state_{state_compression}", host_maddrs=LOOPBACK,
+                                       initial_peers=initial)
+            progress(f"state ({state_compression}): building the {role}'s model and optimizer")
+            key = RSAPrivateKey()
+            dht = build_dht(network, make_validators(network.run_id, key))
+            model = task.build_model()
+            optimizer = build_optimizer(dht, model, task, network, collaboration, task.training_args, key)
+            if role == "holder":
+                optimizer.state_averager.local_epoch = optimizer.state_averager.state_sharing_priority = 7
+            peers.append((dht, optimizer))
+        (_, holder), (_, newcomer) = peers
+        progress(f"state ({state_compression}): the newcomer downloads the holder's state")
+        start = time.perf_counter()
+        newcomer.load_state_from_peers()
+        seconds = time.perf_counter() - start
+        shared = [param for group in holder.opt.param_groups for param in group["params"]]  # what peers download
+        received = newcomer.state_averager.main_parameters
+        tolerance = 0 if state_compression == "none" else 1e-2
+        if newcomer.local_epoch != 7 or not all(torch.allclose(a, b, rtol=0, atol=tolerance)
+                                                for a, b in zip(received, shared)):
+            raise RuntimeError("the newcomer did not receive the holder's state")
+    finally:
+        for dht, optimizer in reversed(peers):
+            optimizer.shutdown()
+            dht.shutdown()
+    return seconds
 
 
 def state_download() -> list[str]:
@@ -189,41 +243,14 @@ def state_download() -> list[str]:
         config_path.write_text(json.dumps(dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
         task = get_task("causal_lm")(TaskArguments(model_config_path=str(config_path)), TrainingArguments())
-        collaboration = CollaborationArguments(target_batch_size=4096)
-        peers = []
-        try:
-            for role in ("holder", "newcomer"):
-                initial = visible_maddrs(peers[0][0]) if peers else []
-                network = NetworkArguments(run_id="bench_state", host_maddrs=LOOPBACK, initial_peers=initial)
-                progress(f"state: building the {role}'s 100M-parameter model and optimizer")
-                key = RSAPrivateKey()
-                dht = build_dht(network, make_validators(network.run_id, key))
-                model = task.build_model()
-                if role == "holder":
-                    with torch.no_grad():
-                        for param in model.parameters():
-                            param.add_(1.0)  # so that a successful download is visible in the newcomer's weights
-                optimizer = build_optimizer(dht, model, task, network, collaboration, task.training_args, key)
-                if role == "holder":
-                    optimizer.state_averager.local_epoch = 7
-                    optimizer.state_averager.state_sharing_priority = 7
-                peers.append((dht, model, optimizer))
-            (_, holder_model, _), (_, model, optimizer) = peers
-            num_params = sum(param.numel() for param in model.parameters())
-            progress("state: the newcomer downloads the holder's state")
-            start = time.perf_counter()
-            optimizer.load_state_from_peers()
-            seconds = time.perf_counter() - start
-            loaded = all(torch.equal(a, b) for a, b in zip(model.parameters(), holder_model.parameters()))
-            if not loaded or optimizer.local_epoch != 7:
-                raise RuntimeError("the newcomer did not receive the holder's state")
-        finally:
-            for dht, _, optimizer in reversed(peers):
-                optimizer.shutdown()
-                dht.shutdown()
-    megabytes = num_params * 4 / 2**20
-    return ["| model | parameters | state download s | parameters MiB/s |", "|---|---|---|---|",
-            f"| LeanGPT 1024x8 | {num_params / 1e6:.1f}M | {seconds:.1f} | {megabytes / seconds:.0f} |"]
+        num_params = sum(param.numel() for param in task.build_model().parameters())
+        seconds = {name: state_download_seconds(task, name) for name in ("none", "float16")}
+    rows = [f"LeanGPT 1024 x 8 layers, {num_params / 1e6:.1f}M parameters, with 8-bit LAMB statistics; the newcomer "
+            f"downloads parameters and optimizer state (hivemind's load_state_from_peers).", "",
+            "| --state_compression | download s | vs none | parameters MiB/s |", "|---|---|---|---|"]
+    for name, value in seconds.items():
+        rows.append(f"| {name} | {value:.1f} | {value / seconds['none']:.2f}x | {num_params * 4 / 2**20 / value:.0f} |")
+    return rows
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The one-command local swarm (``python -m lean_transformer.swarm.local_swarm``), run for real: an aux peer and two
-trainers on 127.0.0.1. A short run ends with a checkpoint, a plot and a summary; Ctrl+C (SIGINT to its process
-group, as a terminal sends it) stops every process it started and leaves no socket files behind."""
+trainers on 127.0.0.1. A short run ends with a checkpoint, a plot and a summary; a trainer that crashes is reported
+while the others go on; Ctrl+C (SIGINT to its process group, as a terminal sends it) stops every process it started,
+the crashed trainer's orphaned hivemind processes included, and leaves no socket files behind."""
 from __future__ import annotations
 
 import math

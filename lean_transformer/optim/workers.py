@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Iterable
 
 import torch
 
@@ -31,7 +31,7 @@ class TileWorkers:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
-    def run(self, fn: Callable[[int], None], items: Sequence[int]) -> None:
+    def run(self, fn: Callable[[int], None], items: Iterable[int]) -> None:
         num_threads = torch.get_num_threads()
         if num_threads == 1:
             for item in items:
@@ -40,12 +40,18 @@ class TileWorkers:
         if self._pool_size != num_threads:
             self._start_pool(num_threads)
         grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
+        pending, lock = iter(items), threading.Lock()
 
-        def call(item: int) -> None:
+        def drain() -> None:  # each worker takes the next item whenever it is free: no straggler waits for work
             with torch.set_grad_enabled(grad_enabled):
-                fn(item)
+                while True:
+                    with lock:
+                        item = next(pending, None)
+                    if item is None:
+                        return
+                    fn(item)
 
-        for future in [self._pool.submit(call, item) for item in items]:
+        for future in [self._pool.submit(drain) for _ in range(num_threads)]:
             future.result()  # re-raises a worker's exception here
 
     def buffers(self, size: int) -> list[torch.Tensor]:

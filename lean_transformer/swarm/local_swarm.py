@@ -206,7 +206,8 @@ def _listening_sockets(pids: Sequence[int]) -> set[str]:
 
 
 class StopSignals:
-    """Turns the first Ctrl+C / SIGTERM into a graceful stop and a second one into an immediate one."""
+    """Turns the first Ctrl+C / SIGTERM into a graceful stop and a second one into an immediate one. The handler only
+    takes note (printing from it could interrupt a print of the main loop)."""
 
     def __init__(self):
         self.event = threading.Event()
@@ -218,8 +219,6 @@ class StopSignals:
         self.count += 1
         self.name = signal.Signals(signum).name
         self.event.set()
-        if self.count == 1:
-            print(f"\nCaught {self.name}: stopping the peers (press Ctrl+C again to stop them at once)", flush=True)
 
     @property
     def exit_code(self) -> int:
@@ -397,8 +396,8 @@ class LocalSwarm:
             lines.append(f"no swarm epoch was completed, so there is no loss to show (entropy floor {floor:.4f})")
         reports = [report for trainer in self.trainers for report in trainer.log.epoch_reports.values()]
         epochs = max((epoch for trainer in self.trainers for epoch in trainer.log.epoch_reports), default=0)
-        lines.append(f"samples processed: {sum(samples for _, _, samples in reports):,} in {epochs} swarm epochs "
-                     f"(target batch {SWARM_ARGS['target_batch_size']})")
+        lines.append(f"samples processed: {sum(samples for _, _, samples in reports):,} in {epochs} swarm "
+                     f"epoch{'s' if epochs != 1 else ''} (target batch {SWARM_ARGS['target_batch_size']})")
         per_trainer = ", ".join(f"{trainer.name} {trainer.log.gradient_rounds}" for trainer in self.trainers)
         gradient_rounds = max((trainer.log.gradient_rounds for trainer in self.trainers), default=0)
         state_rounds = max((trainer.log.state_rounds for trainer in self.trainers), default=0)
@@ -454,6 +453,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--refresh must be positive, got {args.refresh:g}")
     if not (REPO / "run_trainer.py").is_file():
         parser.error(f"run_trainer.py is not in {REPO}; run this from a checkout of the repository")
+    args.output_dir = args.output_dir.resolve()  # the peers run in the repository root, maybe not the current folder
     try:
         prepare_output_dir(args.output_dir)
     except (ValueError, OSError) as e:
@@ -475,6 +475,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if swarm.start(stop.event):
             swarm.watch(stop.event)
     finally:
+        if stop.count:
+            print(f"\nCaught {stop.name}: stopping the peers (press Ctrl+C again to stop them at once)", flush=True)
         swarm.shutdown(stop, grace=SWARM_ARGS["shutdown_timeout"] + 10)
 
     print(f"\nSummary of the local swarm ({_minutes(time.monotonic() - started_at)} min):")
@@ -486,6 +488,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  checkpoint: {path} ({source}; LeanGPTForCausalLM.from_pretrained or --resume_from)")
     plot = swarm.metrics_path.with_suffix(".png")
     print(f"  plot: {plot if plot.exists() else 'none'}; metrics: {swarm.metrics_path}; logs: {args.output_dir / 'logs'}")
+    if args.wandb:
+        print(f"  wandb: an offline run in {args.output_dir / 'wandb'} (upload it with `wandb sync`)")
     if swarm.problems:
         print(f"  problems: {'; '.join(swarm.problems)} (see the logs)")
     sys.stdout.flush()

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import hivemind
-from hivemind.compression import (BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression,
-                                  Quantile8BitQuantization, ScaledFloat16Compression, SizeAdaptiveCompression,
-                                  Uniform8BitQuantization)
+import torch
+from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
+                                  NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
+                                  SizeAdaptiveCompression, Uniform8BitQuantization)
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
@@ -29,6 +31,18 @@ def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> Compres
     return simple[name]()
 
 
+class FloatsOnly(AdaptiveCompressionBase):
+    """Compresses float32/float16 tensors and sends the others as they are: the optimizer state that newcomers
+    download holds 8-bit (uint8) LAMB statistics, which hivemind's float16 and 8-bit codecs refuse."""
+
+    def __init__(self, compression: CompressionBase):
+        self.compression = compression
+
+    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
+        floats = info.descriptor.dtype in (torch.float32, torch.float16)
+        return self.compression if floats else NoCompression()
+
+
 def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: NetworkArguments,
                     collaboration: CollaborationArguments, training: TrainingArguments, private_key: RSAPrivateKey,
                     *, auxiliary: bool = False,
@@ -39,7 +53,8 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
     accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those.
     ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass.
     """
-    state_compression = make_compression(collaboration.state_compression, collaboration.size_adaptive_threshold)
+    state_compression = FloatsOnly(make_compression(collaboration.state_compression,
+                                                    collaboration.size_adaptive_threshold))
     return optimizer_class(
         dht=dht,
         run_id=network.run_id,
