@@ -209,7 +209,8 @@ class TrainingArguments:
     keep_backups: int = field(default=2, metadata={"help": "How many local backups to keep."})
     resume_from: Optional[str] = field(default=None, metadata={
         "help": "Checkpoint directory (or a folder of them: the newest is used) to load before joining; "
-                "the newer of it and the swarm's state wins."})
+                "the newer of it and the swarm's state wins. Its optimizer state (LR schedule included) replaces "
+                "this peer's, as the swarm's does."})
     max_epochs: Optional[int] = field(default=None, metadata={
         "help": "Stop once this peer reaches this epoch (default: total_steps)."})
     device: Optional[str] = field(default=None, metadata={"help": "Torch device (default: cuda if available)."})

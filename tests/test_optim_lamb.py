@@ -312,8 +312,12 @@ def test_rejects_bad_parameters_and_gradients():
                 {"params": [torch.zeros(3, requires_grad=True)], "lr": -1},
             ]
         )
+    optimizer = CPULAMB8Bit([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match="betas"):
+        optimizer.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "betas": (0.9, 1.5)})
+    assert len(optimizer.param_groups) == 1  # the rejected group was not kept
     embedding = torch.nn.Embedding(10, 4, sparse=True)
     optimizer = CPULAMB8Bit(embedding.parameters())
     embedding(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(ValueError, match="sparse gradient"):
+    with pytest.raises(ValueError, match="is sparse"):
         optimizer.step()

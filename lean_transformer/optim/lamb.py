@@ -145,14 +145,11 @@ class CPULAMB8Bit(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group_index = len(self.param_groups) - 1
-        _check_hyperparameters(self.param_groups[-1], group_index)
-        for index, param in enumerate(self.param_groups[-1]["params"]):
-            if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
-                raise ValueError(
-                    f"param_groups[{group_index}]['params'][{index}] must be a contiguous float32 CPU tensor "
-                    f"(got {param.dtype} on {param.device}); keep low-precision or GPU weights in OffloadedOptimizer"
-                )
+        try:
+            _check_param_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()  # a rejected group must not stay behind
+            raise
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -165,12 +162,11 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             for index, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
-                where = f"param_groups[{group_index}]['params'][{index}]"
-                if param.grad.is_sparse:
-                    raise ValueError(f"{where} has a sparse gradient; CPULAMB8Bit needs dense gradients")
-                if param.grad.shape != param.shape:
+                if param.grad.is_sparse or param.grad.shape != param.shape:
+                    problem = "is sparse" if param.grad.is_sparse else f"has shape {tuple(param.grad.shape)}"
                     raise ValueError(
-                        f"{where}: grad shape {tuple(param.grad.shape)} != param shape {tuple(param.shape)}"
+                        f"the gradient of param_groups[{group_index}]['params'][{index}] {problem}; "
+                        f"CPULAMB8Bit needs dense gradients shaped like the parameter {tuple(param.shape)}"
                     )
                 work.append((group, param))
         clip = self._clip_coefficient([param.grad for _, param in work])
@@ -345,7 +341,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         )
 
 
-def _check_hyperparameters(group: dict[str, Any], group_index: int) -> None:
+def _check_param_group(group: dict[str, Any], group_index: int) -> None:
     betas = group["betas"]
     checks = {
         "lr": group["lr"] >= 0,
@@ -357,6 +353,12 @@ def _check_hyperparameters(group: dict[str, Any], group_index: int) -> None:
     for name, ok in checks.items():
         if not ok:
             raise ValueError(f"param_groups[{group_index}] has an invalid {name}: {group[name]!r}")
+    for index, param in enumerate(group["params"]):
+        if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
+            raise ValueError(
+                f"param_groups[{group_index}]['params'][{index}] must be a contiguous float32 CPU tensor "
+                f"(got {param.dtype} on {param.device}); keep low-precision or GPU weights in OffloadedOptimizer"
+            )
 
 
 def _check_saved_state(param: torch.Tensor, saved: dict[str, Any], where: str) -> None:

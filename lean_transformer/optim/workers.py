@@ -6,6 +6,7 @@ for whichever core was descheduled. Instead each worker runs whole tiles with in
 ops release the GIL, and ``torch.set_num_threads`` is per thread), so workers never wait for each other
 inside a tile, and the per-tile result does not depend on how many workers there are.
 """
+
 from __future__ import annotations
 
 import threading

@@ -4,7 +4,6 @@ within a bounded time instead of a hang."""
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -37,9 +36,8 @@ def validate_maddrs(maddrs: Sequence[str], flag: str, *, require_peer_id: bool =
             parsed = Multiaddr(maddr)
         except Exception as e:  # the multiaddr package raises several unrelated exception types
             raise ValueError(f"--{flag}: {maddr!r} is not a valid multiaddr ({e})") from None
-        protocols = {protocol.name for protocol in parsed.protocols()}
         if require_peer_id:
-            if "p2p" not in protocols:
+            if "p2p" not in {protocol.name for protocol in parsed.protocols()}:
                 raise ValueError(f"--{flag}: {maddr!r} has no /p2p/<peer id> part; copy the full address that the "
                                  f"peer printed after --initial_peers")
             try:
@@ -88,7 +86,6 @@ def peer_private_key(network: NetworkArguments) -> RSAPrivateKey:
         return RSAPrivateKey.process_wide()
     from lean_transformer.swarm.auth import load_identity_key
 
-    os.makedirs(os.path.dirname(os.path.abspath(network.identity_path)), exist_ok=True)
     return load_identity_key(network.identity_path, create=True)
 
 

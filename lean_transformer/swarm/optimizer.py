@@ -33,7 +33,7 @@ def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> Compres
 
 class FloatsOnly(AdaptiveCompressionBase):
     """Compresses float32/float16 tensors and sends the others as they are: the optimizer state that newcomers
-    download holds 8-bit (uint8) LAMB statistics, which hivemind's float16 and 8-bit codecs refuse."""
+    download holds 8-bit (uint8) LAMB statistics, which hivemind's float16 and 8-bit codecs refuse or mangle."""
 
     def __init__(self, compression: CompressionBase):
         self.compression = compression

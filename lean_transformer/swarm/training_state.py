@@ -38,6 +38,7 @@ def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
 
 
 def read_epoch(directory: os.PathLike) -> int:
+    """The epoch of a checkpoint, without loading the model."""
     return int(torch.load(Path(directory) / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)["epoch"])
 
 
@@ -49,6 +50,8 @@ def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
     Raises ValueError if the checkpoint does not fit the model or the optimizer.
     """
     directory = Path(directory)
+    averager = optimizer.state_averager
+    averager.step(wait_for_delayed_updates=True)  # nothing running in the background may overwrite what we load
     try:
         loaded = type(model).from_pretrained(directory)  # resolves tied and sharded weights
         model.load_state_dict(loaded.state_dict())
@@ -56,8 +59,6 @@ def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
         raise ValueError(f"{directory} does not hold a checkpoint of this model: {str(e).splitlines()[0]}") from None
     del loaded
     state = torch.load(directory / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
-    averager = optimizer.state_averager
-    averager.step(wait_for_delayed_updates=True)  # nothing running in the background may overwrite what we load
     offloaded = [param for group in averager.optimizer.param_groups for param in group["params"]]
     for main_param, offloaded_param in zip(averager.main_parameters, offloaded):
         if offloaded_param is not main_param:
