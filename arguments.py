@@ -44,6 +44,11 @@ class NetworkArguments:
     identity_path: Optional[str] = field(default=None, metadata={
         "help": "File with this peer's private key; created if missing. Keeps the peer ID (and so the address "
                 "printed for --initial_peers) the same across restarts."})
+    auth_token_path: Optional[str] = field(default=None, metadata={
+        "help": "Access token the swarm owner issued for this peer's --identity_path key (authorized swarms only; "
+                "see `python -m lean_transformer.swarm.auth --help`)."})
+    authority_public_key_path: Optional[str] = field(default=None, metadata={
+        "help": "The swarm authority's public key: with --auth_token_path, talk only to peers holding its tokens."})
     client_mode: bool = field(default=False, metadata={
         "help": "Do not accept incoming connections (for peers behind NAT or a firewall). Client peers still "
                 "train and average through full peers."})

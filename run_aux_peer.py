@@ -32,7 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         run_aux_peer(network, collaboration, task_args, training, aux)
-    except (ValueError, FileNotFoundError, SwarmConnectionError) as e:
+    except (ValueError, OSError, SwarmConnectionError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_aux_peer.py: error: {e}", file=sys.stderr)
         return 1

@@ -31,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         train(network, collaboration, training, task_args)
-    except (ValueError, FileNotFoundError, SwarmConnectionError, NonFiniteParametersError) as e:
+    except (ValueError, OSError, SwarmConnectionError, NonFiniteParametersError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_trainer.py: error: {e}", file=sys.stderr)
         return 1

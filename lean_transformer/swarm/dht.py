@@ -13,6 +13,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from lean_transformer.swarm.auth import make_authorizer
+
 if TYPE_CHECKING:
     from arguments import NetworkArguments
 
@@ -51,6 +53,7 @@ def build_dht(network: NetworkArguments, record_validators: Iterable[RecordValid
 
     Must be called from the main thread (hivemind starts a child process that owns the p2p daemon).
     """
+    authorizer = make_authorizer(network.auth_token_path, network.authority_public_key_path, network.identity_path)
     dht = hivemind.DHT(
         initial_peers=network.initial_peers,
         host_maddrs=network.host_maddrs,
@@ -60,6 +63,7 @@ def build_dht(network: NetworkArguments, record_validators: Iterable[RecordValid
         use_relay=network.use_relay,
         use_auto_relay=network.use_auto_relay,
         record_validators=record_validators,
+        authorizer=authorizer,
         start=False,
     )
     try:
