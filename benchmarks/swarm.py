@@ -94,7 +94,7 @@ def swarm_samples_per_second(num_peers: int, epochs: int, target_batch_size: int
 
 
 def throughput(peer_counts: list[int], epochs: int) -> list[str]:
-    target = 512
+    target = 1024
     rates = {}
     with tempfile.TemporaryDirectory() as workdir:
         for num_peers in peer_counts:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def run_single_peer() -> dict:
 
 @pytest.mark.swarm
 def test_single_peer_hivemind_optimizer_steps_with_cpulamb8bit():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=150, env=env)
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]

@@ -7,8 +7,9 @@ One scenario (run once for the module, ~2 minutes) feeds the tests below:
   - "solo": trainer P0 alone with batch 2b = 16, the same schedule and initialization;
   - "resume": once P1 has backed up epoch 2, trainer P4 starts a fresh run with --resume_from that backup (newer than
     its empty swarm); once it trains, a late trainer P3 joins it with --resume_from P1's epoch-1 backup (older than
-    the swarm), trains an epoch, and both are stopped with SIGTERM.
-Then two lone peers diverge on purpose (learning rate 1e30), one with a backup to restore and one without.
+    the swarm), averages gradients with it, and both are stopped with SIGTERM.
+Then four peers train alone: two diverge on purpose (learning rate 1e30), one with a backup to restore and one
+without, and two train with mixed precision (fp16; MLM with bf16).
 """
 from __future__ import annotations
 
@@ -85,13 +86,14 @@ def scenario(tmp_path_factory) -> Scenario:
         peers += [p1, p2, p0]
 
         p1.wait_for(r"Backed up epoch 2\b", 150)
+        slower = ["--target_batch_size", str(4 * TARGET_BATCH)]  # so that the late peer catches up in one download
         resumed = PeerProcess("p4", trainer_argv("resume", root / "p4", initial, BATCH, 1000, "--resume_from",
-                                                 str(backup(root / "p1", 2))), root, ENV)
+                                                 str(backup(root / "p1", 2)), *slower), root, ENV)
         peers.append(resumed)
         resumed.wait_for(r"Reached epoch 3\b", 150)
         late_started_at_epoch = max(epoch_losses(resumed.stderr))
         late = PeerProcess("p3", trainer_argv("resume", root / "p3", initial, BATCH, 1000, "--resume_from",
-                                              str(backup(root / "p1", 1))), root, ENV)
+                                              str(backup(root / "p1", 1)), *slower), root, ENV)
         peers.append(late)
         late.wait_for(r"Joined the swarm at epoch (\d+)", 150)
         late.wait_for(r"Averaged gradients with 2 peers", 120)  # it trains with the swarm, not just alongside
@@ -180,29 +182,47 @@ def test_resume_keeps_a_local_checkpoint_newer_than_the_swarm(scenario: Scenario
 
 
 @pytest.fixture(scope="module")
-def diverging(scenario: Scenario) -> dict[str, PeerProcess]:
-    """Two lone peers whose learning rate (1e30) breaks the parameters at the first step: one with a backup of the
-    solo run's epoch 8 in its output directory, one without backups."""
-    root = scenario.root / "diverging"
+def lone_peers(scenario: Scenario) -> dict[str, PeerProcess]:
+    """Peers in swarms of their own, all at once: two whose learning rate (1e30) breaks the parameters at the first
+    step (one with a backup of the solo run's last epoch in its output directory, one without backups), and two
+    that train with mixed precision (one of them on the MLM task with gradient accumulation, sequence-length warmup
+    and gradient checkpointing)."""
+    root = scenario.root / "lone"
     shutil.copytree(backup(scenario.root / "p0", EPOCHS), root / "restores" / "backups" / f"epoch-{EPOCHS:06d}")
-    peers = {name: PeerProcess(name, trainer_argv(name, root / name, [], 2 * BATCH, EPOCHS + 2, "--learning_rate",
-                                                  "1e30", *extra), root, ENV)
-             for name, extra in (("restores", []), ("no_backup", ["--backup_every_epochs", "0"]))}
+    diverge = ["--learning_rate", "1e30"]
+    healthy = ["--learning_rate", "0.02", "--warmup_steps", "1", "--target_batch_size", "64"]
+    cases = {"restores": (EPOCHS + 2, diverge),
+             "no_backup": (EPOCHS + 2, [*diverge, "--backup_every_epochs", "0"]),
+             "fp16": (5, [*healthy, "--fp16"]),
+             "mlm_bf16": (5, [*healthy, "--bf16", "--task", "mlm", "--gradient_accumulation_steps", "2",
+                              "--initial_sequence_length", "32", "--sequence_length_warmup_steps", "3",
+                              "--gradient_checkpointing", "true"])}
+    peers = {name: PeerProcess(name, trainer_argv(name, root / name, [], 2 * BATCH, epochs, *extra), root, ENV)
+             for name, (epochs, extra) in cases.items()}
     for peer in peers.values():
-        peer.wait(180)
+        peer.wait(240)
     return peers
 
 
-def test_broken_parameters_are_restored_from_the_latest_backup(diverging):
-    peer = diverging["restores"]
+def test_broken_parameters_are_restored_from_the_latest_backup(lone_peers):
+    peer = lone_peers["restores"]
     assert peer.process.returncode == 0, peer.stderr[-2000:]
     log = peer.stderr
     assert re.search(rf"at epoch 1; restored the backup of epoch {EPOCHS} from .*epoch-{EPOCHS:06d}", log)
     assert EPOCHS + 2 in epoch_losses(log)  # trained on from the backup (whose optimizer state has the sane LR)
 
 
-def test_broken_parameters_without_a_backup_stop_the_peer_with_a_clear_error(diverging):
-    peer = diverging["no_backup"]
+def test_broken_parameters_without_a_backup_stop_the_peer_with_a_clear_error(lone_peers):
+    peer = lone_peers["no_backup"]
     assert peer.process.returncode == 1
     last_line = peer.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"run_trainer.py: error: .* at epoch \d+ and there is no local backup in .*", last_line)
+
+
+@pytest.mark.parametrize("name", ["fp16", "mlm_bf16"])
+def test_mixed_precision_training(lone_peers, name):
+    peer = lone_peers[name]
+    assert peer.process.returncode == 0, peer.stderr[-2000:]
+    losses = epoch_losses(peer.stderr)
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert losses[5] < losses[1] - 0.2, losses

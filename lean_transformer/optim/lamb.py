@@ -91,6 +91,18 @@ class _FoldedConstants:
         )
 
 
+class _QuantizedTensor:
+    """Flat views of one parameter, its gradient and its 8-bit state, made once per step rather than per tile."""
+
+    def __init__(self, param: torch.Tensor, state: dict[str, Any], constants: _FoldedConstants):
+        self.constants, self.block_size = constants, state["block_size"]
+        self.grad, self.weight = param.grad.reshape(-1), param.view(-1)
+        self.m_codes, self.v_codes = state["exp_avg"].view(-1).view(torch.int8), state["exp_avg_sq"].view(-1)
+        self.m_absmax, self.v_absmax = state["exp_avg_absmax"], state["exp_avg_sq_absmax"]
+        self.m_decode_scale = self.m_absmax * constants.m_decode  # taken before any tile replaces the absmax
+        self.v_decode_scale = self.v_absmax * constants.v_decode
+
+
 class CPULAMB8Bit(torch.optim.Optimizer):
     """LAMB with block-wise 8-bit moments for float32 CPU parameters (e.g. hivemind's offloaded copies).
 
@@ -239,9 +251,8 @@ class CPULAMB8Bit(torch.optim.Optimizer):
     def _update_quantized(
         self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], k: _StepConstants
     ) -> None:
-        numel, folded, block = param.numel(), _FoldedConstants.from_step(k), state["block_size"]
-        grad, weight = param.grad.reshape(-1), param.view(-1)
-        decode_scales = (state["exp_avg_absmax"] * folded.m_decode, state["exp_avg_sq_absmax"] * folded.v_decode)
+        numel, block = param.numel(), state["block_size"]
+        tensor = _QuantizedTensor(param, state, _FoldedConstants.from_step(k))
         tile = max(block, self.tile_size // block * block)  # tiles hold whole blocks
         bounds = [(start, min(start + tile, numel)) for start in range(0, numel, tile)]
         norms = torch.empty(2, len(bounds))  # per tile: ||U|| and ||w||
@@ -252,50 +263,36 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         def tile_update(i: int, store: bool) -> torch.Tensor:
             start, end = bounds[i]
             update = self._update_buffer[start:end] if single_pass else self._workers.buffers(tile)[4][: end - start]
-            self._tile_step(grad, weight, state, decode_scales, start, end, folded, update, store)
+            self._tile_step(tensor, start, end, update, store)
             return update
 
         def first_pass(i: int) -> None:
             torch.linalg.vector_norm(tile_update(i, store=single_pass), out=norms[0, i])
-            torch.linalg.vector_norm(weight[bounds[i][0] : bounds[i][1]], out=norms[1, i])
+            torch.linalg.vector_norm(tensor.weight[bounds[i][0] : bounds[i][1]], out=norms[1, i])
 
         self._workers.run(first_pass, range(len(bounds)))
         update_norm, weight_norm = torch.linalg.vector_norm(norms.double(), dim=1).tolist()
-        alpha = -self._step_size(weight_norm, folded.update_scale * update_norm, group) * folded.update_scale
+        update_scale = tensor.constants.update_scale
+        alpha = -self._step_size(weight_norm, update_scale * update_norm, group) * update_scale
 
         def second_pass(i: int) -> None:
             # without a full update buffer, recompute the tile from its old state (replaced only now)
             update = self._update_buffer[bounds[i][0] : bounds[i][1]] if single_pass else tile_update(i, store=True)
-            weight[bounds[i][0] : bounds[i][1]].add_(update, alpha=alpha)
+            tensor.weight[bounds[i][0] : bounds[i][1]].add_(update, alpha=alpha)
 
         self._workers.run(second_pass, range(len(bounds)))
 
-    def _tile_step(
-        self,
-        grad: torch.Tensor,
-        weight: torch.Tensor,
-        state: dict[str, Any],
-        decode_scales: tuple[torch.Tensor, torch.Tensor],
-        start: int,
-        end: int,
-        k: _FoldedConstants,
-        update: torch.Tensor,
-        store: bool,
-    ) -> None:
+    def _tile_step(self, tensor: _QuantizedTensor, start: int, end: int, update: torch.Tensor, store: bool) -> None:
         """Write U (see _FoldedConstants) of elements [start, end) to ``update``; if ``store``, save the new moments."""
-        size, block = end - start, state["block_size"]
+        k, block = tensor.constants, tensor.block_size
         blocks = slice(start // block, num_blocks(end, block))
-        m, v, scratch, denominator = (buffer[:size] for buffer in self._workers.buffers(size)[:4])
-        g, w = grad[start:end], weight[start:end]
-        m_codes, v_codes = (
-            state["exp_avg"].view(-1)[start:end].view(torch.int8),
-            state["exp_avg_sq"].view(-1)[start:end],
-        )
+        m, v, scratch, denominator = (buffer[: end - start] for buffer in self._workers.buffers(end - start)[:4])
+        g, w, m_codes, v_codes = (x[start:end] for x in (tensor.grad, tensor.weight, tensor.m_codes, tensor.v_codes))
 
-        decode_signed_(m_codes, decode_scales[0][blocks], block, out=m, scratch=scratch, add=g)
-        decode_unsigned_(v_codes, decode_scales[1][blocks], block, out=v).addcmul_(g, g)
+        decode_signed_(m_codes, tensor.m_decode_scale[blocks], block, out=m, scratch=scratch, add=g)
+        decode_unsigned_(v_codes, tensor.v_decode_scale[blocks], block, out=v).addcmul_(g, g)
         if store:
-            m_absmax, v_absmax = state["exp_avg_absmax"][blocks], state["exp_avg_sq_absmax"][blocks]
+            m_absmax, v_absmax = tensor.m_absmax[blocks], tensor.v_absmax[blocks]
             amax_blocks(torch.abs(m, out=scratch), block, out=m_absmax)
             amax_blocks(v, block, out=v_absmax)
         v.add_(TINY).sqrt_()

@@ -36,12 +36,13 @@ def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
 
-def block_views(x: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, slice]]:
-    """(2-D view of whole blocks, their block indices) pairs; a trailing partial block is its own row."""
+def block_views(x: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, Optional[slice]]]:
+    """(2-D view of whole blocks, their block indices or None for all) pairs; a trailing partial block is its
+    own row. Runs several times per tile, so the common case (whole blocks only) stays cheap."""
     numel = x.numel()
     full = numel // block_size
-    if numel == full * block_size:  # the common case, kept cheap: this runs several times per tile
-        return [(x.view(full, block_size), slice(None))]
+    if numel == full * block_size:
+        return [(x.view(full, block_size), None)]
     views = [(x[: full * block_size].view(full, block_size), slice(0, full))] if full else []
     return views + [(x[full * block_size :].view(1, -1), slice(full, full + 1))]
 
@@ -49,14 +50,14 @@ def block_views(x: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, sl
 def mul_blocks_(x: torch.Tensor, per_block: torch.Tensor, block_size: int) -> torch.Tensor:
     """x[i] *= per_block[i // block_size], in place."""
     for rows, idx in block_views(x, block_size):
-        rows.mul_(per_block[idx].unsqueeze(1))
+        rows.mul_((per_block if idx is None else per_block[idx]).unsqueeze(1))
     return x
 
 
 def amax_blocks(x: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
     """out[j] = max of x over block j; ``x`` must already be non-negative (e.g. ``|m|`` or ``v``)."""
     for rows, idx in block_views(x, block_size):
-        torch.amax(rows, dim=1, out=out[idx])
+        torch.amax(rows, dim=1, out=out if idx is None else out[idx])
     return out
 
 
