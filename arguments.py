@@ -221,7 +221,8 @@ class TrainingArguments:
     device: Optional[str] = field(default=None, metadata={"help": "Torch device (default: cuda if available)."})
     progress_every: float = field(default=5.0, metadata={"help": "Seconds between progress lines."})
     shutdown_timeout: float = field(default=25.0, metadata={
-        "help": "On Ctrl+C / SIGTERM, seconds to finish the current step and leave the swarm before abandoning it."})
+        "help": "On Ctrl+C / SIGTERM, seconds to finish the current step and leave the swarm; averaging rounds "
+                "still in flight after a fifth of it are cancelled, and the step is abandoned when it is spent."})
 
     def __post_init__(self):
         for name in ("per_device_batch_size", "gradient_accumulation_steps", "total_steps", "max_sequence_length",

@@ -99,7 +99,7 @@ def main() -> None:
         ]
         print(f"| {name} | " + " | ".join(cells) + f" | {state_bytes(optimizer) / numel:.2f} |")
     lamb = optimizers["CPULAMB8Bit (ours)"]
-    scratch = lamb._update_buffer.numel() * 4 / numel
+    scratch = lamb.scratch_bytes() / numel
     print(
         f"\nCPULAMB8Bit also keeps a float32 update buffer for the largest tensor ({scratch:.2f} bytes/param here, "
         f"at most 4 * chunk_size bytes). bitsandbytes' CPU LAMB8bit applies no trust ratio (it runs Adam's update)."

@@ -38,7 +38,7 @@ def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], batch_
                  *extra: str) -> list[str]:
     return ["run_trainer.py", "--run_id", run_id, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
             *(["--initial_peers", *initial_peers] if initial_peers else []), "--target_batch_size", str(TARGET_BATCH),
-            "--per_device_batch_size", str(batch_size), "--max_sequence_length", "64", "--learning_rate", "0.03",
+            "--per_device_batch_size", str(batch_size), "--max_sequence_length", "64", "--learning_rate", "0.01",
             "--warmup_steps", "3", "--total_steps", "100", "--max_epochs", str(max_epochs),
             "--matchmaking_time", "2", "--averaging_timeout", "15", "--average_state_every", "2", "--backup_every_epochs", "1",
             "--keep_backups", "100", "--progress_every", "2", "--output_dir", str(output_dir), *extra]

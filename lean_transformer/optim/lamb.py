@@ -7,9 +7,10 @@ Per parameter tensor ``w`` with gradient ``g`` (optionally scaled by global norm
     u = r + weight_decay * w                                    # decoupled weight decay
     w = w - lr * clamp(||w||, 0, clamp_value) / ||u|| * u       # trust ratio is 1 if either norm is 0
 
-Large tensors keep ``m`` and ``v`` as block-wise quantized bytes (see ``quantization.py``): a step decodes
-one cache-sized tile at a time, updates it in float32, re-encodes it and writes the tile of ``u``; tiles are
-spread over worker threads (see ``workers.py``). Because the trust ratio needs ``||u||`` of the whole tensor
+Large tensors keep ``m`` and ``v`` as block-wise quantized bytes (see ``quantization.py``). A step runs one
+fused kernel per tile (compiled with numba: a chain of torch ops sweeps memory once per op and was ~4x slower):
+it decodes a block, updates it in float32, re-encodes it and writes the block of ``u``; tiles are spread over
+worker threads (see ``workers.py``). Because the trust ratio needs ``||u||`` of the whole tensor
 before any weight moves, ``u`` goes to a float32 buffer for tensors of up to ``chunk_size`` elements; bigger
 tensors are walked twice (norms first, then the update recomputed tile by tile from the same old state), so
 the extra memory never exceeds ``4 * chunk_size`` bytes. Both routes run the same per-tile arithmetic and
@@ -22,23 +23,23 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+import numba
+import numpy as np
 import torch
 
 from lean_transformer.optim.quantization import (
+    JIT,
     SIGNED_LEVELS,
     TINY,
     UNSIGNED_LEVELS,
-    amax_blocks,
-    decode_signed_,
-    decode_unsigned_,
-    encode_signed_,
-    encode_unsigned_from_sqrt_,
+    block_absmax,
+    encode_signed,
+    encode_unsigned_from_sqrt,
     num_blocks,
 )
 from lean_transformer.optim.workers import TileWorkers
 
-# elements per tile: large enough that the Python and dispatch overhead of ~25 ops (a few microseconds each,
-# holding the GIL) stays small next to their arithmetic, small enough that the tile buffers stay in cache (L3)
+# elements per tile: enough work (~0.2 ms) to hide the per-call overhead, few enough to balance the threads
 DEFAULT_TILE_SIZE = 2**18
 QUANTIZED_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -58,11 +59,11 @@ class _StepConstants:
 
 @dataclass(frozen=True)
 class _FoldedConstants:
-    """The same step rewritten so that a tile needs as few sweeps as possible.
+    """The same step rewritten so that a tile needs a single sweep with few operations per value.
 
     A tile works on M = m / ((1 - b1) * clip) and V = v / ((1 - b2) * clip**2), which makes the moment updates
-    ``M = g + decay_m * m_old`` and ``V = g**2 + decay_v * v_old`` (one fused op each), and computes
-    U = u / update_scale as ``w + value * M / (sqrt(V) + eps)`` (or without ``w`` if there is no weight decay).
+    ``M = g + decay_m * m_old`` and ``V = g**2 + decay_v * v_old``, and computes U = u / update_scale as
+    ``weight_mult * w + value * M / (sqrt(V) + eps)`` (weight_mult is 0 without weight decay).
     """
 
     m_decode: float  # times the stored absmax: decodes q * |q| straight into decay_m * m_old in M units
@@ -70,12 +71,12 @@ class _FoldedConstants:
     m_store: float  # stored absmax = m_store * max|M| over the block
     v_store: float
     eps: float
-    add_weight: bool
+    weight_mult: float
     value: float
     update_scale: float
 
     @classmethod
-    def from_step(cls, k: _StepConstants) -> "_FoldedConstants":
+    def from_step(cls, k: _StepConstants) -> _FoldedConstants:
         m_unit, v_unit = (1 - k.beta1) * k.clip, (1 - k.beta2) * k.clip**2
         sqrt_v_unit = math.sqrt(v_unit / k.bias_correction2)  # sqrt(v_hat) = sqrt_v_unit * sqrt(V)
         correction = m_unit / k.bias_correction1 / sqrt_v_unit  # r = correction * M / (sqrt(V) + eps)
@@ -85,22 +86,76 @@ class _FoldedConstants:
             m_store=m_unit,
             v_store=v_unit,
             eps=k.eps / sqrt_v_unit,
-            add_weight=k.weight_decay > 0,
+            weight_mult=1.0 if k.weight_decay else 0.0,
             value=correction / k.weight_decay if k.weight_decay else 1.0,
             update_scale=k.weight_decay if k.weight_decay else correction,
         )
 
+    def kernel_args(self) -> tuple[np.float32, ...]:
+        """The scalars _lamb_tile takes, as float32 so that its arithmetic stays in float32."""
+        names = ("m_decode", "v_decode", "m_store", "v_store", "eps", "weight_mult", "value")
+        return tuple(np.float32(getattr(self, name)) for name in names)
+
+
+@numba.njit(**JIT)
+def _update_block(g, w, m_codes, v_codes, update, m, v, sqrt_v, m_decode, v_decode, eps, weight_mult, value):
+    """Decode and update the moments of one block, write U, and return the block's sums of U**2 and w**2."""
+    update_sq, weight_sq = np.float32(0.0), np.float32(0.0)
+    for j in range(g.size):
+        q_m, q_v = np.float32(m_codes[j]), np.float32(v_codes[j])
+        m[j] = g[j] + q_m * abs(q_m) * m_decode
+        v[j] = g[j] * g[j] + (q_v * q_v) * (q_v * q_v) * v_decode
+        sqrt_v[j] = np.sqrt(v[j] + TINY)
+        update[j] = weight_mult * w[j] + value * m[j] / (sqrt_v[j] + eps)
+        update_sq += update[j] * update[j]
+        weight_sq += w[j] * w[j]
+    return update_sq, weight_sq
+
+
+@numba.njit(**JIT)
+def _lamb_tile(
+    g, w, m_codes, v_codes, m_absmax, v_absmax, update, block_size, m_decode, v_decode, m_store, v_store, eps,
+    weight_mult, value, store,
+):  # fmt: skip
+    """One tile of the quantized step (see _FoldedConstants); returns its sums of U**2 and w**2."""
+    m, v, sqrt_v = np.empty(block_size, np.float32), np.empty(block_size, np.float32), np.empty(block_size, np.float32)
+    bits_scratch = np.empty(1, np.int32)
+    update_sq, weight_sq = 0.0, 0.0
+    for b in range(m_absmax.size):
+        start, end = b * block_size, min((b + 1) * block_size, g.size)
+        size = end - start
+        block_update_sq, block_weight_sq = _update_block(
+            g[start:end], w[start:end], m_codes[start:end], v_codes[start:end], update[start:end], m[:size], v[:size],
+            sqrt_v[:size], np.float32(m_absmax[b] * m_decode), np.float32(v_absmax[b] * v_decode), eps, weight_mult,
+            value,
+        )  # fmt: skip
+        update_sq += block_update_sq
+        weight_sq += block_weight_sq
+        if store:
+            m_max, v_max = block_absmax(m[:size], bits_scratch), block_absmax(v[:size], bits_scratch)
+            encode_signed(m[:size], m_max, m_codes[start:end])
+            encode_unsigned_from_sqrt(sqrt_v[:size], v_max, v_codes[start:end])
+            m_absmax[b], v_absmax[b] = m_max * m_store, v_max * v_store
+    return update_sq, weight_sq
+
+
+@numba.njit(**JIT)
+def _add_scaled(weight, update, alpha):
+    """weight += alpha * update: a tile's share of w -= lr * trust_ratio * u."""
+    for j in range(weight.size):
+        weight[j] += alpha * update[j]
+
 
 class _QuantizedTensor:
-    """Flat views of one parameter, its gradient and its 8-bit state, made once per step rather than per tile."""
+    """Flat numpy views of one parameter, its gradient and its 8-bit state (zero-copy), made once per step."""
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], constants: _FoldedConstants):
         self.constants, self.block_size = constants, state["block_size"]
-        self.grad, self.weight = param.grad.reshape(-1), param.view(-1)
-        self.m_codes, self.v_codes = state["exp_avg"].view(-1).view(torch.int8), state["exp_avg_sq"].view(-1)
-        self.m_absmax, self.v_absmax = state["exp_avg_absmax"], state["exp_avg_sq_absmax"]
-        self.m_decode_scale = self.m_absmax * constants.m_decode  # taken before any tile replaces the absmax
-        self.v_decode_scale = self.v_absmax * constants.v_decode
+        self.grad = param.grad.detach().reshape(-1).contiguous().numpy()
+        self.weight = param.detach().view(-1).numpy()
+        self.m_codes = state["exp_avg"].view(-1).view(torch.int8).numpy()
+        self.v_codes = state["exp_avg_sq"].view(-1).numpy()
+        self.m_absmax, self.v_absmax = state["exp_avg_absmax"].numpy(), state["exp_avg_sq_absmax"].numpy()
 
 
 class CPULAMB8Bit(torch.optim.Optimizer):
@@ -143,8 +198,8 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.min_8bit_size, self.block_size, self.chunk_size = min_8bit_size, block_size, chunk_size
         self.tile_size = tile_size
-        self._update_buffer = torch.empty(0)
-        self._workers = TileWorkers(num_buffers=5)
+        self._update_buffer = np.empty(0, np.float32)
+        self._workers = TileWorkers()
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -255,57 +310,39 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         tensor = _QuantizedTensor(param, state, _FoldedConstants.from_step(k))
         tile = max(block, self.tile_size // block * block)  # tiles hold whole blocks
         bounds = [(start, min(start + tile, numel)) for start in range(0, numel, tile)]
-        norms = torch.empty(2, len(bounds))  # per tile: ||U|| and ||w||
+        sums = [(0.0, 0.0)] * len(bounds)  # per tile: sum of U**2 and of w**2
         single_pass = numel <= self.chunk_size
-        if single_pass and self._update_buffer.numel() < numel:
-            self._update_buffer = torch.empty(numel)
+        if single_pass and self._update_buffer.size < numel:
+            self._update_buffer = np.empty(numel, np.float32)
 
-        def tile_update(i: int, store: bool) -> torch.Tensor:
+        def tile_update(i: int, store: bool) -> np.ndarray:
             start, end = bounds[i]
-            update = self._update_buffer[start:end] if single_pass else self._workers.buffers(tile)[4][: end - start]
-            self._tile_step(tensor, start, end, update, store)
+            update = self._update_buffer[start:end] if single_pass else self._workers.buffer(tile)[: end - start]
+            sums[i] = self._tile_step(tensor, start, end, update, store)
             return update
 
-        def first_pass(i: int) -> None:
-            torch.linalg.vector_norm(tile_update(i, store=single_pass), out=norms[0, i])
-            torch.linalg.vector_norm(tensor.weight[bounds[i][0] : bounds[i][1]], out=norms[1, i])
-
-        self._workers.run(first_pass, range(len(bounds)))
-        update_norm, weight_norm = torch.linalg.vector_norm(norms.double(), dim=1).tolist()
+        self._workers.run(lambda i: tile_update(i, store=single_pass), range(len(bounds)))
+        update_norm, weight_norm = (math.sqrt(sum(pair[j] for pair in sums)) for j in (0, 1))
         update_scale = tensor.constants.update_scale
-        alpha = -self._step_size(weight_norm, update_scale * update_norm, group) * update_scale
+        alpha = np.float32(-self._step_size(weight_norm, update_scale * update_norm, group) * update_scale)
 
         def second_pass(i: int) -> None:
             # without a full update buffer, recompute the tile from its old state (replaced only now)
-            update = self._update_buffer[bounds[i][0] : bounds[i][1]] if single_pass else tile_update(i, store=True)
-            tensor.weight[bounds[i][0] : bounds[i][1]].add_(update, alpha=alpha)
+            start, end = bounds[i]
+            update = self._update_buffer[start:end] if single_pass else tile_update(i, store=True)
+            _add_scaled(tensor.weight[start:end], update, alpha)
 
         self._workers.run(second_pass, range(len(bounds)))
 
-    def _tile_step(self, tensor: _QuantizedTensor, start: int, end: int, update: torch.Tensor, store: bool) -> None:
+    @staticmethod
+    def _tile_step(tensor: _QuantizedTensor, start: int, end: int, update: np.ndarray, store: bool) -> tuple:
         """Write U (see _FoldedConstants) of elements [start, end) to ``update``; if ``store``, save the new moments."""
-        k, block = tensor.constants, tensor.block_size
+        block = tensor.block_size
         blocks = slice(start // block, num_blocks(end, block))
-        m, v, scratch, denominator = (buffer[: end - start] for buffer in self._workers.buffers(end - start)[:4])
-        g, w, m_codes, v_codes = (x[start:end] for x in (tensor.grad, tensor.weight, tensor.m_codes, tensor.v_codes))
-
-        decode_signed_(m_codes, tensor.m_decode_scale[blocks], block, out=m, scratch=scratch, add=g)
-        decode_unsigned_(v_codes, tensor.v_decode_scale[blocks], block, out=v).addcmul_(g, g)
-        if store:
-            m_absmax, v_absmax = tensor.m_absmax[blocks], tensor.v_absmax[blocks]
-            amax_blocks(torch.abs(m, out=scratch), block, out=m_absmax)
-            amax_blocks(v, block, out=v_absmax)
-        v.add_(TINY).sqrt_()
-        torch.add(v, k.eps, out=denominator)  # in a cached tile buffer: ``update`` may be a large, uncached one
-        if k.add_weight:
-            torch.addcdiv(w, m, denominator, value=k.value, out=update)
-        else:
-            torch.div(m, denominator, out=update)
-        if store:
-            encode_signed_(m, scratch, m_absmax, block, m_codes)
-            m_absmax.mul_(k.m_store)
-            encode_unsigned_from_sqrt_(v, v_absmax, block, v_codes)
-            v_absmax.mul_(k.v_store)
+        return _lamb_tile(
+            tensor.grad[start:end], tensor.weight[start:end], tensor.m_codes[start:end], tensor.v_codes[start:end],
+            tensor.m_absmax[blocks], tensor.v_absmax[blocks], update, block, *tensor.constants.kernel_args(), store,
+        )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, rejecting one saved for a different parameter layout."""
@@ -327,6 +364,10 @@ class CPULAMB8Bit(torch.optim.Optimizer):
             if state and "block_size" in state:
                 for key in QUANTIZED_KEYS:
                     state[key] = state[key].to(torch.uint8)
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the float32 update buffer kept between steps (at most 4 * chunk_size)."""
+        return self._update_buffer.nbytes
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer state tensors (the codes, absmax values and float32 moments)."""

@@ -1,10 +1,9 @@
-"""Runs per-tile optimizer work on single-threaded worker threads.
+"""Runs per-tile optimizer kernels on worker threads.
 
-A quantized step is ~25 elementwise torch ops per tile. Letting each op fork/join its own OpenMP team costs a
-barrier per op, and on a busy machine (other processes, data loaders, hivemind's threads) a barrier waits
-for whichever core was descheduled. Instead each worker runs whole tiles with intra-op parallelism off (torch
-ops release the GIL, and ``torch.set_num_threads`` is per thread), so workers never wait for each other
-inside a tile, and the per-tile result does not depend on how many workers there are.
+The kernels are compiled with numba and release the GIL, so plain Python threads run them in parallel. Each
+worker takes the next tile whenever it is free: on a busy machine (other processes, data loaders, hivemind's
+threads) a descheduled worker delays only its own tile, not every operation as an OpenMP barrier would. A tile's
+result does not depend on which thread computes it, so the step does not depend on the number of threads.
 """
 
 from __future__ import annotations
@@ -14,20 +13,14 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 
-def _make_single_threaded(started: threading.Barrier) -> None:
-    torch.get_num_threads()  # let torch initialize this thread's OpenMP settings first, so that they stick
-    torch.set_num_threads(1)
-    started.wait()
-
-
 class TileWorkers:
-    """``run(fn, items)`` calls ``fn`` on every item using as many threads as the caller's torch thread count."""
+    """``run(fn, items)`` calls ``fn`` on every item, on as many threads as the caller's torch thread count."""
 
-    def __init__(self, num_buffers: int):
-        self.num_buffers = num_buffers
+    def __init__(self):
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -39,38 +32,26 @@ class TileWorkers:
                 fn(item)
             return
         if self._pool_size != num_threads:
-            self._start_pool(num_threads)
-        grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._pool_size = ThreadPoolExecutor(num_threads, thread_name_prefix="lamb8bit"), num_threads
+            weakref.finalize(self, self._pool.shutdown, wait=False)
         pending, lock = iter(items), threading.Lock()
 
-        def drain() -> None:  # each worker takes the next item whenever it is free: no straggler waits for work
-            with torch.set_grad_enabled(grad_enabled):
-                while True:
-                    with lock:
-                        item = next(pending, None)
-                    if item is None:
-                        return
-                    fn(item)
+        def drain() -> None:  # each worker takes the next item whenever it is free
+            while True:
+                with lock:
+                    item = next(pending, None)
+                if item is None:
+                    return
+                fn(item)
 
         for future in [self._pool.submit(drain) for _ in range(num_threads)]:
             future.result()  # re-raises a worker's exception here
 
-    def buffers(self, size: int) -> list[torch.Tensor]:
-        """The calling thread's own float32 scratch buffers, of at least ``size`` elements (kept for reuse)."""
-        buffers = getattr(self._local, "buffers", [])
-        if not buffers or buffers[0].numel() < size:
-            buffers = self._local.buffers = [torch.empty(size) for _ in range(self.num_buffers)]
-        return buffers
-
-    def _start_pool(self, num_threads: int) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        started = threading.Barrier(num_threads + 1)
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="lamb8bit")
-        weakref.finalize(self, self._pool.shutdown, wait=False)
-        for _ in range(num_threads):  # each blocks until all have started, so every worker gets one
-            self._pool.submit(_make_single_threaded, started)
-        started.wait()
-        # torch.set_num_threads also sets the default that threads started later pick up: restore the caller's
-        torch.set_num_threads(num_threads)
-        self._pool_size = num_threads
+    def buffer(self, size: int) -> np.ndarray:
+        """The calling thread's own float32 scratch array of at least ``size`` elements (kept for reuse)."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.size < size:
+            buffer = self._local.buffer = np.empty(size, np.float32)
+        return buffer

@@ -1,9 +1,11 @@
 """Ctrl+C / SIGTERM for a long-running peer: stop gracefully, but always within a bounded time.
 
 The first signal asks the loop to stop after the current step (the peer then leaves the swarm cleanly) and arms a
-watchdog. If the graceful exit has not finished when the watchdog fires (e.g. the step is stuck in an averaging
-round), or if a second signal arrives, the step is abandoned: this process's children (hivemind's DHT and averager
-processes and their p2p daemons) are terminated and the process exits with code 0.
+watchdog. A fifth of the time budget later, if the peer is still busy (typically waiting in an averaging round whose
+partners are gone), the watchdog calls ``on_overdue`` (the trainer cancels the rounds in flight). If the graceful
+exit has not finished when the budget is spent, or if a second signal arrives, the step is abandoned: this process's
+children (hivemind's DHT and averager processes and their p2p daemons) are terminated and the process exits with
+code 0.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +57,13 @@ def terminate_descendants(grace: float = 2.0) -> None:
 
 
 class GracefulShutdown:
-    """Install with ``GracefulShutdown(timeout)`` in the main thread; poll ``.requested`` in the loop."""
+    """Install with ``GracefulShutdown(timeout)`` in the main thread; poll ``.requested`` in the loop; optionally set
+    ``.on_overdue`` (called from the watchdog's thread)."""
 
     def __init__(self, timeout: float, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
         self.timeout = timeout
         self.requested = threading.Event()
+        self.on_overdue: Optional[Callable[[], None]] = None
         self._owner_pid = os.getpid()
         for signum in signals:
             signal.signal(signum, self._handle)
@@ -77,7 +82,10 @@ class GracefulShutdown:
         threading.Thread(target=self._watchdog, name="shutdown-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
-        time.sleep(self.timeout)
+        time.sleep(self.timeout / 5)
+        if self.on_overdue is not None:
+            self.on_overdue()
+        time.sleep(self.timeout * 4 / 5)
         self.abandon(f"graceful shutdown took longer than {self.timeout:g} s")
 
     @staticmethod

@@ -82,6 +82,7 @@ def train(network: NetworkArguments, collaboration: CollaborationArguments, trai
                                 ffn_custom_grad=training.ffn_custom_grad,
                                 preserve_rng_state=training.preserve_rng_state)
         optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key)
+        shutdown.on_overdue = lambda: cancel_averaging_in_flight(optimizer)
         try:
             join_swarm(model, optimizer, checkpoint)
             training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
@@ -187,3 +188,12 @@ def discard_local_gradients(optimizer: hivemind.Optimizer, reuse_grad_buffers: b
         optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
     else:
         optimizer.zero_grad()
+
+
+def cancel_averaging_in_flight(optimizer: hivemind.Optimizer) -> None:
+    """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group that
+    may never assemble); hivemind then goes on with local gradients."""
+    for control in (optimizer.scheduled_grads, optimizer.scheduled_state):
+        if control is not None and not control.done():
+            logger.info("Leaving: cancelling the averaging round in flight")
+            control.cancel()
