@@ -240,7 +240,8 @@ class TrainingArguments:
         _require(not (self.fp16 and self.bf16), "fp16", "--fp16 and --bf16 are mutually exclusive")
         _require(self.initial_sequence_length is None or 0 < self.initial_sequence_length <= self.max_sequence_length,
                  "initial_sequence_length", f"must be in [1, max_sequence_length], got {self.initial_sequence_length}")
-        _require(self.max_epochs is None or self.max_epochs > 0, "max_epochs", f"must be positive, got {self.max_epochs}")
+        _require(self.max_epochs is None or self.max_epochs > 0, "max_epochs",
+                 f"must be positive, got {self.max_epochs}")
         _require(self.resume_from is None or os.path.isdir(self.resume_from), "resume_from",
                  f"{self.resume_from} is not a directory")
         self.checkpointing_option()  # validates the string

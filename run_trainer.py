@@ -27,6 +27,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from lean_transformer.swarm.backups import NonFiniteParametersError
     from lean_transformer.swarm.dht import SwarmConnectionError
+    from lean_transformer.swarm.shutdown import exit_now
     from lean_transformer.swarm.trainer import train
 
     try:
@@ -35,6 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_trainer.py: error: {e}", file=sys.stderr)
         return 1
+    except Exception:  # a bug: show where, and make sure that no hivemind thread keeps the process alive
+        logger.exception("Unexpected error, stopping")
+        exit_now(1)
     return 0
 
 

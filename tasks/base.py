@@ -86,7 +86,8 @@ class Task(ABC):
                     for param in module.parameters(recurse=False)}
         no_decay |= {id(param) for name, param in model.named_parameters() if name.rsplit(".", 1)[-1] == "bias"}
         params = [param for param in model.parameters() if param.requires_grad]
-        groups = [dict(params=[p for p in params if id(p) not in no_decay], weight_decay=self.training_args.weight_decay),
+        decay = self.training_args.weight_decay
+        groups = [dict(params=[p for p in params if id(p) not in no_decay], weight_decay=decay),
                   dict(params=[p for p in params if id(p) in no_decay], weight_decay=0.0)]
         return [group for group in groups if group["params"]]
 

@@ -43,8 +43,8 @@ class FileSource(TextSource):
                             if os.path.isfile(path))
         if not self.files:
             raise FileNotFoundError(f"--dataset: no files match {pattern!r}")
-        if not any(os.path.getsize(path) for path in self.files):
-            raise ValueError(f"--dataset: all files matching {pattern!r} are empty")
+        if not any(map(_has_text, self.files)):  # the endless reader would loop forever
+            raise ValueError(f"--dataset: the files matching {pattern!r} hold no text")
         self.shuffle_buffer_size = shuffle_buffer_size
 
     def _paragraphs(self, rng: random.Random) -> Iterator[str]:
@@ -75,7 +75,8 @@ class HuggingFaceSource(TextSource):
         try:
             self.dataset = datasets.load_dataset(name, config, split=split, streaming=True)
         except Exception as e:  # datasets raises many types: missing dataset, no network, bad config, ...
-            raise ValueError(f"--dataset: cannot open Hugging Face dataset {name!r} ({type(e).__name__}: {e})") from None
+            raise ValueError(f"--dataset: cannot open Hugging Face dataset {name!r} "
+                             f"({type(e).__name__}: {e})") from None
         columns = self.dataset.column_names
         if columns is not None and text_field not in columns:
             raise ValueError(f"--dataset_text_field: {name!r} has no column {text_field!r} (columns: {columns})")
@@ -91,6 +92,14 @@ class HuggingFaceSource(TextSource):
                 if isinstance(text, str) and text.strip():
                     yield text
             epoch += 1
+
+
+def _has_text(path: str, chunk_size: int = 2**16) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as file:
+        while chunk := file.read(chunk_size):
+            if not chunk.isspace():
+                return True
+    return False
 
 
 def shuffle_buffer(items: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:

@@ -246,6 +246,9 @@ def test_file_source_reads_paragraphs_shuffled_per_peer(tmp_path):
     assert first[:60] != second[:60]  # the order depends on the peer
     with pytest.raises(FileNotFoundError, match="--dataset: no files match"):
         make_text_source(TaskArguments(dataset=str(tmp_path / "*.json")))
+    (tmp_path / "blank.md").write_text(" \n\n  \n")
+    with pytest.raises(ValueError, match="--dataset: .* hold no text"):
+        make_text_source(TaskArguments(dataset=str(tmp_path / "*.md")))
 
 
 def test_hugging_face_source_streams_a_local_dataset(tmp_path):

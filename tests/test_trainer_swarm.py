@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aux_utils import PeerProcess, wait_until
+from aux_utils import PeerProcess
 
 pytestmark = pytest.mark.swarm
 
@@ -40,8 +40,9 @@ def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], batch_
             *(["--initial_peers", *initial_peers] if initial_peers else []), "--target_batch_size", str(TARGET_BATCH),
             "--per_device_batch_size", str(batch_size), "--max_sequence_length", "64", "--learning_rate", "0.01",
             "--warmup_steps", "3", "--total_steps", "100", "--max_epochs", str(max_epochs),
-            "--matchmaking_time", "2", "--averaging_timeout", "15", "--average_state_every", "2", "--backup_every_epochs", "1",
-            "--keep_backups", "100", "--progress_every", "2", "--output_dir", str(output_dir), *extra]
+            "--matchmaking_time", "2", "--averaging_timeout", "15", "--average_state_every", "2",
+            "--backup_every_epochs", "1", "--keep_backups", "100", "--progress_every", "2",
+            "--output_dir", str(output_dir), *extra]
 
 
 def backup(output_dir: Path, epoch: int) -> Path:

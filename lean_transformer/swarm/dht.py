@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
-from lean_transformer.swarm.auth import make_authorizer
+from lean_transformer.swarm.auth import load_identity_key, make_authorizer
 
 if TYPE_CHECKING:
     from arguments import NetworkArguments
@@ -88,8 +88,6 @@ def peer_private_key(network: NetworkArguments) -> RSAPrivateKey:
     can be bound to it; otherwise hivemind's process-wide key."""
     if network.identity_path is None:
         return RSAPrivateKey.process_wide()
-    from lean_transformer.swarm.auth import load_identity_key
-
     return load_identity_key(network.identity_path, create=True)
 
 

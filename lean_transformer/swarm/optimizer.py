@@ -59,7 +59,8 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
         dht=dht,
         run_id=network.run_id,
         target_batch_size=collaboration.target_batch_size,
-        batch_size_per_step=None if auxiliary else training.per_device_batch_size * training.gradient_accumulation_steps,
+        batch_size_per_step=(None if auxiliary
+                             else training.per_device_batch_size * training.gradient_accumulation_steps),
         params=task.param_groups(model),
         optimizer=task.optimizer_factory(),
         scheduler=task.scheduler_factory(),

@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressLine:
+    """Logs ``format_progress`` at most every ``every_seconds`` (checked by the training loop once per local step)."""
+
     def __init__(self, every_seconds: float):
         self.every_seconds = every_seconds
         self.last_report = time.monotonic()

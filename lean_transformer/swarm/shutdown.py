@@ -91,6 +91,13 @@ class GracefulShutdown:
     @staticmethod
     def abandon(reason: str) -> None:
         logger.warning(f"Abandoning the current step ({reason}); stopping hivemind's processes")
-        terminate_descendants()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Stop this process's children and exit at once, whatever the other threads are doing (hivemind's threads can
+    keep an interpreter from exiting after an error in the main thread)."""
+    terminate_descendants()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

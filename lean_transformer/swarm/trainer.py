@@ -117,6 +117,7 @@ def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimi
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
     progress = ProgressLine(training.progress_every)
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
+    last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
@@ -167,8 +168,8 @@ def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimi
                                    mini_steps=work.mini_steps)
             publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
             backups.on_new_epoch(model, optimizer)
-            work, epoch = EpochWork(), optimizer.local_epoch
-        progress.maybe_report(optimizer, work.mean_loss)
+            work, epoch, last_epoch_loss = EpochWork(), optimizer.local_epoch, work.mean_loss
+        progress.maybe_report(optimizer, work.mean_loss if work.mini_steps else last_epoch_loss)
 
     finished = not shutdown.requested.is_set()
     logger.info(f"Stopping at epoch {optimizer.local_epoch} "
