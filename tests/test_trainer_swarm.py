@@ -40,7 +40,7 @@ def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], batch_
             *(["--initial_peers", *initial_peers] if initial_peers else []), "--target_batch_size", str(TARGET_BATCH),
             "--per_device_batch_size", str(batch_size), "--max_sequence_length", "64", "--learning_rate", "0.01",
             "--warmup_steps", "3", "--total_steps", "100", "--max_epochs", str(max_epochs),
-            "--matchmaking_time", "2", "--averaging_timeout", "15", "--average_state_every", "2",
+            "--matchmaking_time", "3", "--averaging_timeout", "20", "--average_state_every", "2",
             "--backup_every_epochs", "1", "--keep_backups", "100", "--progress_every", "2",
             "--output_dir", str(output_dir), *extra]
 
@@ -124,7 +124,7 @@ def test_pair_averages_with_two_peers_and_loss_falls(scenario: Scenario):
         assert "Averaged parameters with 2 peers" in log, peer.name
         losses = epoch_losses(log)
         first, last = losses[min(losses)], losses[EPOCHS]
-        assert last < first - 0.8, f"{peer.name}: loss went from {first} to {last}"
+        assert last < first - 0.5, f"{peer.name}: loss went from {first} to {last}"
 
 
 def test_pair_parameters_agree_after_state_averaging(scenario: Scenario):

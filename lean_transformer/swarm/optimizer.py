@@ -78,7 +78,17 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
         grad_compression=make_compression(collaboration.grad_compression, collaboration.size_adaptive_threshold),
         state_averaging_compression=state_compression,
         load_state_compression=state_compression,
-        averager_opts=dict(bandwidth=network.bandwidth) if network.bandwidth is not None else None,
+        averager_opts=averager_options(network, collaboration),
         tracker_opts=dict(private_key=private_key),
         verbose=True,
     )
+
+
+def averager_options(network: NetworkArguments, collaboration: CollaborationArguments) -> dict:
+    """Options of hivemind's averagers. Matchmaking requests must time out well within the matchmaking window:
+    with hivemind's default (3 s) at or above a short --matchmaking_time, two peers that both wait for the other
+    to answer can deadlock and miss every gradient-averaging round (seen on loopback with matchmaking_time=3)."""
+    options: dict = dict(request_timeout=min(3.0, collaboration.matchmaking_time / 3))
+    if network.bandwidth is not None:
+        options["bandwidth"] = network.bandwidth
+    return options
