@@ -39,7 +39,7 @@ def free_port() -> int:
 def swarm_args(run_id: str, **overrides) -> List[str]:
     """Arguments every peer of a test swarm shares: the tiny model, short sequences, a small target batch."""
     options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=16, per_device_batch_size=4,
-                   max_sequence_length=32, matchmaking_time=2, averaging_timeout=10, startup_timeout=60)
+                   max_sequence_length=32, matchmaking_time=3, averaging_timeout=10, startup_timeout=60)
     options.update(overrides)
     return [item for key, value in options.items() for item in (f"--{key}", str(value))]
 

@@ -38,7 +38,7 @@ from swarm_utils import EpochReport, epoch_reports  # noqa: E402
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 PREFIX = "@@ "  # marks the attacker's result lines on stdout
-SWARM = dict(target_batch_size=64, per_device_batch_size=4, max_sequence_length=32, matchmaking_time=2,
+SWARM = dict(target_batch_size=64, per_device_batch_size=4, max_sequence_length=32, matchmaking_time=3,
              averaging_timeout=10, startup_timeout=90, learning_rate=0.02, warmup_steps=2)
 NONFINITE_EVERY = 3
 

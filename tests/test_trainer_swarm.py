@@ -216,8 +216,12 @@ def test_broken_parameters_are_restored_from_the_latest_backup(lone_peers):
 def test_broken_parameters_without_a_backup_stop_the_peer_with_a_clear_error(lone_peers):
     peer = lone_peers["no_backup"]
     assert peer.process.returncode == 1
-    last_line = peer.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"run_trainer.py: error: .* at epoch \d+ and there is no local backup in .*", last_line)
+    lines = peer.stderr.strip().splitlines()
+    errors = [i for i, line in enumerate(lines)
+              if re.fullmatch(r"run_trainer.py: error: .* at epoch \d+ and there is no local backup in .*", line)]
+    assert len(errors) == 1, peer.stderr[-2000:]
+    # hivemind's event loop may still report a pending task while the interpreter exits, but no traceback follows
+    assert not any(line.startswith("Traceback") for line in lines[errors[0]:]), peer.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", ["fp16", "mlm_bf16"])

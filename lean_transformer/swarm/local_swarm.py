@@ -37,7 +37,7 @@ KEEP_CHECKPOINTS = 3
 STARTUP_LIMIT = 300  # seconds for the peers to start and join (minutes on a busy machine)
 
 # the tiny model trains at a few hundred samples/s per CPU core: a swarm epoch (optimizer step) every few seconds
-SWARM_ARGS = dict(target_batch_size=256, per_device_batch_size=8, max_sequence_length=64, matchmaking_time=2,
+SWARM_ARGS = dict(target_batch_size=256, per_device_batch_size=8, max_sequence_length=64, matchmaking_time=3,
                   averaging_timeout=15, learning_rate=0.02, warmup_steps=5, total_steps=10_000, startup_timeout=120,
                   shutdown_timeout=20)
 

@@ -88,7 +88,7 @@ def averager_options(network: NetworkArguments, collaboration: CollaborationArgu
     """Options of hivemind's averagers. Matchmaking requests must time out well within the matchmaking window:
     with hivemind's default (3 s) at or above a short --matchmaking_time, two peers that both wait for the other
     to answer can deadlock and miss every gradient-averaging round (seen on loopback with matchmaking_time=3)."""
-    options: dict = dict(request_timeout=min(3.0, collaboration.matchmaking_time / 3))
+    options: dict = dict(request_timeout=min(3.0, collaboration.matchmaking_time / 2))
     if network.bandwidth is not None:
         options["bandwidth"] = network.bandwidth
     return options
