@@ -194,7 +194,9 @@ def discard_local_gradients(optimizer: hivemind.Optimizer, reuse_grad_buffers: b
 def cancel_averaging_in_flight(optimizer: hivemind.Optimizer) -> None:
     """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group that
     may never assemble); hivemind then goes on with local gradients."""
-    for control in (optimizer.scheduled_grads, optimizer.scheduled_state):
+    for attribute in ("scheduled_grads", "scheduled_state"):
+        control = getattr(optimizer, attribute)
         if control is not None and not control.done():
             logger.info("Leaving: cancelling the averaging round in flight")
             control.cancel()
+            setattr(optimizer, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError
