@@ -176,11 +176,15 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
     assert joined >= faults.killed_at_epoch
 
     # caught up: its first epoch's loss (computed with the parameters it loaded) is the swarm's, not a fresh model's
-    first_life, second_life = epoch_reports(faults.victim.stderr), epoch_reports(faults.restarted.stderr)
-    initial = first_life[min(first_life)].mean_loss
+    # (the swarm's first epoch, trained from the initial parameters; the victim may have joined after it)
+    steady_reports, second_life = epoch_reports(faults.steady.stderr), epoch_reports(faults.restarted.stderr)
+    first_reports = [report for peer in (faults.steady, faults.victim, faults.faulty)
+                     for report in epoch_reports(peer.stderr).values() if report.epoch == 1]
+    assert first_reports, "some peer trained the swarm's first epoch from the initial parameters"
+    initial = first_reports[0].mean_loss
     first_epoch = min(second_life)
     restarted_first = second_life[first_epoch].mean_loss
-    steady_then = epoch_reports(faults.steady.stderr)[first_epoch].mean_loss
+    steady_then = steady_reports[first_epoch].mean_loss
     assert initial - steady_then > 0.3, "the swarm should have learned something before the check means anything"
     assert abs(restarted_first - steady_then) < abs(restarted_first - initial), (initial, restarted_first, steady_then)
     print(f"SIGKILL of a trainer in the averaging round of epoch {faults.killed_at_epoch}: survivors went on in "
