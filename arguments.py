@@ -191,7 +191,8 @@ class TrainingArguments:
         "help": "Mixed precision with float16 and hivemind's gradient scaler (GPU)."})
     bf16: bool = field(default=False, metadata={"help": "Mixed precision with bfloat16."})
     gradient_checkpointing: str = field(default="false", metadata={
-        "help": "Recompute activations in backward: false, true, or an integer N (checkpoint every N layers)."})
+        "help": "Recompute activations in backward: false; true (keep only each layer's input); or an integer N "
+                "(split the layers into N equal segments and keep only each segment's input; 1..num_hidden_layers)."})
     checkpoint_attention_core: bool = field(default=False, metadata={
         "help": "Also recompute the attention core (saves memory on long sequences)."})
     ffn_custom_grad: bool = field(default=True, metadata={
@@ -247,7 +248,8 @@ class TrainingArguments:
         self.checkpointing_option()  # validates the string
 
     def checkpointing_option(self) -> Union[bool, int]:
-        """``gradient_checkpointing`` as ``model.set_optimizations`` takes it: False, True or a layer interval."""
+        """``gradient_checkpointing`` as ``model.set_optimizations`` takes it: False, True (one checkpoint per
+        layer) or a number of segments (the model checks it against its layer count)."""
         value = self.gradient_checkpointing.strip().lower()
         if value in ("false", "0", "no"):
             return False

@@ -3,13 +3,38 @@ memory for compute (checkpointing, the hand-written FFN backward, ...) are set a
 ``model.set_optimizations(...)`` and are not part of the config."""
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Callable, Iterable, Optional
 
 from transformers import PretrainedConfig
 
 ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu")
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}  # gated name -> the activation applied to the gate
 POSITION_EMBEDDING_TYPES = ("rotary", "absolute")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to a config
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_int(value: Any) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _non_negative_int(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _positive_real(value: Any) -> bool:
+    return _is_real(value) and value > 0
+
+
+def _probability(value: Any) -> bool:
+    return _is_real(value) and 0 <= value < 1
 
 
 class LeanTransformerConfig(PretrainedConfig):
@@ -62,7 +87,9 @@ class LeanTransformerConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size if intermediate_size is not None else 4 * hidden_size
+        # a bad hidden_size is reported by validate(), not by this arithmetic
+        self.intermediate_size = (4 * hidden_size if intermediate_size is None and _is_int(hidden_size)
+                                  else intermediate_size)
         self.hidden_act = hidden_act
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
@@ -81,14 +108,19 @@ class LeanTransformerConfig(PretrainedConfig):
         self.adapter_dim = adapter_dim
         self.weight_layout = weight_layout
         self.lowrank_dim = lowrank_dim
-        super().__init__(
-            tie_word_embeddings=tie_word_embeddings,
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            **kwargs,
-        )
-        self.validate()
+        self.tie_word_embeddings = tie_word_embeddings
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
+        self.validate()  # before PretrainedConfig's own checks, which already read derived fields such as head_dim
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any
+                  ) -> LeanTransformerConfig | tuple[LeanTransformerConfig, dict[str, Any]]:
+        """PretrainedConfig's, validated again: it applies ``from_pretrained``'s keyword overrides (e.g.
+        ``from_pretrained(path, reversible=True)``) to the config after constructing it."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).validate()  # a tuple with return_unused_kwargs=True
+        return result
 
     @property
     def is_gated(self) -> bool:
@@ -98,35 +130,38 @@ class LeanTransformerConfig(PretrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that makes this config unusable."""
-
-        def positive(name: str) -> None:
+    def _check(self, names: Iterable[str], is_valid: Callable[[Any], bool], expected: str) -> None:
+        """Raise ValueError naming the first of ``names`` whose value fails ``is_valid``."""
+        for name in names:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not is_valid(value):
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
 
-        for name in ("vocab_size", "embedding_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that makes this config unusable. Each field's type and range
+        are checked before the rules that combine fields; a field whose default is derived from another
+        (embedding_size, intermediate_size, num_hidden_groups) after that one, so the error names the cause."""
+        self._check(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "embedding_size",
                      "intermediate_size", "max_position_embeddings", "num_hidden_groups", "num_inner_groups",
-                     "num_shared_matrices"):
-            positive(name)
-        for name in ("adapter_dim", "lowrank_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+                     "num_shared_matrices"), _positive_int, "a positive integer")
+        self._check(("adapter_dim", "lowrank_dim"), _non_negative_int, "a non-negative integer")
+        self._check(("rotary_base", "layer_norm_eps", "initializer_range"), _positive_real, "a positive number")
+        self._check(("hidden_dropout_prob", "attention_probs_dropout_prob"), _probability, "a number in [0, 1)")
+        self._check(("sandwich_norm", "fp32_residual", "reversible", "share_large_matrices", "tie_word_embeddings"),
+                    lambda value: isinstance(value, bool), "True or False")
+        self._check(("pad_token_id", "bos_token_id", "eos_token_id"),
+                    lambda value: value is None or (_is_int(value) and 0 <= value < self.vocab_size),
+                    f"None or a token id in [0, vocab_size={self.vocab_size})")
+        activations = ACTIVATIONS + tuple(GATED_ACTIVATIONS)
+        self._check(("hidden_act",), lambda value: value in activations, f"one of {activations}")
+        self._check(("position_embedding_type",), lambda value: value in POSITION_EMBEDDING_TYPES,
+                    f"one of {POSITION_EMBEDDING_TYPES}")
+
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
                              f"num_attention_heads ({self.num_attention_heads})")
         if self.position_embedding_type == "rotary" and self.head_dim % 2 != 0:
             raise ValueError(f"position_embedding_type='rotary' needs an even head dimension, got {self.head_dim}")
-        if self.hidden_act not in ACTIVATIONS and self.hidden_act not in GATED_ACTIVATIONS:
-            raise ValueError(f"hidden_act must be one of {ACTIVATIONS + tuple(GATED_ACTIVATIONS)}, "
-                             f"got {self.hidden_act!r}")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
-                             f"got {self.position_embedding_type!r}")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.num_hidden_layers % self.num_hidden_groups != 0:
             raise ValueError(f"num_hidden_groups ({self.num_hidden_groups}) must divide "
                              f"num_hidden_layers ({self.num_hidden_layers})")
@@ -136,12 +171,32 @@ class LeanTransformerConfig(PretrainedConfig):
                              f"per hidden group ({layers_per_group})")
         if self.adapter_dim and not self.share_large_matrices:
             raise ValueError("adapter_dim > 0 needs share_large_matrices=True (adapters specialize shared matrices)")
+        if self.num_shared_matrices > 1 and not self.share_large_matrices:
+            raise ValueError("num_shared_matrices > 1 needs share_large_matrices=True")
+        num_distinct = self.num_hidden_groups * self.num_inner_groups
+        if self.num_shared_matrices > num_distinct:
+            raise ValueError(f"num_shared_matrices ({self.num_shared_matrices}) exceeds the number of distinct "
+                             f"layers (num_hidden_groups * num_inner_groups = {num_distinct}): some sets would "
+                             f"never be used")
         if self.lowrank_dim and self.weight_layout is None:
             raise ValueError("lowrank_dim > 0 needs a block-sparse weight_layout")
         if self.weight_layout is not None:
-            from lean_transformer.modules.blocksparse import parse_layout  # raises ValueError on bad strings
+            self._validate_weight_layout()
 
-            parse_layout(self.weight_layout)
+    def _validate_weight_layout(self) -> None:
+        """Build the block masks of every large matrix now, so that a layout that cannot tile them fails here
+        rather than when the model is built."""
+        from lean_transformer.modules.blocksparse import make_layout, parse_layout  # ValueError on bad layouts
+
+        spec = parse_layout(self.weight_layout)
+        for name in ("hidden_size", "intermediate_size"):
+            if getattr(self, name) % spec.block_size:
+                raise ValueError(f"weight_layout {self.weight_layout!r}: block_size={spec.block_size} does not "
+                                 f"divide {name} ({getattr(self, name)})")
+        d, inner = self.hidden_size, self.intermediate_size
+        # (out, in) of the qkv, attention output, feed-forward input and output projections
+        for shape in {(3 * d, d), (d, d), (inner * (2 if self.is_gated else 1), d), (d, inner)}:
+            make_layout(spec, *shape, balanced=True)
 
 
 class LeanGPTConfig(LeanTransformerConfig):
@@ -162,12 +217,9 @@ class LeanAlbertConfig(LeanTransformerConfig):
     def __init__(self, type_vocab_size: int = 2, classifier_dropout_prob: float = 0.1, **kwargs):
         self.type_vocab_size = type_vocab_size
         self.classifier_dropout_prob = classifier_dropout_prob
-        kwargs.setdefault("tie_word_embeddings", True)
         super().__init__(**kwargs)
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
-            raise ValueError(f"type_vocab_size must be a non-negative integer, got {self.type_vocab_size!r}")
-        if not 0.0 <= self.classifier_dropout_prob < 1.0:
-            raise ValueError(f"classifier_dropout_prob must be in [0, 1), got {self.classifier_dropout_prob!r}")
+        self._check(("type_vocab_size",), _non_negative_int, "a non-negative integer")
+        self._check(("classifier_dropout_prob",), _probability, "a number in [0, 1)")
