@@ -5,10 +5,11 @@ instead of computing gradients it sets each parameter's gradient to a fixed rand
 before every ``step``. After each epoch transition it records the averaging round's weight, its group and the
 averaged gradients, and at the end saves everything to ``--out``.
 
-It prints "ready" once it has joined and starts stepping when ``--start_file`` appears, so that the test's peers
-start together. It stops after ``--rounds`` rounds with at least ``--group_size`` peers, or at epoch
-``--max_epochs`` (fresh peers race alone through their first epochs until they see each other, and a peer that
-falls behind catches up by downloading the state, in which case it records no round).
+It prints its ``--initial_peers`` line and "ready" once it has joined, and starts stepping when ``--start_file``
+appears, so that the test's peers start together. It stops after ``--rounds`` rounds with at least ``--group_size``
+peers, at epoch ``--max_epochs`` or when ``--stop_file`` appears (fresh peers race alone through their first
+epochs until they see each other, and a peer that falls behind catches up by downloading the state, in which case it
+records no round).
 
 Usage: python tests/grad_peer.py --out FILE --grad_seed N --rounds R --group_size G --max_epochs E --start_file F
        [run_trainer.py arguments]
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import torch
 
 from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
-from lean_transformer.swarm.dht import build_dht, peer_private_key
+from lean_transformer.swarm.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.metrics import make_validators
 from lean_transformer.swarm.optimizer import build_optimizer
 from tasks import get_task
@@ -38,6 +39,7 @@ def main() -> None:
     own.add_argument("--max_epochs", type=int, required=True)
     own.add_argument("--start_file", required=True)
     own.add_argument("--deadline", type=float, default=120.0)
+    own.add_argument("--stop_file", help="stop early when this file appears (e.g. once the other peers are done)")
     options, rest = own.parse_known_args()
     network, collaboration, training, task_args = parse_arguments(
         [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], rest)
@@ -52,6 +54,7 @@ def main() -> None:
     grads = [torch.randn(param.shape, generator=generator) for param in params]
     batch_size = training.per_device_batch_size
 
+    print(initial_peers_line(dht), flush=True)
     print("ready", flush=True)
     deadline = time.monotonic() + options.deadline
     while not Path(options.start_file).exists() and time.monotonic() < deadline:
@@ -59,7 +62,8 @@ def main() -> None:
 
     rounds = []
     while (sum(len(r["group"]) >= options.group_size for r in rounds) < options.rounds
-           and optimizer.local_epoch < options.max_epochs and time.monotonic() < deadline):
+           and optimizer.local_epoch < options.max_epochs and time.monotonic() < deadline
+           and not (options.stop_file and Path(options.stop_file).exists())):
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         epoch = optimizer.local_epoch

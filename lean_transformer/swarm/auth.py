@@ -23,10 +23,11 @@ authorization passes :func:`load_identity_key`'s key both to ``RSASignatureValid
 
 What it covers: every DHT request and response (hivemind's ``AuthorizerBase`` hook in ``DHTProtocol``), so a peer
 without a valid token can neither store nor read the swarm's records, and honest peers never put it in their
-routing tables. Averaging messages carry no auth field in hivemind 1.1.12, so they are not signed: an outsider is
-kept out of averaging groups only because matchmaking goes through the DHT, where it can neither announce itself
-nor find a group leader. One that learns a trainer's peer ID and the run_id elsewhere could still send it a join
-request directly.
+routing tables; and every averaging request (joining a group, all-reduce parts, state downloads), which hivemind
+1.1.12 does not sign: each peer publishes its token in the DHT under its peer ID, and its averagers serve only
+callers whose libp2p-authenticated peer ID has a valid token there (:mod:`lean_transformer.swarm.averaging_gate`).
+So an outsider that learns a trainer's address, peer ID and the run's group keys elsewhere and calls its averagers
+directly is refused, and one token holder cannot pass its token on to another key.
 
 Peers' clocks must agree within a minute (use NTP): hivemind refuses requests whose timestamp is further off, as
 replay protection, and token expiry is checked against each peer's own clock.

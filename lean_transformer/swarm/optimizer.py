@@ -1,5 +1,6 @@
 """``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
-schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging."""
+schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. In an authorized swarm its
+averagers serve token holders only (:mod:`lean_transformer.swarm.averaging_gate`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,8 +11,12 @@ from hivemind.compression import (BlockwiseQuantization, CompressionBase, Compre
                                   NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
                                   SizeAdaptiveCompression, Uniform8BitQuantization)
 from hivemind.compression.adaptive import AdaptiveCompressionBase
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
+
+from lean_transformer.swarm.auth import load_public_key
+from lean_transformer.swarm.averaging_gate import AveragingGate, gated_optimizer_class, publish_access_token
 
 if TYPE_CHECKING:
     from arguments import CollaborationArguments, NetworkArguments, TrainingArguments
@@ -51,8 +56,13 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
 
     ``private_key`` owns the progress records (the same key as the metrics records). With --fp16, gradients are
     accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those.
-    ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass.
+    ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
+    token is published first (its averaging partners look it up) and the class gets gated averagers.
     """
+    gate_options = {}
+    if network.auth_token_path is not None:
+        gate_options = dict(averaging_gate=open_averaging_gate(dht, network, private_key))
+        optimizer_class = gated_optimizer_class(optimizer_class)
     state_compression = FloatsOnly(make_compression(collaboration.state_compression,
                                                     collaboration.size_adaptive_threshold))
     return optimizer_class(
@@ -81,7 +91,17 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
         averager_opts=averager_options(network, collaboration),
         tracker_opts=dict(private_key=private_key),
         verbose=True,
+        **gate_options,
     )
+
+
+def open_averaging_gate(dht: hivemind.DHT, network: NetworkArguments, private_key: RSAPrivateKey) -> AveragingGate:
+    """Publish this peer's access token under its peer ID and return the gate for its averagers. ``private_key``
+    must be the DHT's signature validator key, which owns the token's record (as with the metrics records)."""
+    authority_public_key = load_public_key(network.authority_public_key_path, "authority public key file")
+    owner = RSASignatureValidator(private_key).local_public_key
+    publish_access_token(dht, network.run_id, network.auth_token_path, owner)
+    return AveragingGate(dht, network.run_id, authority_public_key)
 
 
 def averager_options(network: NetworkArguments, collaboration: CollaborationArguments) -> dict:

@@ -1,0 +1,233 @@
+"""Averaging with token holders only: the part of swarm authorization that hivemind's authorizer does not cover.
+
+hivemind 1.1.12 signs DHT requests (see :mod:`lean_transformer.swarm.auth`) but not the averagers' RPCs: anyone who
+knows a peer's ID and the run's group keys could ask to join its averaging group, send it tensor parts or download
+its state. Those RPCs do come with an identity, though: libp2p authenticates the remote peer ID of every stream,
+and a peer ID is the hash of the peer's identity key, the very key its access token is bound to. So:
+
+- every peer with authorization publishes its token in the DHT under a key named after its peer ID
+  (:func:`publish_access_token`), which only token holders can read or write;
+- its averagers (:class:`GatedGradientAverager`, :class:`GatedTrainingStateAverager`) answer a join, all-reduce or
+  state download request only if the caller's peer ID has a token there that the swarm authority signed, that has not
+  expired and whose key hashes to that peer ID (:class:`AveragingGate`); anyone else gets the protocol's refusal.
+
+:func:`gated_optimizer_class` puts both averagers into a ``hivemind.Optimizer`` (sub)class; ``build_optimizer`` does
+so only when authorization is configured, so an open swarm runs hivemind's own classes unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import os
+import time
+from datetime import datetime
+from typing import AsyncIterator, Optional, Union
+
+import hivemind
+from cryptography.hazmat.primitives import serialization
+from hivemind.dht import DHTNode
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, crypto_pb2
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.logging import get_logger
+from hivemind.utils.timed_storage import get_dht_time
+
+from lean_transformer.swarm.auth import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
+                                         token_expiration)
+
+logger = get_logger(__name__)
+
+PUBLISH_PERIOD = 60.0  # seconds between re-publications of a peer's token (its DHT record lives twice as long)
+REFUSAL_TTL = 5.0  # seconds a refusal is remembered: a stranger costs one DHT lookup per this period at most
+_MAX_VERDICTS = 10_000  # remembered peers per averager, beyond which expired verdicts are dropped
+
+
+def access_token_key(run_id: str, peer_id: PeerID) -> str:
+    """The DHT key under which the peer ``peer_id`` publishes its access token (subkey: its record owner key)."""
+    return f"{run_id}_access_token_{peer_id.to_base58()}"
+
+
+def peer_id_of(public_key: Union[RSAPublicKey, bytes]) -> PeerID:
+    """The libp2p peer ID of an RSA public key (an ``RSAPublicKey`` or its OpenSSH line, as tokens hold it): the
+    sha2-256 multihash of the protobuf-wrapped DER key, as libp2p derives it (and ``PeerID.from_identity``)."""
+    openssh = public_key.to_bytes() if isinstance(public_key, RSAPublicKey) else public_key
+    der = serialization.load_ssh_public_key(openssh).public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(wrapped).digest())  # multihash: code 0x12 (sha2-256), 32 bytes
+
+
+def check_member_token(token: AccessToken, peer_id: PeerID, authority_public_key: RSAPublicKey, *,
+                       now: Optional[datetime] = None) -> datetime:
+    """Return the expiration of ``token`` if it admits the peer ``peer_id`` (signed by the authority, unexpired and
+    bound to the key whose peer ID is ``peer_id``); raise InvalidTokenError (TokenExpiredError) otherwise."""
+    check_token(token, authority_public_key, now=now)
+    holder = peer_id_of(token.public_key)
+    if holder != peer_id:
+        raise InvalidTokenError(f"its token {token.username!r} is bound to the key of peer {holder}")
+    return token_expiration(token)
+
+
+# ---------------------------------------------------------------- publishing one's own token
+
+
+def _token_record(token_path: str, period: float) -> tuple[str, float]:
+    """The token file's content and the DHT expiration of its record: two periods, or the token's own end."""
+    token = load_token(token_path)
+    return encode_token(token), min(get_dht_time() + 2 * period, token_expiration(token).timestamp())
+
+
+async def _keep_published(_dht: hivemind.DHT, node: DHTNode, key: str, owner: bytes, token_path: str,
+                          period: float) -> None:
+    """Runs inside the DHT process for as long as it lives; re-reads the file, so that a renewed token is used."""
+    while True:
+        await asyncio.sleep(period)
+        try:
+            value, expiration = _token_record(token_path, period)
+            await node.store(key, value, expiration, subkey=owner)
+        except (OSError, ValueError) as e:
+            logger.warning(f"Could not re-publish this peer's access token: {e}")
+
+
+def publish_access_token(dht: hivemind.DHT, run_id: str, token_path: Union[str, os.PathLike], owner: bytes,
+                         period: float = PUBLISH_PERIOD) -> None:
+    """Store this peer's access token under its peer ID now, then again every ``period`` s (in the DHT process).
+
+    :param owner: the subkey, this peer's record owner key (``RSASignatureValidator.local_public_key``): the DHT's
+      signature validator then lets no other peer overwrite the record
+    """
+    key = access_token_key(run_id, dht.peer_id)
+    value, expiration = _token_record(os.fspath(token_path), period)
+    if not dht.store(key, value, expiration, subkey=owner):
+        logger.warning("Could not publish this peer's access token in the DHT: peers will refuse to average with it "
+                       f"until a re-publication succeeds (every {period:g} s)")
+    dht.run_coroutine(functools.partial(_keep_published, key=key, owner=owner, token_path=os.fspath(token_path),
+                                        period=period), return_future=True)
+
+
+# ---------------------------------------------------------------- checking the others' tokens
+
+
+class AveragingGate:
+    """Decides, inside an averager's process, whether a remote peer may use its averaging RPCs.
+
+    A verdict is remembered: an admission until the token expires, a refusal for ``REFUSAL_TTL`` s (so a token that
+    was published late is seen soon). Each refusal of a peer that was not refused just before logs one warning.
+    """
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, authority_public_key: RSAPublicKey):
+        self._dht, self._run_id, self._authority_public_key = dht, run_id, authority_public_key
+        self._verdicts: dict[PeerID, tuple[bool, float]] = {}  # peer -> (admitted, until this time.time())
+
+    async def admits(self, peer_id: PeerID, service: str) -> bool:
+        """Whether ``peer_id`` holds a valid token; ``service`` names the averager in the warning."""
+        previous = self._verdicts.get(peer_id)
+        if previous is not None and time.time() < previous[1]:
+            return previous[0]
+        try:
+            verdict = (True, (await self._find_token(peer_id)).timestamp())
+        except InvalidTokenError as e:
+            verdict = (False, time.time() + REFUSAL_TTL)
+            if previous is None or previous[0]:
+                logger.warning(f"{service}: refusing averaging requests from peer {peer_id}: {e}")
+        if len(self._verdicts) >= _MAX_VERDICTS:
+            self._verdicts = {peer: item for peer, item in self._verdicts.items() if time.time() < item[1]}
+        self._verdicts[peer_id] = verdict
+        return verdict[0]
+
+    async def _find_token(self, peer_id: PeerID) -> datetime:
+        """The expiration of the first valid token published under ``peer_id`` (other token holders can add
+        entries under their own subkeys, never replace the peer's own: a bad entry is skipped)."""
+        entry = await self._dht.get(access_token_key(self._run_id, peer_id), return_future=True)
+        if entry is None or not isinstance(entry.value, dict):
+            raise InvalidTokenError("it has published no access token")
+        error = InvalidTokenError("its access token record is malformed")
+        for item in entry.value.values():
+            try:
+                return check_member_token(decode_token(str(item.value)), peer_id, self._authority_public_key)
+            except InvalidTokenError as e:
+                error = e
+        raise error
+
+
+class _GatedAverager:
+    """Mixed in front of a hivemind averager: its rpc_* handlers first ask the gate about the caller."""
+
+    # hivemind caches the RPC table per class and names handlers after the class; without these, a subclass would
+    # reuse its parent's table (and stubs calling the parent's handler names) if the parent's was built first
+    _rpc_handlers = None
+    _stub_type = None
+
+    def __init__(self, *args, gate: AveragingGate, **kwargs):
+        self._gate = gate  # before hivemind's __init__, which starts the averager's process
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._gate.admits(context.remote_id, self.prefix):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._gate.admits(context.remote_id, self.prefix):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._gate.admits(context.remote_id, self.prefix):
+            return  # an empty answer, as hivemind's own refusal: the downloader moves on to the next peer
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+
+class GatedGradientAverager(_GatedAverager, GradientAverager):
+    """hivemind's GradientAverager, serving token holders only (``gate=`` is required)."""
+
+
+class GatedTrainingStateAverager(_GatedAverager, TrainingStateAverager):
+    """hivemind's TrainingStateAverager, serving token holders only (``gate=`` is required)."""
+
+
+class _GatedOptimizer:
+    """Mixed in front of a ``hivemind.Optimizer`` class: both averagers it builds are gated."""
+
+    def __init__(self, *args, averaging_gate: AveragingGate, **kwargs):
+        self._averaging_gate = averaging_gate
+        factory = functools.partial(GatedGradientAverager, gate=averaging_gate)
+        super().__init__(*args, grad_averager_factory=factory, **kwargs)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        # hivemind 1.1.12's own arguments (pinned in pyproject.toml): it offers no factory for this averager
+        return GatedTrainingStateAverager(
+            gate=self._averaging_gate,
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+
+@functools.cache
+def gated_optimizer_class(optimizer_class: type[hivemind.Optimizer]) -> type[hivemind.Optimizer]:
+    """``optimizer_class`` (``hivemind.Optimizer`` or a subclass) with gated averagers; it takes one more keyword
+    argument, ``averaging_gate``."""
+    return type(f"Gated{optimizer_class.__name__}", (_GatedOptimizer, optimizer_class), {})
