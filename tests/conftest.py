@@ -1,7 +1,7 @@
-"""Shared fixtures for the model-library tests: tiny configs (fast on 2 busy CPU cores)."""
+"""Shared fixtures: tiny model configs (fast on 2 busy CPU cores) and the report of the fault and security cases."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Dict, List
 
 import pytest
 import torch
@@ -38,3 +38,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("swarm"):
             item.add_marker(pytest.mark.flaky(reruns=2))
+
+
+REPORT_LINES = pytest.StashKey[Dict[str, List[str]]]()  # test node ID -> its report lines, in run order
+
+
+@pytest.fixture
+def report(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Records one report line of this test (what a case tried, what held), shown at the end of the run: `make test`
+    runs pytest without -s, which swallows print(). A re-run starts the test's lines afresh, so none is doubled."""
+    lines = request.config.stash.setdefault(REPORT_LINES, {})
+    lines[request.node.nodeid] = []
+    return lines[request.node.nodeid].append
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Prints the report lines under one heading, grouped by test file; nothing if no test reported."""
+    by_file: Dict[str, List[str]] = {}
+    for nodeid, lines in config.stash.get(REPORT_LINES, {}).items():
+        by_file.setdefault(nodeid.split("::")[0], []).extend(lines)
+    by_file = {path: lines for path, lines in by_file.items() if lines}
+    if not by_file:
+        return
+    terminalreporter.section("case report: what each case tried, what held")
+    for path, lines in by_file.items():
+        terminalreporter.write_line(path)
+        for line in lines:
+            terminalreporter.write_line(f"  {line}")

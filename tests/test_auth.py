@@ -51,7 +51,7 @@ def files(tmp_path, keys):
             "key": alice}
 
 
-def test_token_round_trip(tmp_path, keys):
+def test_token_round_trip(tmp_path, keys, report):
     authority, alice = keys["authority"], keys["alice"].get_public_key()
     token = issue_token(authority, alice, NOW + DAY, name="alice")
     save_token(token, tmp_path / "token")
@@ -60,10 +60,10 @@ def test_token_round_trip(tmp_path, keys):
     assert len((tmp_path / "token").read_text().splitlines()) == 1, "a token file is one pasteable line"
     check_token(loaded, authority.get_public_key(), peer_public_key=alice)
     assert loaded.username == "alice" and loaded.public_key == alice.to_bytes()
-    print(f"round trip: token for {key_fingerprint(alice)} saved, loaded and verified")
+    report(f"round trip: token for {key_fingerprint(alice)} saved, loaded and verified")
 
 
-def test_expiry_boundary(keys):
+def test_expiry_boundary(keys, report):
     expires_at = (NOW + DAY).replace(microsecond=0)
     token = issue_token(keys["authority"], keys["alice"].get_public_key(), expires_at)
     authority = keys["authority"].get_public_key()
@@ -73,11 +73,11 @@ def test_expiry_boundary(keys):
     past = issue_token(keys["authority"], keys["alice"].get_public_key(), NOW - timedelta(hours=1))
     with pytest.raises(TokenExpiredError):
         check_token(past, authority)
-    print("expiry: valid one second before expires_at, TokenExpiredError at it and after")
+    report("expiry: valid one second before expires_at, TokenExpiredError at it and after")
 
 
 @pytest.mark.parametrize("field", ["username", "expiration_time", "public_key", "signature"])
-def test_tampered_token_is_rejected(keys, field):
+def test_tampered_token_is_rejected(keys, field, report):
     token = issue_token(keys["authority"], keys["alice"].get_public_key(), NOW + DAY, "alice")
     tampered = {
         "username": "mallory",
@@ -88,17 +88,17 @@ def test_tampered_token_is_rejected(keys, field):
     setattr(token, field, tampered)
     with pytest.raises(InvalidTokenError, match="not signed by this swarm's authority"):
         check_token(token, keys["authority"].get_public_key())
-    print(f"tampered {field}: signature check fails")
+    report(f"tampered {field}: signature check fails")
 
 
-def test_other_authority_and_other_key_are_rejected(keys):
+def test_other_authority_and_other_key_are_rejected(keys, report):
     foreign = issue_token(keys["other_authority"], keys["alice"].get_public_key(), NOW + DAY)
     with pytest.raises(InvalidTokenError, match="not signed"):
         check_token(foreign, keys["authority"].get_public_key())
     token = issue_token(keys["authority"], keys["alice"].get_public_key(), NOW + DAY)
     with pytest.raises(InvalidTokenError, match="bound to key .* not to this peer's identity key"):
         check_token(token, keys["authority"].get_public_key(), peer_public_key=keys["bob"].get_public_key())
-    print("another authority's token and a token bound to another key are both rejected")
+    report("another authority's token and a token bound to another key are both rejected")
 
 
 @pytest.mark.parametrize("text", ["", "not base64 !", "aGVsbG8gd29ybGQ=", encode_token(dht_pb2.PingRequest())])
@@ -178,7 +178,7 @@ def test_make_authorizer_open_swarm_and_config_errors(files):
     assert authorizer.local_public_key.to_bytes() == files["key"].get_public_key().to_bytes()
 
 
-def test_make_authorizer_bad_files(tmp_path, files, keys):
+def test_make_authorizer_bad_files(tmp_path, files, keys, report):
     alice = files["key"].get_public_key()
     (tmp_path / "corrupt.token").write_text("####\n")
     tokens = {  # case -> the token file's content, as an AccessToken (None: leave as is or missing)
@@ -198,7 +198,7 @@ def test_make_authorizer_bad_files(tmp_path, files, keys):
     for case, (error, message) in expected.items():
         with pytest.raises(error, match=message):
             make_authorizer(tmp_path / f"{case}.token", files["authority_pub"], files["identity"])
-        print(f"startup with a {case} token: {error.__name__} ({message})")
+        report(f"startup, {case} token: {error.__name__} ({message})")
 
     with pytest.raises(FileNotFoundError, match="authority public key file not found"):
         make_authorizer(files["token"], tmp_path / "nope.pub", files["identity"])
@@ -212,7 +212,7 @@ def _authorizer(tmp_path, name, key, authority, expires_at=NOW + DAY, **kwargs) 
     return SwarmAuthorizer(key, authority.get_public_key(), tmp_path / f"{name}.token", **kwargs)
 
 
-def test_authorizer_request_protocol(tmp_path, keys):
+def test_authorizer_request_protocol(tmp_path, keys, report):
     """Client bob -> servicer alice over real DHT protobufs, then what an outsider can do with what it sees."""
     authority = keys["authority"]
     alice = _authorizer(tmp_path, "alice", keys["alice"], authority)
@@ -248,10 +248,10 @@ def test_authorizer_request_protocol(tmp_path, keys):
         assert not await bob.validate_response(forged_response, request), "a response in alice's name is refused"
 
     asyncio.run(run())
-    print("protocol: holder admitted; replay, stolen token, tampering, no token and forged response refused")
+    report("protocol: holder admitted; replay, stolen token, tampering, no token and forged response refused")
 
 
-def test_authorizer_picks_up_renewed_token_and_loses_access_on_expiry(tmp_path, keys):
+def test_authorizer_picks_up_renewed_token_and_loses_access_on_expiry(tmp_path, keys, report):
     """A token within refresh_margin of expiry is re-read from its file, so an owner can renew a running peer."""
     authority = keys["authority"]
     alice = _authorizer(tmp_path, "alice", keys["alice"], authority, expires_at=NOW + DAY,
@@ -272,4 +272,4 @@ def test_authorizer_picks_up_renewed_token_and_loses_access_on_expiry(tmp_path, 
             await sign()
 
     asyncio.run(run())
-    print("renewal: new token file picked up while running; an expired one cuts the peer off")
+    report("renewal: new token file picked up while running; an expired one cuts the peer off")

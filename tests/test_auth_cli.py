@@ -30,7 +30,7 @@ def _main(capsys, *args) -> tuple:
     return code, out.out, out.err
 
 
-def test_journey(tmp_path, capsys):
+def test_journey(tmp_path, capsys, report):
     """Owner creates an authority, volunteer prints its key, owner issues a token: the peer's files then load."""
     new = _run("new-authority", "--out", tmp_path / "authority.pem")  # once through the real `python -m` entry
     assert new.returncode == 0, new.stderr
@@ -55,13 +55,13 @@ def test_journey(tmp_path, capsys):
 
     authorizer = make_authorizer(tmp_path / "alice.token", tmp_path / "authority.pub", tmp_path / "peer.id")
     assert authorizer.local_public_key.to_bytes().decode() == peer_key.strip()
-    print("journey: new-authority -> peer-key -> issue-token -> show-token -> the peer's authorizer loads")
+    report("journey: new-authority -> peer-key -> issue-token -> show-token -> the peer's authorizer loads")
 
     bad = _run("issue-token", "--authority", tmp_path / "missing.pem", "--peer-public-key", tmp_path / "peer.pub",
                "--expires-in", "7d")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.splitlines() == [f"error: authority key file not found: {tmp_path / 'missing.pem'}"]
-    print("python -m with a missing authority file: exit 1 and one line, no traceback")
+    report("python -m with a missing authority file: exit 1 and one line, no traceback")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ BAD_INPUTS = {  # name -> (arguments, exit code, the start of the one error line
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gives_one_line(setup, case, capsys):
+def test_bad_input_gives_one_line(setup, case, capsys, report):
     args, code, message = BAD_INPUTS[case]
     args = [arg.format(d=setup) for arg in args]
     try:
@@ -113,7 +113,7 @@ def test_bad_input_gives_one_line(setup, case, capsys):
     err = capsys.readouterr().err
     assert result == code, err
     assert len(err.splitlines()) == 1 and err.startswith(message.format(d=setup)), err
-    print(f"{case}: exit {result}, {err.strip()}")
+    report(f"{case}: exit {result}, {err.strip()}")
 
 
 def test_expired_token_reported_as_expired(setup, capsys):

@@ -269,7 +269,7 @@ def swarm(tmp_path_factory):
         close_all(peers)
 
 
-def test_token_holders_share_records_and_keep_one_identity(swarm):
+def test_token_holders_share_records_and_keep_one_identity(swarm, report):
     from lean_transformer.swarm.auth import load_token
 
     alice, bob = swarm["alice"], swarm["bob"]
@@ -278,25 +278,25 @@ def test_token_holders_share_records_and_keep_one_identity(swarm):
     assert bob.call("get", key="swarm.alice")["value"] == "from alice"
     assert alice.call("get", key="swarm.bob")["value"] == "from bob"
     assert bob.info["peer_id"] in alice.call("routing")["peers"]
-    print("token holders: alice and bob store and read each other's records")
+    report("token holders: alice and bob store and read each other's records")
 
     # one key per peer: its libp2p ID, the owner key of its signed records and its token's key coincide
     for peer in (alice, bob):
         token_key = load_token(swarm["tokens"] / f"{peer.name}.token").public_key.decode()
         assert peer.info["peer_id"] == peer.info["identity_peer_id"]
         assert peer.info["owner_key"] == f"[owner:{token_key}]"
-    print("identity: peer ID, record owner key and token key come from the same identity file")
+    report("identity: peer ID, record owner key and token key come from the same identity file")
 
     # a signed per-peer record (the metrics pattern): readable by bob, not overwritable by him
     owner = alice.info["owner_key"]
     assert alice.call("store", key="swarm.metrics", subkey=owner, value="alice's metrics")["ok"]
     assert not bob.call("store", key="swarm.metrics", subkey=owner, value="forged", expiration=EXPIRATION + 60)["ok"]
     assert bob.call("get", key="swarm.metrics")["value"] == {owner: "alice's metrics"}
-    print("signed records: bob reads alice's metrics record and cannot overwrite it")
+    report("signed records: bob reads alice's metrics record and cannot overwrite it")
 
 
 @pytest.mark.parametrize("case", list(VISITORS))
-def test_visitor(swarm, case):
+def test_visitor(swarm, case, report):
     alice, bob, visitor = swarm["alice"], swarm["bob"], swarm["visitors"][case]
     admitted = case == "valid token (control)"
     key = f"visitor.{case}"
@@ -322,14 +322,14 @@ def test_visitor(swarm, case):
         assert found == {"responded": True, "value": "original"}, found
         assert all(value == (case, case) for value in seen.values()), seen
         assert in_routing["alice"], "the newcomer is routable"
-        print(f"{tried}; honest peers read its records -> admitted like any token holder")
+        report(f"{tried}; honest peers read its records -> admitted like any token holder")
     else:
         assert stored is False and read is None and direct is None and not found["responded"], tried
         assert overwrite == (False, None), overwrite
         assert all(value == (None, None) for value in seen.values()), seen
         assert not any(in_routing.values()), in_routing
-        print(f"{tried}; overwrite of alice's record refused {overwrite}; honest records intact {victim}; "
-              f"absent from honest routing tables")
+        report(f"{tried}; overwrite of alice's record refused {overwrite}; honest records intact {victim}; "
+               f"absent from honest routing tables")
 
 
 if __name__ == "__main__":

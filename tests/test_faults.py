@@ -1,5 +1,5 @@
 """The fault suite: a real swarm on 127.0.0.1 (every peer its own process) keeps training through crashes, bad
-gradients, bad metrics records and kills at checkpoint time. Each case prints a report line: what was tried, what held.
+gradients, bad metrics records and kills at checkpoint time. Each case reports a line: what was tried, what held.
 
 One swarm (the module fixture, 1-2 minutes) serves the first three cases: an aux peer and three trainers, "steady",
 "victim" and "faulty". While they train, a metrics attacker (a DHT node without the metrics validator) tries to store
@@ -22,7 +22,7 @@ import re
 import runpy
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from itertools import combinations, count
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -159,7 +159,7 @@ def faults(tmp_path_factory) -> FaultRun:
             peer.kill()
 
 
-def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faults: FaultRun):
+def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faults: FaultRun, report):
     timeout = SWARM["averaging_timeout"]
     assert faults.exit_codes == {"steady": 0, "victim-restarted": 0, "faulty": 0, "aux": 0}
     for peer in (faults.steady, faults.faulty, faults.restarted, faults.aux):
@@ -178,8 +178,8 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
     # caught up: its first epoch's loss (computed with the parameters it loaded) is the swarm's, not a fresh model's
     # (the swarm's first epoch, trained from the initial parameters; the victim may have joined after it)
     steady_reports, second_life = epoch_reports(faults.steady.stderr), epoch_reports(faults.restarted.stderr)
-    first_reports = [report for peer in (faults.steady, faults.victim, faults.faulty)
-                     for report in epoch_reports(peer.stderr).values() if report.epoch == 1]
+    first_reports = [each for peer in (faults.steady, faults.victim, faults.faulty)
+                     for each in epoch_reports(peer.stderr).values() if each.epoch == 1]
     assert first_reports, "some peer trained the swarm's first epoch from the initial parameters"
     initial = first_reports[0].mean_loss
     first_epoch = min(second_life)
@@ -187,21 +187,21 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
     steady_then = steady_reports[first_epoch].mean_loss
     assert initial - steady_then > 0.3, "the swarm should have learned something before the check means anything"
     assert abs(restarted_first - steady_then) < abs(restarted_first - initial), (initial, restarted_first, steady_then)
-    print(f"SIGKILL of a trainer in the averaging round of epoch {faults.killed_at_epoch}: survivors went on in "
-          f"{', '.join(f'{name} {s:.1f} s' for name, s in faults.seconds_to_go_on.items())} (averaging_timeout "
-          f"{timeout} s), none crashed; the restarted peer joined at epoch {joined} with loss {restarted_first:.3f} "
-          f"(swarm {steady_then:.3f}, fresh model {initial:.3f}) and trained on")
+    report(f"SIGKILL of a trainer in the averaging round of epoch {faults.killed_at_epoch}: survivors went on in "
+           f"{', '.join(f'{name} {s:.1f} s' for name, s in faults.seconds_to_go_on.items())} (averaging_timeout "
+           f"{timeout} s), none crashed; the restarted peer joined at epoch {joined} with loss {restarted_first:.3f} "
+           f"(swarm {steady_then:.3f}, fresh model {initial:.3f}) and trained on")
 
 
-def test_nonfinite_gradients_are_not_contributed_and_poison_nobody(faults: FaultRun):
+def test_nonfinite_gradients_are_not_contributed_and_poison_nobody(faults: FaultRun, report):
     from safetensors.torch import load_file
 
     reports = epoch_reports(faults.faulty.stderr)
-    skipped = sum(report.skipped for report in reports.values())
+    skipped = sum(each.skipped for each in reports.values())
     skip_lines = faults.faulty.stderr.count("with non-finite loss or gradients (not counted)")
     assert 2 <= skipped <= skip_lines, (skipped, skip_lines)  # the last, unfinished epoch reports no skips
     batch = SWARM["per_device_batch_size"]
-    assert all(report.samples == report.mini_steps * batch for report in reports.values()), "skipped ones counted"
+    assert all(each.samples == each.mini_steps * batch for each in reports.values()), "skipped ones counted"
     assert re.search(r"Averaged gradients with [234] peers", faults.faulty.stderr), "it should still average"
 
     checked = 0
@@ -214,12 +214,12 @@ def test_nonfinite_gradients_are_not_contributed_and_poison_nobody(faults: Fault
         assert "non-finite at epoch" not in peer.stderr, peer.name  # no trainer had to restore a backup
     rows = read_jsonl(faults.metrics_path)  # a NaN loss would be stored as null
     assert rows and all(row["loss"] is not None for row in rows if row["mini_steps"])
-    print(f"non-finite gradients on every {NONFINITE_EVERY}rd micro-batch of one trainer: {skipped} micro-batches "
-          f"skipped and not counted, it kept averaging; {checked} backups of 3 trainers all finite, no restore, "
-          f"{len(rows)} swarm epochs with a finite loss")
+    report(f"non-finite gradients on every {NONFINITE_EVERY}rd micro-batch of one trainer: {skipped} micro-batches "
+           f"skipped and not counted, it kept averaging; {checked} backups of 3 trainers all finite, no restore, "
+           f"{len(rows)} swarm epochs with a finite loss")
 
 
-def test_bad_metrics_records_are_rejected_and_aggregates_undisturbed(faults: FaultRun):
+def test_bad_metrics_records_are_rejected_and_aggregates_undisturbed(faults: FaultRun, report):
     results = [json.loads(line[len(PREFIX):]) for line in faults.attacker.stdout.splitlines()
                if line.startswith(PREFIX)]
     stores = {result["case"]: result["stored"] for result in results if "case" in result}
@@ -231,17 +231,17 @@ def test_bad_metrics_records_are_rejected_and_aggregates_undisturbed(faults: Fau
     # every row the aux peer logged is made of honest trainers' reports only
     honest: Dict[int, List[EpochReport]] = {}
     for trainer in faults.trainers:
-        for epoch, report in epoch_reports(trainer.stderr).items():
-            honest.setdefault(epoch, []).append(report)
+        for epoch, each in epoch_reports(trainer.stderr).items():
+            honest.setdefault(epoch, []).append(each)
     rows = read_jsonl(faults.metrics_path)
     assert len(rows) >= 4
     for row in rows:
         groups = [group for group in combinations(honest.get(row["epoch"], []), row["alive_peers"])
                   if aggregates_to(group, row)]
         assert groups, f"epoch {row['epoch']}: {row} is not an aggregate of the trainers' own reports"
-    print(f"metrics attack: {len(stores)} bad records ({', '.join(stores)}) all rejected, a valid control record "
-          f"accepted; readback holds {readback['subkeys']} valid records; all {len(rows)} aggregated rows match the "
-          f"honest trainers' reports")
+    report(f"metrics attack: {len(stores)} bad records ({', '.join(stores)}) all rejected, a valid control record "
+           f"accepted; readback holds {readback['subkeys']} valid records; all {len(rows)} aggregated rows match the "
+           f"honest trainers' reports")
 
 
 # ---------------------------------------------------------------- kills while a checkpoint is written
@@ -272,7 +272,7 @@ def complete_backups(folder: Path) -> List[int]:
     return epochs
 
 
-def test_backups_stay_loadable_through_kills_at_several_moments_of_a_write(tmp_path: Path):
+def test_backups_stay_loadable_through_kills_at_several_moments_of_a_write(tmp_path: Path, report):
     """One writer per moment, all at once (to stay within the time budget): a solo trainer on a slow disk backs up
     every epoch; it is SIGKILLed at its moment, its backups are checked, then it restarts from them and trains on."""
     def writer(index: int, *extra: str) -> PeerProcess:
@@ -307,9 +307,9 @@ def test_backups_stay_loadable_through_kills_at_several_moments_of_a_write(tmp_p
             assert loaded and int(loaded.group(1)) == epochs[-1], peer.stderr[-3000:]
             assert not any(path.name.startswith(".") for path in folder.iterdir()), "partial directories remain"
             assert complete_backups(folder)[-1] == epochs[-1] + 1
-            print(f"SIGKILL when {moment}: left {len(partial)} partial and {len(epochs)} complete backups "
-                  f"{epochs}, all loadable; the restarted writer resumed from epoch {epochs[-1]}, removed the partial "
-                  f"ones and trained on")
+            report(f"SIGKILL when {moment}: left {len(partial)} partial and {len(epochs)} complete backups "
+                   f"{epochs}, all loadable; the restarted writer resumed from epoch {epochs[-1]}, removed the partial "
+                   f"ones and trained on")
     finally:
         for peer in killed + restarted:
             peer.kill()
@@ -328,16 +328,7 @@ def aggregates_to(reports: Sequence[EpochReport], row: dict) -> bool:
 # ---------------------------------------------------------------- authorization
 
 
-def authorization_is_wired() -> bool:
-    """Whether the peers take access tokens (``--auth_token_path``, ``--authority_public_key_path``)."""
-    from arguments import NetworkArguments
-
-    return {"auth_token_path", "authority_public_key_path"} <= {field.name for field in fields(NetworkArguments)}
-
-
-@pytest.mark.skipif(not authorization_is_wired(), reason="the peers' arguments have no --auth_token_path yet: "
-                    "lean_transformer.swarm.auth is not wired into NetworkArguments and build_dht")
-def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path):
+def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path, report):
     """An authorized swarm (an aux peer, alice and bob with tokens) and two outsiders: one without a token, one with
     a token of another authority. Each peer except the aux sends known gradients (tests/grad_peer.py): the honest
     peers' averaged gradients must be the mean of theirs alone, and no outsider may appear in a group."""
@@ -409,8 +400,8 @@ def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path):
                 torch.testing.assert_close(averaged, expected, rtol=1e-4, atol=1e-5)
             checked += len(members) == 2
     assert checked >= 2, "alice and bob should have averaged together"
-    print(f"authorization: {checked} rounds of alice and bob averaged exactly their own gradients; the peer without a "
-          f"token and the one with another authority's token (exit codes {outsider_exits}) were never in a group")
+    report(f"authorization: {checked} rounds of alice and bob averaged exactly their own gradients; the peer without a "
+           f"token and the one with another authority's token (exit codes {outsider_exits}) were never in a group")
 
 
 # ---------------------------------------------------------------- the misbehaving peers

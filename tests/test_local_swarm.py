@@ -50,7 +50,7 @@ def _cmdline(pid: str) -> bytes:
         return b""
 
 
-def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path):
+def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path, report):
     from lean_transformer import LeanGPTForCausalLM
     from lean_transformer.swarm.training_state import read_epoch
 
@@ -76,11 +76,11 @@ def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path):
     model = LeanGPTForCausalLM.from_pretrained(checkpoint)
     assert all(torch.isfinite(param).all() for param in model.parameters())
     assert_valid_png(tmp_path / "demo" / "metrics.png")
-    print(f"local swarm, 20 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
-          f"{rounds} averaging rounds; checkpoint {checkpoint.name} loads; PNG valid; nothing left running")
+    report(f"local swarm, 20 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
+           f"{rounds} averaging rounds; checkpoint {checkpoint.name} loads; PNG valid; nothing left running")
 
 
-def test_a_crash_is_reported_and_ctrl_c_stops_every_process_it_started(tmp_path: Path):
+def test_a_crash_is_reported_and_ctrl_c_stops_every_process_it_started(tmp_path: Path, report):
     run, watcher = start_local_swarm(tmp_path, "--duration", "600")
     try:
         run.wait_for(r"trainer2 +epoch \d+ \|", timeout=240, stream="stdout")  # training is under way
@@ -97,8 +97,8 @@ def test_a_crash_is_reported_and_ctrl_c_stops_every_process_it_started(tmp_path:
     assert seconds < local_swarm.SWARM_ARGS["shutdown_timeout"] + 15
     assert_nothing_left(watcher, tmp_path)
     assert "problems: trainer2 exited unexpectedly with code -9" in run.stdout, run.stdout[-2000:]
-    print(f"SIGKILL of trainer2: reported, the swarm went on; Ctrl+C: exited with {code} after {seconds:.1f} s, "
-          f"the others stopped cleanly, no process (not even trainer2's orphans) or socket file left")
+    report(f"SIGKILL of trainer2: reported, the swarm went on; Ctrl+C: exited with {code} after {seconds:.1f} s, "
+           f"the others stopped cleanly, no process (not even trainer2's orphans) or socket file left")
 
 
 def peer_pid(orchestrator_pid: int, name: str) -> int:
