@@ -18,6 +18,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Dict, Set
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: arguments.py, tasks/
 
@@ -81,6 +82,33 @@ def main() -> None:
     torch.save(dict(peer_id=dht.peer_id.to_base58(), grads=grads, rounds=rounds), options.out)
     optimizer.shutdown()
     dht.shutdown()
+
+
+def check_rounds(dumps: Dict[str, dict], outsiders: Set[str]) -> int:
+    """Check the rounds that grad_peers recorded (``dumps``: their saved files by name): no peer ID of ``outsiders``
+    is in any group, and every all-reduce that all of its grad_peer members recorded (the same group and the same
+    result; one round may fall on different local epochs of its members) holds exactly the weighted mean of their
+    known gradients. Members that are not grad_peers (e.g. an assisting aux peer) contribute no weight. Returns how
+    many rounds with two or more grad_peers were checked."""
+    by_id = {dump["peer_id"]: dump for dump in dumps.values()}
+    checked = 0
+    for dump in dumps.values():
+        for round_ in dump["rounds"]:
+            assert not outsiders & set(round_["group"]), f"an outsider was averaged in: {round_['group']}"
+            members = [by_id[peer] for peer in round_["group"] if peer in by_id]
+            if members[0] is not dump or len(members) < 2:
+                continue  # each round is checked once, from its first grad_peer member's records
+            matches = [next((other for other in member["rounds"] if other["group"] == round_["group"] and all(
+                torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(other["averaged"], round_["averaged"]))),
+                None) for member in members]
+            if any(match is None for match in matches):
+                continue  # a member did not record it (it gave up on the round or caught up by downloading the state)
+            total = sum(match["weight"] for match in matches)
+            for index, averaged in enumerate(round_["averaged"]):
+                expected = sum(match["weight"] * member["grads"][index] for match, member in zip(matches, members))
+                torch.testing.assert_close(averaged, expected / total, rtol=1e-4, atol=1e-5)
+            checked += 1
+    return checked
 
 
 if __name__ == "__main__":

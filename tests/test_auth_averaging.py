@@ -28,6 +28,7 @@ import pytest
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from aux_utils import PeerProcess, wait_until  # noqa: E402
+from grad_peer import check_rounds  # noqa: E402
 
 RUN_ID = "gated"
 RUN = dict(run_id=RUN_ID, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=24, per_device_batch_size=4,
@@ -273,29 +274,6 @@ def _result(peer: PeerProcess, name: str, timeout: float) -> dict:
     return json.loads(line)[name]
 
 
-def _check_rounds(dumps: dict, ids: dict, strangers: List[str]) -> int:
-    """No stranger is in any group alice or bob recorded, and every all-reduce that both recorded (the same group and
-    result; each peer applies it to its own tensors, so it matches up to rounding) holds exactly the weighted mean of
-    their known gradients; returns how many."""
-    import torch
-
-    for dump in dumps.values():
-        for round_ in dump["rounds"]:
-            assert not {ids[name] for name in strangers} & set(round_["group"]), f"a stranger: {round_['group']}"
-    alice, bob = dumps["alice"], dumps["bob"]
-    checked = 0
-    for a in alice["rounds"]:
-        for b in bob["rounds"]:
-            same = a["group"] == b["group"] == sorted([ids["alice"], ids["bob"]]) and all(
-                torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(a["averaged"], b["averaged"]))
-            if same:  # a round's weight is the peer's sample count: the hivemind mean of the two peers' gradients
-                for averaged, grad_a, grad_b in zip(a["averaged"], alice["grads"], bob["grads"]):
-                    expected = (a["weight"] * grad_a + b["weight"] * grad_b) / (a["weight"] + b["weight"])
-                    torch.testing.assert_close(averaged, expected, rtol=1e-4, atol=1e-5)
-                checked += 1
-    return checked
-
-
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_strangers_are_refused_by_the_averagers_and_token_holders_average(tmp_path: Path, report):
@@ -387,7 +365,7 @@ def test_strangers_are_refused_by_the_averagers_and_token_holders_average(tmp_pa
         assert f"refusing averaging requests from peer {ids[name]}" not in alice.stderr + bob.stderr
 
     dumps = {name: torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("alice", "bob")}
-    checked = _check_rounds(dumps, ids, strangers)
+    checked = check_rounds(dumps, {ids[name] for name in strangers})
     recorded = {name: len(dump["rounds"]) for name, dump in dumps.items()}
     assert checked >= 1, f"alice and bob recorded no common round: {recorded}"
     report(f"token holders: {checked} all-reduce rounds of alice and bob (recorded {recorded}) averaged exactly their "

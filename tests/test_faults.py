@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from itertools import combinations, count
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 
@@ -33,6 +33,7 @@ import pytest
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
+from grad_peer import check_rounds  # noqa: E402
 from swarm_utils import EpochReport, epoch_reports  # noqa: E402
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -93,21 +94,31 @@ class FaultRun:
         return self.root / "metrics.jsonl"
 
 
-def kill_during_averaging_round(peer: PeerProcess, min_epoch: int, timeout: float) -> tuple[int, bool]:
-    """SIGKILL ``peer`` as soon as it begins the optimizer step of an epoch >= ``min_epoch``, i.e. while that step's
-    gradient averaging round is under way. Returns the epoch and whether the round was still unfinished."""
-    begin = re.compile(r"Beginning optimizer step #(\d+)")
+def round_in_progress(peer: PeerProcess) -> Optional[int]:
+    """The epoch whose optimizer step (and gradient averaging round) ``peer`` has begun and not finished, if any."""
+    log = peer.stderr
+    steps = re.findall(r"Beginning optimizer step #(\d+)", log)
+    if steps and f"Transitioning to epoch {int(steps[-1]) + 1}\n" not in log:
+        return int(steps[-1])
+    return None
+
+
+def kill_during_averaging_round(peer: PeerProcess, partner: PeerProcess, min_epoch: int, timeout: float
+                                ) -> tuple[int, bool]:
+    """SIGKILL ``peer`` as soon as it and ``partner`` are both in the optimizer step of the same epoch >=
+    ``min_epoch``, i.e. while that step's gradient averaging round is under way for both. Returns the epoch and
+    whether the round was still unfinished for both right after the kill."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        log = peer.stderr
-        steps = [int(epoch) for epoch in begin.findall(log)]
-        if steps and steps[-1] >= min_epoch and f"Transitioning to epoch {steps[-1] + 1}\n" not in log:
+        epoch = round_in_progress(peer)
+        if epoch is not None and epoch >= min_epoch and round_in_progress(partner) == epoch:
             peer.kill()
-            return steps[-1], f"Transitioning to epoch {steps[-1] + 1}\n" not in peer.stderr
+            return epoch, round_in_progress(peer) == round_in_progress(partner) == epoch
         if peer.process.poll() is not None:
             break
         time.sleep(0.01)
-    raise AssertionError(f"{peer.name} began no optimizer step >= {min_epoch} in time:\n{peer.stderr[-3000:]}")
+    raise AssertionError(f"{peer.name} and {partner.name} were in no averaging round >= {min_epoch} together in "
+                         f"time:\n{peer.stderr[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +143,8 @@ def faults(tmp_path_factory) -> FaultRun:
 
         # once the three trainers have averaged together, kill the victim in the middle of a round and restart it
         steady.wait_for(r"Averaged gradients with [34] peers", timeout=180)
-        killed_at, mid_round = kill_during_averaging_round(victim, max(2, newest_epoch(steady) + 1), timeout=90)
+        killed_at, mid_round = kill_during_averaging_round(victim, steady, max(2, newest_epoch(steady) + 1),
+                                                          timeout=120)
         killed = time.monotonic()
         restarted = PeerProcess("victim-restarted", victim_argv, root)
         peers.append(restarted)
@@ -164,7 +176,7 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
     assert faults.exit_codes == {"steady": 0, "victim-restarted": 0, "faulty": 0, "aux": 0}
     for peer in (faults.steady, faults.faulty, faults.restarted, faults.aux):
         assert "Shut down cleanly" in peer.stderr, peer.name
-    assert faults.kill_landed_mid_round, "the kill should land before the victim's round finished"
+    assert faults.kill_landed_mid_round, "the kill should land while the victim and steady were in the same unfinished round"
     for name, seconds in faults.seconds_to_go_on.items():
         assert seconds < timeout + 10, f"{name} took {seconds:.1f} s to go on after the kill"
 
@@ -387,19 +399,8 @@ def test_with_authorization_only_token_holders_are_averaged(tmp_path: Path, repo
     outsider_ids = {PeerID.from_identity((tmp_path / f"{peer.name}.id").read_bytes()).to_base58()
                     for peer in outsiders}
     dumps = {peer.name: torch.load(tmp_path / f"{peer.name}.pt", weights_only=True) for peer in honest}
-    by_id = {dump["peer_id"]: dump for dump in dumps.values()}
-    checked = 0
-    for dump in dumps.values():
-        for round_ in dump["rounds"]:
-            assert not outsider_ids & set(round_["group"]), f"an outsider was averaged in: {round_['group']}"
-            members = [by_id[peer] for peer in round_["group"] if peer in by_id]
-            weights = [next(r["weight"] for r in member["rounds"] if r["epoch"] == round_["epoch"])
-                       for member in members]
-            for index, averaged in enumerate(round_["averaged"]):
-                expected = sum(w * member["grads"][index] for w, member in zip(weights, members)) / sum(weights)
-                torch.testing.assert_close(averaged, expected, rtol=1e-4, atol=1e-5)
-            checked += len(members) == 2
-    assert checked >= 2, "alice and bob should have averaged together"
+    checked = check_rounds(dumps, outsider_ids)
+    assert checked >= 1, "alice and bob should have averaged together"
     report(f"authorization: {checked} rounds of alice and bob averaged exactly their own gradients; the peer without a "
            f"token and the one with another authority's token (exit codes {outsider_exits}) were never in a group")
 
