@@ -70,7 +70,8 @@ def main() -> None:
         epoch = optimizer.local_epoch
         optimizer.step(batch_size=batch_size)
         control = optimizer.scheduled_grads
-        if optimizer.local_epoch != epoch and control is not None and control.done() and not control.cancelled():
+        if (optimizer.local_epoch != epoch and control is not None and control.done() and not control.cancelled()
+                and control.exception() is None):  # a failed round: hivemind went on with the local gradients
             group = control.result()
             with optimizer.grad_averager.get_tensors() as averaged:
                 rounds.append(dict(epoch=optimizer.local_epoch, weight=float(control.weight),

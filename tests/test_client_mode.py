@@ -1,0 +1,172 @@
+"""Client-mode peers (``--client_mode``: no incoming connections, as behind NAT) in a real swarm on 127.0.0.1.
+
+Two client-mode peers cannot all-reduce with each other: each can only dial out, so every averaging group needs a
+full peer that takes their tensors and reduces them. Here the only full peer is an aux peer with
+``--assist_in_averaging``, which has no gradients of its own. Every peer runs in its own process; every wait is
+bounded.
+
+- The module's swarm (~1 minute): two ``run_trainer.py --client_mode`` trainers train the tiny model through the aux
+  peer until each has averaged gradients in a few 3-peer rounds; then they get SIGTERM.
+- Exactness (~40 s): two client-mode peers with known gradients (tests/grad_peer.py) average through a fresh aux peer,
+  and every round they share returns exactly the sample-weighted mean of their gradients.
+
+hivemind derives the swarm's epoch from full trainers only (it ignores the epochs of client-mode peers, and auxiliary
+peers publish no progress), so client-mode peers that raced alone through their first epochs keep different epoch
+numbers while they average together: nothing here pairs rounds by epoch.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from aux_utils import PeerProcess, wait_until
+from grad_peer import check_rounds
+from swarm_utils import epoch_reports
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+ROUNDS_WITH_BOTH = 3  # 3-peer gradient averaging rounds each trainer must log before it is stopped
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
+
+
+def swarm_args(run_id: str, **overrides) -> List[str]:
+    """Flags every peer of a run shares: the tiny model, short sequences, a small target batch, 3 s matchmaking."""
+    options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=32, per_device_batch_size=4,
+                   max_sequence_length=32, matchmaking_time=3, averaging_timeout=10, startup_timeout=60,
+                   learning_rate=0.01, warmup_steps=2, total_steps=100)
+    options.update(overrides)
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+
+
+def start_assisting_aux_peer(root: Path, run: List[str]) -> PeerProcess:
+    return PeerProcess("aux", ["run_aux_peer.py", *run, "--assist_in_averaging", "--assist_refresh_period", "0.2",
+                               "--checkpoint_every_epochs", "0", "--refresh_period", "1",
+                               "--metrics_path", str(root / "metrics.jsonl"), "--wandb_project", ""], root, ENV)
+
+
+def group_sizes(peer: PeerProcess) -> List[int]:
+    """The size of every gradient-averaging group the peer logged, in order."""
+    return [int(size) for size in AVERAGED.findall(peer.stderr)]
+
+
+@dataclass
+class ClientSwarm:
+    aux: PeerProcess
+    trainers: List[PeerProcess]
+    exit_codes: Dict[str, int]
+    exit_seconds: Dict[str, float]  # from SIGTERM to exit
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory) -> ClientSwarm:
+    root = tmp_path_factory.mktemp("client_mode")
+    run = swarm_args("client-mode")
+    peers: List[PeerProcess] = []
+    try:
+        aux = start_assisting_aux_peer(root, run)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        trainers = [PeerProcess(name, ["run_trainer.py", *run, "--client_mode", "--initial_peers", *initial_peers,
+                                       "--output_dir", str(root / name), "--backup_every_epochs", "0",
+                                       "--progress_every", "2"], root, ENV)
+                    for name in ("trainer1", "trainer2")]
+        peers += trainers
+
+        def averaged_enough() -> bool:
+            for trainer in trainers:
+                if trainer.process.poll() is not None:
+                    raise AssertionError(f"{trainer.name} exited early:\n{trainer.stderr[-3000:]}")
+            return all(group_sizes(trainer).count(3) >= ROUNDS_WITH_BOTH for trainer in trainers)
+
+        wait_until(averaged_enough, timeout=120, what=f"{ROUNDS_WITH_BOTH} 3-peer rounds on each trainer",
+                   interval=0.5)
+        for trainer in trainers:
+            trainer.process.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        exits = {trainer.name: (trainer.wait(60), time.monotonic() - stopped) for trainer in trainers}
+        exits["aux"] = (aux.stop(), time.monotonic() - stopped)
+        yield ClientSwarm(aux, trainers, {name: code for name, (code, _) in exits.items()},
+                          {name: seconds for name, (_, seconds) in exits.items()})
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def test_trainers_average_gradients_through_the_aux_peer(swarm: ClientSwarm):
+    """Each group holds both trainers and the aux peer, the only peer that can accept their connections."""
+    for trainer in swarm.trainers:
+        sizes = group_sizes(trainer)
+        assert sizes.count(3) >= ROUNDS_WITH_BOTH and max(sizes) == 3, (trainer.name, sizes)
+        assert "Averaged parameters with 3 peers" in trainer.stderr, trainer.name  # state averaging goes through too
+    assert "Averaged gradients with 3 peers" in swarm.aux.stderr
+
+
+def test_trainers_stay_clients(swarm: ClientSwarm):
+    """A client-mode trainer prints no --initial_peers line (nobody could dial it); the aux peer does."""
+    for trainer in swarm.trainers:
+        assert "--initial_peers" not in trainer.stdout, trainer.name
+    assert swarm.aux.stdout.startswith("--initial_peers /ip4/127.0.0.1/tcp/")
+
+
+def test_epochs_advance_and_loss_falls(swarm: ClientSwarm):
+    for trainer in swarm.trainers:
+        reports = epoch_reports(trainer.stderr)
+        epochs = sorted(reports)
+        # every 3-peer round ended an epoch, and no epoch was skipped
+        assert len(epochs) > ROUNDS_WITH_BOTH and epochs == list(range(epochs[0], epochs[-1] + 1)), epochs
+        first, last = reports[epochs[0]].mean_loss, reports[epochs[-1]].mean_loss
+        assert last < first - 0.3, f"{trainer.name}: loss went from {first} to {last}"
+
+
+def test_sigterm_stops_every_peer_cleanly(swarm: ClientSwarm):
+    assert swarm.exit_codes == {"trainer1": 0, "trainer2": 0, "aux": 0}, swarm.exit_codes
+    for trainer in swarm.trainers:
+        log = trainer.stderr
+        assert swarm.exit_seconds[trainer.name] < 30, swarm.exit_seconds
+        assert "Caught SIGTERM" in log and "stop requested" in log and "Shut down cleanly" in log, trainer.name
+        assert "Abandoning" not in log, trainer.name
+    assert "Shut down cleanly" in swarm.aux.stderr
+
+
+def test_client_gradients_are_averaged_exactly_through_the_aux_peer(tmp_path: Path):
+    """Two client-mode peers with known gradients (batches 3 and 5, started together) average through the assisting
+    aux peer, which reduces every part: each round they share returns, on both, exactly the sample-weighted mean of
+    their two gradients."""
+    run = swarm_args("client-exact", target_batch_size=48, grad_compression="none")
+    batches = {1: 3, 2: 5}  # --grad_seed -> --per_device_batch_size
+    start_file = tmp_path / "start"
+    peers: List[PeerProcess] = []
+    try:
+        aux = start_assisting_aux_peer(tmp_path, run)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        grad_peers = [PeerProcess(f"grad_peer{seed}", [
+            "tests/grad_peer.py", "--out", str(tmp_path / f"{seed}.pt"), "--grad_seed", str(seed), "--rounds", "2",
+            "--group_size", "3", "--max_epochs", "15", "--start_file", str(start_file), *run,
+            "--per_device_batch_size", str(batch), "--client_mode", "--initial_peers", *initial_peers], tmp_path, ENV)
+            for seed, batch in batches.items()]
+        peers += grad_peers
+        for grad_peer in grad_peers:
+            grad_peer.wait_for("^ready$", timeout=90, stream="stdout")
+        start_file.touch()
+        for grad_peer in grad_peers:
+            assert grad_peer.wait(120) == 0, grad_peer.stderr[-3000:]
+        assert aux.stop() == 0, aux.stderr[-3000:]
+    finally:
+        for peer in peers:
+            peer.kill()
+
+    dumps = {seed: torch.load(tmp_path / f"{seed}.pt", weights_only=True) for seed in batches}
+    for seed, dump in dumps.items():  # a peer's weight is the samples it accumulated: whole batches of its size
+        assert all(r["weight"] > 0 and r["weight"] % batches[seed] == 0 for r in dump["rounds"]), dump["rounds"]
+    everyone = sorted([*(dump["peer_id"] for dump in dumps.values()), initial_peers[0].rsplit("/p2p/", 1)[1]])
+    assert sum(r["group"] == everyone for r in dumps[1]["rounds"]) >= 2, dumps[1]["rounds"]
+    assert check_rounds(dumps, outsiders=set()) >= 2, "the two clients should share rounds through the aux peer"
