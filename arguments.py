@@ -15,6 +15,7 @@ from typing import Literal, NoReturn, Optional, Sequence, Union
 from transformers import HfArgumentParser
 
 from lean_transformer.swarm.dht import validate_maddrs, validate_run_id
+from lean_transformer.swarm.hub import is_hub_repo_id
 
 Compression = Literal["size_adaptive", "none", "float16", "scaled_float16", "uniform8bit", "quantile8bit",
                       "blockwise8bit"]
@@ -214,9 +215,10 @@ class TrainingArguments:
         "help": "Write a local backup every this many epochs (0: never); restored if parameters turn non-finite."})
     keep_backups: int = field(default=2, metadata={"help": "How many local backups to keep."})
     resume_from: Optional[str] = field(default=None, metadata={
-        "help": "Checkpoint directory (or a folder of them: the newest is used) to load before joining; "
-                "the newer of it and the swarm's state wins. Its optimizer state (LR schedule included) replaces "
-                "this peer's, as the swarm's does."})
+        "help": "Checkpoint to load before joining: a checkpoint directory, a folder of them (the newest is used) "
+                "or a Hugging Face Hub repo id (owner/name) that an aux peer uploaded to. The newer of it and the "
+                "swarm's state wins; its optimizer state (LR schedule included) replaces this peer's, as the "
+                "swarm's does."})
     max_epochs: Optional[int] = field(default=None, metadata={
         "help": "Stop once this peer reaches this epoch (default: total_steps)."})
     device: Optional[str] = field(default=None, metadata={"help": "Torch device (default: cuda if available)."})
@@ -243,8 +245,8 @@ class TrainingArguments:
                  "initial_sequence_length", f"must be in [1, max_sequence_length], got {self.initial_sequence_length}")
         _require(self.max_epochs is None or self.max_epochs > 0, "max_epochs",
                  f"must be positive, got {self.max_epochs}")
-        _require(self.resume_from is None or os.path.isdir(self.resume_from), "resume_from",
-                 f"{self.resume_from} is not a directory")
+        _require(self.resume_from is None or os.path.isdir(self.resume_from) or is_hub_repo_id(self.resume_from),
+                 "resume_from", f"{self.resume_from} is neither a directory nor a Hub repo id (owner/name)")
         self.checkpointing_option()  # validates the string
 
     def checkpointing_option(self) -> Union[bool, int]:
@@ -300,14 +302,6 @@ class AuxTrainingArguments(TrainingArguments):
                 "used), or a Hugging Face Hub repo id (owner/name) that an aux peer uploaded to. Trainers that "
                 "join continue from its epoch and weights."})
 
-    def __post_init__(self):
-        from lean_transformer.swarm.hub import is_hub_repo_id
-
-        resume_from, self.resume_from = self.resume_from, None  # TrainingArguments accepts directories only
-        super().__post_init__()
-        self.resume_from = resume_from
-        _require(resume_from is None or os.path.isdir(resume_from) or is_hub_repo_id(resume_from), "resume_from",
-                 f"{resume_from} is neither a directory nor a Hub repo id (owner/name)")
 
 
 @dataclass

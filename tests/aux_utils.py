@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -13,6 +14,13 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def closed_port() -> int:
+    """A 127.0.0.1 port nobody listens on (connections to it are refused at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def assert_valid_png(path: Path) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +12,9 @@ import pytest
 from arguments import (AuxPeerArguments, AuxTrainingArguments, CollaborationArguments, NetworkArguments,
                        TaskArguments, build_parser, parse_arguments)
 
-REPO = Path(__file__).resolve().parent.parent
+from aux_utils import REPO, closed_port
+
 AUX = [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments]
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_help_shows_every_aux_option():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from aux_utils import REPO
+from aux_utils import REPO, closed_port
 
 ENV = {"OMP_NUM_THREADS": "1"}
 UNREACHABLE_TIMEOUT = 8  # --startup_timeout for the unreachable peer
@@ -38,18 +38,22 @@ def cases(port: int) -> dict[str, tuple[list[str], str]]:
         "malformed multiaddr": (["--initial_peers", "/ip4/127.0.0.1/tcp/notaport"], "--initial_peers:"),
         "unreachable peer": (["--initial_peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{SOME_PEER_ID}",
                               "--startup_timeout", str(UNREACHABLE_TIMEOUT)], "--initial_peers"),
+        "missing Hub checkpoint": (["--resume_from", "someone/missing-checkpoint"],
+                                   "--resume_from: someone/missing-checkpoint is not a local directory and could "
+                                   "not be downloaded as a Hub repo"),
     }
 
 
 @pytest.fixture(scope="module")
 def results(silent_listener, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
     output_dir = tmp_path_factory.mktemp("errors")
+    hub = {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}  # a Hub that is down
     started = {}
     for name, (extra, _) in cases(silent_listener).items():
         argv = [sys.executable, "run_trainer.py", "--run_id", "errors", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
                 "--output_dir", str(output_dir), *extra]
         started[name] = (subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          env={**os.environ, **ENV}), time.monotonic())
+                                          env={**os.environ, **ENV, **hub}), time.monotonic())
     finished = {}
     for name, (process, start) in started.items():
         stdout, stderr = process.communicate(timeout=300)

@@ -21,11 +21,12 @@ from transformers import PreTrainedModel
 
 from lean_transformer.swarm.backups import LocalBackups
 from lean_transformer.swarm.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.hub import resolve_checkpoint
 from lean_transformer.swarm.metrics import LocalMetrics, make_validators, publish_metrics
 from lean_transformer.swarm.optimizer import build_optimizer
 from lean_transformer.swarm.progress import ProgressLine
 from lean_transformer.swarm.shutdown import GracefulShutdown
-from lean_transformer.swarm.training_state import TRAINING_STATE_FILE, find_checkpoint, load_training_state
+from lean_transformer.swarm.training_state import load_training_state
 from tasks import get_task
 
 if TYPE_CHECKING:
@@ -65,10 +66,7 @@ def train(network: NetworkArguments, collaboration: CollaborationArguments, trai
         raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
     checkpoint = None
     if training.resume_from is not None:
-        checkpoint = find_checkpoint(training.resume_from)
-        if checkpoint is None:
-            raise FileNotFoundError(f"--resume_from: no checkpoint (a directory with {TRAINING_STATE_FILE}) "
-                                    f"in {training.resume_from}")
+        checkpoint = resolve_checkpoint(training.resume_from, Path(training.output_dir) / "downloaded")
 
     private_key = peer_private_key(network)
     signature_validator, metrics_validator = make_validators(network.run_id, private_key)
