@@ -151,6 +151,7 @@ class _QuantizedTensor:
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], constants: _FoldedConstants):
         self.constants, self.block_size = constants, state["block_size"]
+        self.kernel_args = constants.kernel_args()  # the same for every tile
         self.grad = param.grad.detach().reshape(-1).contiguous().numpy()
         self.weight = param.detach().view(-1).numpy()
         self.m_codes = state["exp_avg"].view(-1).view(torch.int8).numpy()
@@ -341,7 +342,7 @@ class CPULAMB8Bit(torch.optim.Optimizer):
         blocks = slice(start // block, num_blocks(end, block))
         return _lamb_tile(
             tensor.grad[start:end], tensor.weight[start:end], tensor.m_codes[start:end], tensor.v_codes[start:end],
-            tensor.m_absmax[blocks], tensor.v_absmax[blocks], update, block, *tensor.constants.kernel_args(), store,
+            tensor.m_absmax[blocks], tensor.v_absmax[blocks], update, block, *tensor.kernel_args, store,
         )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
