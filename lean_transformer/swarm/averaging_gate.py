@@ -11,8 +11,8 @@ and a peer ID is the hash of the peer's identity key, the very key its access to
   state download request only if the caller's peer ID has a token there that the swarm authority signed, that has not
   expired and whose key hashes to that peer ID (:class:`AveragingGate`); anyone else gets the protocol's refusal.
 
-:func:`gated_optimizer_class` puts both averagers into a ``hivemind.Optimizer`` (sub)class; ``build_optimizer`` does
-so only when authorization is configured, so an open swarm runs hivemind's own classes unchanged.
+:func:`lean_transformer.swarm.optimizer.build_optimizer` runs both gated averagers (the gate passed in its
+``averager_opts``) only when authorization is configured; an open swarm speaks hivemind's own protocol unchanged.
 """
 from __future__ import annotations
 
@@ -27,8 +27,6 @@ from typing import AsyncIterator, Optional, Union
 import hivemind
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht import DHTNode
-from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, crypto_pb2
 from hivemind.proto.auth_pb2 import AccessToken
@@ -38,6 +36,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from lean_transformer.swarm.auth import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
                                          token_expiration)
+from lean_transformer.swarm.averagers import GradientAverager, TrainingStateAverager
 
 logger = get_logger(__name__)
 
@@ -196,38 +195,3 @@ class GatedGradientAverager(_GatedAverager, GradientAverager):
 
 class GatedTrainingStateAverager(_GatedAverager, TrainingStateAverager):
     """hivemind's TrainingStateAverager, serving token holders only (``gate=`` is required)."""
-
-
-class _GatedOptimizer:
-    """Mixed in front of a ``hivemind.Optimizer`` class: both averagers it builds are gated."""
-
-    def __init__(self, *args, averaging_gate: AveragingGate, **kwargs):
-        self._averaging_gate = averaging_gate
-        factory = functools.partial(GatedGradientAverager, gate=averaging_gate)
-        super().__init__(*args, grad_averager_factory=factory, **kwargs)
-
-    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        # hivemind 1.1.12's own arguments (pinned in pyproject.toml): it offers no factory for this averager
-        return GatedTrainingStateAverager(
-            gate=self._averaging_gate,
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            start=True,
-            **kwargs,
-        )
-
-
-@functools.cache
-def gated_optimizer_class(optimizer_class: type[hivemind.Optimizer]) -> type[hivemind.Optimizer]:
-    """``optimizer_class`` (``hivemind.Optimizer`` or a subclass) with gated averagers; it takes one more keyword
-    argument, ``averaging_gate``."""
-    return type(f"Gated{optimizer_class.__name__}", (_GatedOptimizer, optimizer_class), {})

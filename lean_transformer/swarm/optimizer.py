@@ -1,6 +1,7 @@
 """``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
-schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. In an authorized swarm its
-averagers serve token holders only (:mod:`lean_transformer.swarm.averaging_gate`)."""
+schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. Its averagers are
+hivemind's with a matchmaking fix (:mod:`lean_transformer.swarm.averagers`); in an authorized swarm they serve token
+holders only (:mod:`lean_transformer.swarm.averaging_gate`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -16,7 +17,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from lean_transformer.swarm.auth import load_public_key
-from lean_transformer.swarm.averaging_gate import AveragingGate, gated_optimizer_class, publish_access_token
+from lean_transformer.swarm.averagers import with_averagers
+from lean_transformer.swarm.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
+                                                   publish_access_token)
 
 if TYPE_CHECKING:
     from arguments import CollaborationArguments, NetworkArguments, TrainingArguments
@@ -59,10 +62,12 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
     ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
     token is published first (its averaging partners look it up) and the class gets gated averagers.
     """
-    gate_options = {}
+    averager_opts = averager_options(network, collaboration)
     if network.auth_token_path is not None:
-        gate_options = dict(averaging_gate=open_averaging_gate(dht, network, private_key))
-        optimizer_class = gated_optimizer_class(optimizer_class)
+        averager_opts["gate"] = open_averaging_gate(dht, network, private_key)
+        optimizer_class = with_averagers(optimizer_class, GatedGradientAverager, GatedTrainingStateAverager)
+    else:
+        optimizer_class = with_averagers(optimizer_class)
     state_compression = FloatsOnly(make_compression(collaboration.state_compression,
                                                     collaboration.size_adaptive_threshold))
     return optimizer_class(
@@ -88,10 +93,9 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
         grad_compression=make_compression(collaboration.grad_compression, collaboration.size_adaptive_threshold),
         state_averaging_compression=state_compression,
         load_state_compression=state_compression,
-        averager_opts=averager_options(network, collaboration),
+        averager_opts=averager_opts,
         tracker_opts=dict(private_key=private_key),
         verbose=True,
-        **gate_options,
     )
 
 
