@@ -30,11 +30,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from aux_utils import PeerProcess, wait_until  # noqa: E402
 from grad_peer import check_rounds  # noqa: E402
 
+from lean_transformer.swarm.local_swarm import command_line  # noqa: E402
+
 RUN_ID = "gated"
 RUN = dict(run_id=RUN_ID, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=24, per_device_batch_size=4,
            max_sequence_length=32, matchmaking_time=3, averaging_timeout=10, startup_timeout=60,
            grad_compression="none")
-RUN_ARGV = [item for key, value in RUN.items() for item in (f"--{key}", str(value))]
+RUN_ARGV = command_line(RUN)
 CALL_TIMEOUT = 10
 PROBE_INTERVAL = 0.25  # seconds between a stranger's join requests while the members train
 

@@ -23,6 +23,7 @@ from grad_peer import check_rounds
 from swarm_utils import epoch_reports
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.local_swarm import command_line
 from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -35,7 +36,7 @@ def swarm_args(run_id: str, **overrides) -> List[str]:
     options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=16, per_device_batch_size=4,
                    max_sequence_length=32, matchmaking_time=3, averaging_timeout=10, startup_timeout=60)
     options.update(overrides)
-    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+    return command_line(options)
 
 
 def start_trainer(name: str, root: Path, run_id: str, initial_peers: List[str], *extra: str) -> PeerProcess:

@@ -1,10 +1,15 @@
-"""The matchmaking fix of lean_transformer.swarm.averagers, against hivemind's own GradientAverager.
+"""The fixes of lean_transformer.swarm.averagers, each against hivemind's own GradientAverager.
 
-Each variant runs as a script in its own process (hivemind objects install signal handlers): two peers on
-127.0.0.1, each a DHT and a gradient averager. Peer A pre-schedules a round and cancels it while it looks for a group,
-as hivemind.Optimizer does when it finds itself alone. To make the race of the bug certain rather than lucky, A's DHT
-process is paused (SIGSTOP) across the cancellation, so that the clean-up of the cancelled round waits on a DHT
-store, and a garbage collection runs in A's averager process meanwhile. Then both peers average one round.
+Each case runs as a script, once per variant, in its own process (hivemind objects install signal handlers): two
+peers on 127.0.0.1, A and B, each a DHT and a gradient averager. Both cases make a race of hivemind's certain
+rather than lucky, by holding one side still at the moment that matters:
+
+- ``gc``: A pre-schedules a round and cancels it while it looks for a group (as hivemind.Optimizer does when it
+  finds itself alone). A's DHT process is paused (SIGSTOP) across the cancellation, so that the round's clean-up
+  waits on a DHT store, and a garbage collection runs in A's averager process meanwhile. Then A and B average.
+- ``zombie``: A pre-schedules a round and cancels it while it looks for a group, the way ``StepControl.cancel``
+  does, but pausing where a busy process may be descheduled: after the trigger is cancelled and the averager told,
+  before the round is marked cancelled. Then B looks for a group. A holds 1.0 and B 0.0 (one sample each).
 """
 from __future__ import annotations
 
@@ -22,37 +27,55 @@ import pytest
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 DESTROYED = "Task was destroyed but it is pending"
+ZOMBIE_RESULT = "Can't set_result to a future that is CANCELLED"
 
 
-def run_variant(variant: str) -> subprocess.Popen:
+def run_cases(case: str) -> dict:
+    """Both variants of ``case``, side by side; their results, with what their logs show."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def test_a_round_cancelled_while_matchmaking_leaves_hivemind_stuck_and_ours_averaging(report):
-    processes = {variant: run_variant(variant) for variant in ("hivemind", "lean_transformer")}
+    processes = {variant: subprocess.Popen([sys.executable, __file__, variant, case], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env)
+                 for variant in ("hivemind", "lean_transformer")}
     results = {}
     for variant, process in processes.items():
         stdout, stderr = process.communicate(timeout=120)
         assert process.returncode == 0 and stdout.strip(), f"{variant}:\n{stderr[-3000:]}"
-        results[variant] = dict(json.loads(stdout.strip().splitlines()[-1]), destroyed=DESTROYED in stderr)
+        results[variant] = dict(json.loads(stdout.strip().splitlines()[-1]), destroyed=DESTROYED in stderr,
+                                zombie_result=ZOMBIE_RESULT in stderr)
+    return results
 
+
+def test_a_round_cancelled_while_matchmaking_leaves_hivemind_stuck_and_ours_averaging(report):
+    results = run_cases("gc")
     hivemind_result, ours = results["hivemind"], results["lean_transformer"]
     # the control: the race happened, and hivemind's averager is out of every later round
     assert hivemind_result["destroyed"], "the cancelled round's tasks should have been garbage-collected"
     assert hivemind_result["group_size"] is None, hivemind_result
     # the fix: nothing destroyed, both peers averaged together, exactly
     assert not ours["destroyed"]
-    assert ours["group_size"] == 2 and ours["averaged"] == [0.5, 0.5], ours
+    assert ours["group_size"] == 2 and ours["b"] == [0.5, 0.5], ours
     report(f"a round cancelled in matchmaking, then a GC in the averager: hivemind's averager destroyed its pending "
            f"tasks and missed the next round ({hivemind_result['error']}); ours averaged the next round with 2 peers")
+
+
+def test_a_round_cancelled_before_its_allreduce_changes_nothing_in_ours(report):
+    results = run_cases("zombie")
+    hivemind_result, ours = results["hivemind"], results["lean_transformer"]
+    # the control: hivemind's cancelled round averaged anyway, with weight 1, and changed both peers' tensors
+    assert hivemind_result["group_size"] == 2 and hivemind_result["zombie_result"], hivemind_result
+    assert hivemind_result["b"] == [0.5, 0.5] and hivemind_result["a"] == [0.5, 0.5], hivemind_result
+    # the fix: A served B's round with weight 0, so B kept its own value, and A's tensors are untouched
+    assert ours["group_size"] == 2 and not ours["zombie_result"], ours
+    assert ours["b"] == [0.0, 0.0] and ours["a"] == [1.0, 1.0], ours
+    report(f"a round cancelled between its trigger and its state (StepControl.cancel's window): hivemind's averaged "
+           f"anyway (B {hivemind_result['b'][0]}, A {hivemind_result['a'][0]}); ours served with weight 0 "
+           f"(B {ours['b'][0]}, A {ours['a'][0]}: unchanged)")
 
 
 # ---------------------------------------------------------------- one variant, as a script
 
 
-def main(variant: str) -> None:
+def main(variant: str, case: str) -> None:
     import hivemind
     import torch
     from hivemind.optim import grad_averager
@@ -66,48 +89,56 @@ def main(variant: str) -> None:
         async def _collect_garbage(self, future: MPFuture) -> None:
             future.set_result(gc.collect())
 
-    def collect_garbage(averager: Averager) -> int:
-        future = MPFuture()
-        averager._outer_pipe.send(("_collect_garbage", [], dict(future=future)))
-        return future.result(30)
-
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
     dhts = [hivemind.DHT(start=True, host_maddrs=maddrs)]
     dhts.append(hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dhts[0].get_visible_maddrs()))
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in dhts]
     peers = [Averager([param], dht=dht, prefix="fix", target_group_size=2, min_matchmaking_time=2.0,
-                      request_timeout=1.0, start=True) for param, dht in zip(params, dhts)]
+                      request_timeout=1.0, allreduce_timeout=10, start=True) for param, dht in zip(params, dhts)]
     a, b = peers
-
-    control = a.schedule_step(timeout=10)
-    time.sleep(1.0)  # A has declared itself and waits for its scheduled time
-    os.kill(dhts[0].pid, signal.SIGSTOP)
-    try:
-        control.cancel()
-        time.sleep(1.0)  # the clean-up now awaits A's DHT
-        collect_garbage(a)
-    finally:
-        os.kill(dhts[0].pid, signal.SIGCONT)
-    time.sleep(1.0)
-
-    for param, value in zip(params, (1.0, 0.0)):
+    for peer, param, value in zip(peers, params, (1.0, 0.0)):
         param.grad = torch.full_like(param, value)
-    for peer in peers:
         peer.accumulate_grads_(batch_size=1)
-    steps = [peer.step(timeout=8, wait=False) for peer in peers]
-    result = dict(group_size=None, error=None, averaged=None)
+
+    if case == "gc":
+        control = a.schedule_step(timeout=10)
+        time.sleep(1.0)  # A has declared itself and waits for its scheduled time
+        os.kill(dhts[0].pid, signal.SIGSTOP)
+        try:
+            control.cancel()
+            time.sleep(1.0)  # the clean-up now awaits A's DHT
+            future = MPFuture()
+            a._outer_pipe.send(("_collect_garbage", [], dict(future=future)))
+            future.result(30)
+        finally:
+            os.kill(dhts[0].pid, signal.SIGCONT)
+        time.sleep(1.0)
+        steps = [peer.step(timeout=8, wait=False) for peer in peers]
+    else:
+        a.load_accumulators_into_averager_()  # what the optimizer does before it cancels a lone peer's round
+        control = a.schedule_step(timeout=10)
+        time.sleep(0.5)  # A looks for a group, alone
+        control._trigger.cancel()
+        control._cancel.set_result(None)
+        time.sleep(0.5)  # A's averager sees the cancel signal but not yet a cancelled round: it goes on looking
+        MPFuture.cancel(control)
+        steps = [b.step(timeout=8, wait=False)]
+
+    result = dict(group_size=None, error=None)
     try:
-        result["group_size"] = len(steps[0].result())
-        with a.use_averaged_gradients():
-            result["averaged"] = params[0].grad.tolist()
+        result["group_size"] = len(steps[-1].result())
     except Exception as e:
         result["error"] = repr(e)[:100]
-    for step in steps[1:]:
-        step.exception()  # wait for it either way
+    for step in steps:
+        step.exception()  # wait for each either way
+    time.sleep(0.5)  # for A's cancelled round, if it runs
+    for name, peer in zip("ab", peers):
+        with peer.get_tensors() as (tensor,):
+            result[name] = tensor.tolist()
     for each in (*peers, *dhts):
         each.shutdown()
     print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

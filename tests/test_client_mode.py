@@ -27,6 +27,8 @@ import pytest
 from aux_utils import PeerProcess, wait_until
 from swarm_utils import epoch_reports
 
+from lean_transformer.swarm.local_swarm import command_line
+
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
 ROUNDS_WITH_BOTH = 3  # 3-peer gradient averaging rounds each trainer must log before it is stopped
@@ -40,7 +42,7 @@ def swarm_args(run_id: str, **overrides) -> List[str]:
                    max_sequence_length=32, matchmaking_time=3, averaging_timeout=10, startup_timeout=60,
                    learning_rate=0.01, warmup_steps=2, total_steps=100)
     options.update(overrides)
-    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+    return command_line(options)
 
 
 def start_assisting_aux_peer(root: Path, run: List[str]) -> PeerProcess:

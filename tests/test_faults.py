@@ -35,6 +35,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
 from swarm_utils import EpochReport, epoch_reports  # noqa: E402
 
+from lean_transformer.swarm.local_swarm import command_line  # noqa: E402
+
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 PREFIX = "@@ "  # marks the attacker's result lines on stdout
@@ -45,7 +47,7 @@ NONFINITE_EVERY = 3
 
 def swarm_args(run_id: str, **overrides) -> List[str]:
     options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", **{**SWARM, **overrides})
-    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+    return command_line(options)
 
 
 def trainer_argv(name: str, root: Path, run_id: str, initial_peers: List[str], *extra: str) -> List[str]:

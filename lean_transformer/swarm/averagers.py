@@ -1,27 +1,42 @@
-"""hivemind's averagers with a fix for a peer that stops matchmaking for good, and the ``hivemind.Optimizer``
+"""hivemind's averagers with fixes for two bugs of a cancelled averaging round, and the ``hivemind.Optimizer``
 (sub)classes that run them.
 
-The bug (hivemind 1.1.12): when an averaging round is cancelled while it looks for a group (hivemind.Optimizer
-does so whenever it pre-scheduled a round and then finds itself alone), the averager cancels its matchmaking task
-without keeping a reference to it. asyncio's loop holds tasks weakly, so the cancelled task, which still awaits a
-DHT store in its clean-up, can be garbage-collected half-way ("Task was destroyed but it is pending!"). Its
-matchmaking locks are never released: every later round of that peer ends in "could not find a group", while the
-rest of the swarm averages without it. Seen in the fault suite on a 2-core CI machine; ``tests/test_averagers.py``
-reproduces it deterministically. :class:`KeepsTasksAlive` holds every task of the averager's event loop until it
-is done, so a cancelled round cleans up completely.
+hivemind.Optimizer cancels a pre-scheduled gradient-averaging round whenever it then finds itself alone, so rounds
+are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 that can go wrong in two ways:
 
-Both averagers also take the run's ``averager_opts`` (hivemind passes them to the state averager only).
+- **A peer stops matchmaking for good.** The averager cancels the round's matchmaking task without keeping a
+  reference to it. asyncio's loop holds tasks weakly, so the cancelled task, which still awaits a DHT store in its
+  clean-up, can be garbage-collected half-way ("Task was destroyed but it is pending!"); its matchmaking locks are
+  never released, and every later round of that peer ends in "could not find a group" while the swarm averages
+  without it. Seen in the fault suite on a 2-core CI machine. Here every task of the averager's event loop stays
+  referenced until it is done.
+- **A cancelled round averages anyway.** ``StepControl.cancel`` cancels the round's trigger and signals the averager
+  before it marks the round itself cancelled; an averager that looks in between takes the cancelled trigger for a
+  go-ahead, retries matchmaking and runs the all-reduce, with the default weight 1 and whatever its buffers hold. Its
+  group's result is then wrong, and so are its own buffers. Seen as inexact averages in the averaging tests. Here a
+  round that is cancelled by the time its all-reduce begins serves its group with weight 0, on copies of its tensors.
+
+:class:`CancelSafe` does both.
+
+``tests/test_averagers.py`` reproduces both against hivemind's own classes. Both averagers also take the run's
+``averager_opts`` (hivemind passes them to the state averager only).
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Coroutine, Set
+from concurrent.futures import InvalidStateError
+from contextvars import ContextVar
+from typing import Any, Coroutine, Optional, Sequence, Set
 
 import hivemind
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
 
 _live_tasks: Set[asyncio.Task] = set()
+_current_step: ContextVar[Optional[StepControl]] = ContextVar("current_step", default=None)  # one per _step task
 
 
 def _task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: Any) -> asyncio.Task:
@@ -31,27 +46,40 @@ def _task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: An
     return task
 
 
-class KeepsTasksAlive:
-    """Mixed in front of a hivemind averager: from its first averaging round on, the tasks of its event loop (in
-    the averager's process) stay referenced until they finish."""
+class CancelSafe:
+    """Mixed in front of a hivemind averager (its methods below run in the averager's process): from its first
+    round on, the tasks of its event loop stay referenced until they finish, and a round cancelled before its
+    all-reduce takes part in it with weight 0 and without changing this peer's tensors."""
 
     # hivemind caches the RPC table and stub per class: rebuild them for the subclass (same names, same wire format)
     _rpc_handlers = None
     _stub_type = None
 
-    async def _step(self, **kwargs: Any) -> None:
+    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
         loop = asyncio.get_running_loop()
         if loop.get_task_factory() is not _task_factory:
             loop.set_task_factory(_task_factory)
-        await super()._step(**kwargs)
+        _current_step.set(step)
+        try:
+            await super()._step(step=step, **kwargs)
+        except InvalidStateError:
+            if not step.cancelled():
+                raise  # else: the result of a round cancelled meanwhile, which nobody waits for
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      *args: Any, **kwargs: Any) -> None:
+        step = _current_step.get()
+        if step is not None and step.cancelled():
+            tensors, kwargs["weight"] = [tensor.clone() for tensor in tensors], 0.0
+        await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
 
-class GradientAverager(KeepsTasksAlive, grad_averager.GradientAverager):
-    """hivemind's GradientAverager (same RPC names), whose cancelled rounds clean up."""
+class GradientAverager(CancelSafe, grad_averager.GradientAverager):
+    """hivemind's GradientAverager (same RPC names), safe to cancel."""
 
 
-class TrainingStateAverager(KeepsTasksAlive, state_averager.TrainingStateAverager):
-    """hivemind's TrainingStateAverager (same RPC names), whose cancelled rounds clean up."""
+class TrainingStateAverager(CancelSafe, state_averager.TrainingStateAverager):
+    """hivemind's TrainingStateAverager (same RPC names), safe to cancel."""
 
 
 class _OwnAveragers:

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Mapping, NoReturn, Optional, Sequence
 
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.run_history import read_rows
@@ -181,6 +181,11 @@ class ProcessTracker:
             Path(path).unlink(missing_ok=True)
 
 
+def command_line(options: Mapping[str, object]) -> list[str]:
+    """``{"run_id": "x", "matchmaking_time": 0.5}`` -> ``["--run_id", "x", "--matchmaking_time", "0.5"]``."""
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+
+
 def _start_time(pid: int) -> Optional[str]:
     """The start time of a living (not zombie) process ``pid``, which tells it apart from a later one with its pid."""
     try:
@@ -262,8 +267,8 @@ class LocalSwarm:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.num_trainers)))
         if self.wandb:
             env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(self.output_dir))
-        shared = [item for key, value in SWARM_ARGS.items() for item in (f"--{key}", str(value))]
-        argv = [str(REPO / script), "--run_id", "local_swarm", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *shared, *args]
+        argv = [str(REPO / script), "--run_id", "local_swarm", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+                *command_line(SWARM_ARGS), *args]
         return Peer(name, argv, PeerLog(self.output_dir / "logs" / f"{name}.log"), env)
 
     def _poll(self) -> None:
