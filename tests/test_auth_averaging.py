@@ -307,7 +307,7 @@ def test_strangers_are_refused_by_the_averagers_and_token_holders_average(tmp_pa
     def grad_peer(name: str, seed: int, *initial_peers: str) -> PeerProcess:
         joining = ["--initial_peers", *initial_peers] if initial_peers else []
         return start(name, ["tests/grad_peer.py", "--out", str(tmp_path / f"{name}.pt"), "--grad_seed", str(seed),
-                            "--rounds", "2", "--group_size", "2", "--max_epochs", "12", "--start_file",
+                            "--rounds", "3", "--group_size", "2", "--max_epochs", "12", "--start_file",
                             str(files["start"]), "--stop_file", str(files["stop"]), *RUN_ARGV, *joining,
                             "--per_device_batch_size", str(seed + 2), "--identity_path", str(tmp_path / f"{name}.id"),
                             "--auth_token_path", str(tmp_path / f"{name}.token"), "--authority_public_key_path",
