@@ -40,6 +40,7 @@ _current_step: ContextVar[Optional[StepControl]] = ContextVar("current_step", de
 
 
 def _task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: Any) -> asyncio.Task:
+    """asyncio's default task, plus a strong reference to it until it is done."""
     task = asyncio.Task(coro, loop=loop, **kwargs)
     _live_tasks.add(task)
     task.add_done_callback(_live_tasks.discard)

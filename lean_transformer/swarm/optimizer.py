@@ -1,6 +1,6 @@
 """``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
 schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. Its averagers are
-hivemind's with a matchmaking fix (:mod:`lean_transformer.swarm.averagers`); in an authorized swarm they serve token
+hivemind's, safe to cancel (:mod:`lean_transformer.swarm.averagers`); in an authorized swarm they serve token
 holders only (:mod:`lean_transformer.swarm.averaging_gate`)."""
 from __future__ import annotations
 
