@@ -281,7 +281,7 @@ class LocalSwarm:
 
     def start(self, stop: threading.Event) -> bool:
         """Start the aux peer, then (once it is reachable) the trainers; False if stopped or failed meanwhile."""
-        aux = self._peer("aux", "run_aux_peer.py", "--refresh_period", "2", "--metrics_path", str(self.metrics_path),
+        aux = self._peer("aux", "run_aux_peer.py", "--refresh_period", "0.5", "--metrics_path", str(self.metrics_path),
                          "--checkpoint_dir", str(self.checkpoint_dir), "--checkpoint_every_epochs", "10",
                          "--keep_checkpoints", str(KEEP_CHECKPOINTS), "--wandb_project",
                          "lean_transformer-local" if self.wandb else "")
