@@ -303,7 +303,6 @@ class AuxTrainingArguments(TrainingArguments):
                 "join continue from its epoch and weights."})
 
 
-
 @dataclass
 class AuxPeerArguments:
     """What the auxiliary peer does: metrics, checkpoints, Hub upload, averaging help."""

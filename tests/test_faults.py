@@ -177,7 +177,7 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
     assert faults.exit_codes == {"steady": 0, "victim-restarted": 0, "faulty": 0, "aux": 0}
     for peer in (faults.steady, faults.faulty, faults.restarted, faults.aux):
         assert "Shut down cleanly" in peer.stderr, peer.name
-    assert faults.kill_landed_mid_round, "the kill should land while the victim and steady were in the same unfinished round"
+    assert faults.kill_landed_mid_round, "the kill should land while victim and steady were in the same open round"
     for name, seconds in faults.seconds_to_go_on.items():
         assert seconds < timeout + 10, f"{name} took {seconds:.1f} s to go on after the kill"
 

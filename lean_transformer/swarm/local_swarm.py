@@ -307,7 +307,8 @@ class LocalSwarm:
             self._poll()
             if condition():
                 return True
-            if self.aux.returncode is not None or (self.trainers and all(t.returncode is not None for t in self.trainers)):
+            trainers_gone = self.trainers and all(t.returncode is not None for t in self.trainers)
+            if self.aux.returncode is not None or trainers_gone:
                 return False
             if time.monotonic() > deadline:
                 self.problems.append(f"timed out after {STARTUP_LIMIT} s waiting for {what}")
@@ -496,7 +497,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         epoch, path, source = checkpoint
         print(f"  checkpoint: {path} ({source}; LeanGPTForCausalLM.from_pretrained or --resume_from)")
     plot = swarm.metrics_path.with_suffix(".png")
-    print(f"  plot: {plot if plot.exists() else 'none'}; metrics: {swarm.metrics_path}; logs: {args.output_dir / 'logs'}")
+    print(f"  plot: {plot if plot.exists() else 'none'}; metrics: {swarm.metrics_path}; "
+          f"logs: {args.output_dir / 'logs'}")
     if args.wandb:
         print(f"  wandb: an offline run in {args.output_dir / 'wandb'} (upload it with `wandb sync`)")
     if swarm.problems:
