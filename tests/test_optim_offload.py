@@ -43,8 +43,9 @@ def test_offloaded_float32_model_trains_exactly_like_the_plain_optimizer(gpt_con
     assert plain_losses[-1] < 0.6 * plain_losses[0]
     assert offloaded_losses == plain_losses  # the same arithmetic on copies of the same numbers
     assert any(state["exp_avg"].dtype == torch.uint8 for state in offloaded.optimizer.state.values())
-    for param, slot in zip(twin.parameters(), offloaded.slots):
-        assert slot.master is not param and torch.equal(slot.master, param)
+    for param, master in zip(twin.parameters(), offloaded.masters):
+        assert master is not param and torch.equal(master, param)
+        assert param.grad is None  # the gradients went to the host during backward
 
 
 def test_offloaded_bfloat16_model_reaches_the_float32_loss(gpt_config):
@@ -55,9 +56,9 @@ def test_offloaded_bfloat16_model_reaches_the_float32_loss(gpt_config):
     offloaded = OffloadedOptimizer(low.parameters(), LAMB)
     losses = train(low, offloaded, data)
     assert abs(losses[-1] - reference[-1]) < 0.1 * reference[0]  # the same progress, up to bf16 rounding
-    for param, slot in zip(low.parameters(), offloaded.slots):
-        assert param.dtype == torch.bfloat16 and slot.master.dtype == torch.float32
-        assert torch.equal(param, slot.master.to(torch.bfloat16))  # the model holds the rounded master weights
+    for param, master in zip(low.parameters(), offloaded.masters):
+        assert param.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert torch.equal(param, master.to(torch.bfloat16))  # the model holds the rounded master weights
 
 
 def test_state_dict_round_trip(gpt_config):
@@ -85,15 +86,16 @@ def test_rejects_bad_parameters():
         OffloadedOptimizer([{"params": [weight]}, {"params": [weight]}])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_model_keeps_only_weights_and_grads_on_device(gpt_config):
     model = LeanGPTForCausalLM(gpt_config()).to("cuda", torch.bfloat16)
     offloaded = OffloadedOptimizer(model.parameters(), LAMB)
     losses = train(model, offloaded, batches(30, model.config.vocab_size))
     assert losses[-1] < 0.6 * losses[0]
-    for param, slot in zip(model.parameters(), offloaded.slots):
-        assert slot.master.device.type == "cpu" and slot.master.is_pinned()
-        assert torch.equal(param.cpu(), slot.master.to(torch.bfloat16))
+    for param, master in zip(model.parameters(), offloaded.masters):
+        assert master.device.type == "cpu" and master.is_pinned() and param.grad is None
+        assert torch.equal(param.cpu(), master.to(torch.bfloat16))
     assert all(
         value.device.type == "cpu"
         for state in offloaded.optimizer.state.values()

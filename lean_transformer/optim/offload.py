@@ -1,9 +1,13 @@
 """Single-device training with the optimizer on the CPU (no swarm needed).
 
-The device keeps only what forward and backward need: the model (float32, float16 or bfloat16) and its
-gradients. Float32 master weights and the optimizer state live in host RAM. Each ``step()`` copies the
-gradients off the device (through pinned buffers, without blocking, when the device is a GPU), runs the
-wrapped optimizer on the CPU and copies the updated weights back, rounded to the model's dtype.
+The device keeps only what forward and backward need: the model (float32, float16 or bfloat16). Its gradients
+leave it during backward (:class:`~lean_transformer.optim.grad_offload.HostGradients`), float32 master weights and
+the optimizer state live in host RAM. Each ``step()`` runs the wrapped optimizer on the master weights, with the
+host gradients as their ``.grad``, and copies the updated weights back, rounded to the model's dtype.
+
+This is the swarm-free twin of the trainer's path (hivemind.Optimizer with ``offload_optimizer`` and
+:mod:`lean_transformer.swarm.host_grad_averager`): both take gradients from the same ``HostGradients``; hivemind
+keeps its own master weights and optimizer, so the two share that class rather than this one.
 """
 
 from __future__ import annotations
@@ -12,52 +16,24 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.optim.lamb import CPULAMB8Bit
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-class _Slot:
-    """One model parameter, its float32 master copy on the CPU and (for GPU models) the pinned transfer buffer."""
-
-    def __init__(self, param: torch.Tensor, pin_memory: bool):
-        self.param = param
-        self.master = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin_memory)
-        self.master.copy_(param.detach())
-        self.grad = torch.zeros(param.shape, dtype=torch.float32, pin_memory=pin_memory)
-        # a GPU model in another dtype transfers through a pinned buffer of its own dtype and converts on the CPU,
-        # so the device never allocates a float32 copy of a gradient or of a weight
-        low_precision_gpu = param.is_cuda and param.dtype != torch.float32
-        self.staging = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin_memory) if low_precision_gpu else None
-
-    def pull_grad(self) -> bool:
-        """Start copying the model's gradient to the CPU; False if it has none."""
-        grad = self.param.grad
-        if grad is None:
-            return False
-        (self.staging if self.staging is not None else self.grad).copy_(grad, non_blocking=True)
-        return True
-
-    def finish_pull(self) -> None:
-        if self.staging is not None:
-            self.grad.copy_(self.staging)
-
-    def push_weight(self) -> None:
-        if self.staging is not None:
-            self.param.copy_(self.staging.copy_(self.master), non_blocking=True)
-        else:
-            self.param.copy_(self.master, non_blocking=self.param.is_cuda)
-
-
 class OffloadedOptimizer:
-    """Wraps an optimizer so that its master weights and state stay in CPU RAM.
+    """Wraps an optimizer so that its master weights, gradients and state stay in CPU RAM.
 
-    :param params: the model's parameters or parameter groups (any device, any floating-point dtype)
+    :param params: the model's parameters or parameter groups (one device, any floating-point dtype)
     :param optimizer_factory: builds the optimizer from parameter groups of float32 CPU tensors, e.g.
       ``functools.partial(CPULAMB8Bit, lr=1e-3, weight_decay=0.01)``
-    :param pin_memory: page-lock the CPU copies (default: when a parameter is on a CUDA device)
+    :param pin_memory: page-lock the master weights (default: when the parameters are on a CUDA device)
 
-    ``param_groups`` are the inner optimizer's, so a learning-rate scheduler can be attached to ``.optimizer``.
+    Gradients accumulate over backward passes until ``zero_grad()``, as with a torch optimizer, but on the host:
+    the model's ``.grad`` stays None. ``param_groups`` are the inner optimizer's, so a learning-rate scheduler can
+    be attached to ``.optimizer``. ``grads.non_finite()`` tells whether a gradient since ``zero_grad()`` had an inf
+    or a NaN; ``grads.grad_scale`` unscales float16 loss scaling on the host.
     """
 
     def __init__(
@@ -81,8 +57,13 @@ class OffloadedOptimizer:
             raise ValueError("a parameter appears more than once in params")
         if pin_memory is None:
             pin_memory = any(param.is_cuda for param in model_params)
-        self.slots = [_Slot(param, pin_memory) for param in model_params]
-        masters = iter(slot.master for slot in self.slots)
+        self.params = model_params
+        self.masters = []
+        for param in model_params:
+            master = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin_memory)
+            self.masters.append(master.copy_(param.detach()))
+        self.grads = HostGradients(model_params)
+        masters = iter(self.masters)
         self.optimizer = optimizer_factory(
             [dict(group, params=[next(masters) for _ in group["params"]]) for group in groups]
         )
@@ -97,48 +78,39 @@ class OffloadedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        has_grad = [slot.pull_grad() for slot in self.slots]
-        self._synchronize()
-        for slot, pulled in zip(self.slots, has_grad):
-            if pulled:
-                slot.finish_pull()
-            slot.master.grad = slot.grad if pulled else None  # like the model: no gradient, no update
+        self.grads.wait()
+        for master, buffer, touched in zip(self.masters, self.grads.buffers, self.grads.touched()):
+            master.grad = buffer if touched else None  # like the model: no gradient, no update
         self.optimizer.step()
-        for slot in self.slots:
-            slot.push_weight()
+        self._push_weights()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the model's gradients (the CPU copies are overwritten by every step)."""
-        for slot in self.slots:
-            if slot.param.grad is None:
-                continue
-            if set_to_none:
-                slot.param.grad = None
-            else:
-                slot.param.grad.zero_()
+        """Starts a new accumulation (the host buffers are overwritten by the next gradients)."""
+        self.grads.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state and the float32 master weights (the model may hold rounded copies)."""
-        return {"optimizer": self.optimizer.state_dict(), "master_weights": [slot.master for slot in self.slots]}
+        return {"optimizer": self.optimizer.state_dict(), "master_weights": list(self.masters)}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         masters = state_dict.get("master_weights")
-        if not isinstance(masters, (list, tuple)) or len(masters) != len(self.slots):
-            raise ValueError(f"state_dict['master_weights'] must be a list of {len(self.slots)} tensors")
-        for index, (slot, master) in enumerate(zip(self.slots, masters)):
-            if not isinstance(master, torch.Tensor) or master.shape != slot.master.shape:
+        if not isinstance(masters, (list, tuple)) or len(masters) != len(self.masters):
+            raise ValueError(f"state_dict['master_weights'] must be a list of {len(self.masters)} tensors")
+        for index, (own, master) in enumerate(zip(self.masters, masters)):
+            if not isinstance(master, torch.Tensor) or master.shape != own.shape:
                 got = tuple(master.shape) if isinstance(master, torch.Tensor) else type(master).__name__
                 raise ValueError(
-                    f"state_dict['master_weights'][{index}] is {got}, expected shape {tuple(slot.master.shape)}"
+                    f"state_dict['master_weights'][{index}] is {got}, expected shape {tuple(own.shape)}"
                 )
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        for slot, master in zip(self.slots, masters):
-            slot.master.copy_(master)
-            slot.push_weight()
-        self._synchronize()
+        for own, master in zip(self.masters, masters):
+            own.copy_(master)
+        self._push_weights()
 
-    def _synchronize(self) -> None:
-        for device in {slot.param.device for slot in self.slots if slot.param.is_cuda}:
-            torch.cuda.current_stream(device).synchronize()
+    def _push_weights(self) -> None:
+        for param, master in zip(self.params, self.masters):
+            param.copy_(master, non_blocking=param.is_cuda)
+        for device in {param.device for param in self.params if param.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the masters may change again right after

@@ -1,0 +1,173 @@
+"""Gradients that leave the device as backward produces them, accumulated in float32 host memory.
+
+A hook after each parameter's gradient accumulation (``register_post_accumulate_grad_hook``) hands the gradient to
+host memory and frees it on the device (``param.grad = None``), so the device never holds a whole set of gradients:
+at most the gradients that backward is still producing plus those in flight. Micro-batch accumulation happens on
+the host, in float32, whatever the model's dtype.
+
+On a CUDA device each gradient is copied on a side stream into one of a few pinned staging slots, overlapped with
+the rest of backward; a host thread then adds the slot into its float32 buffer (converting and unscaling there,
+so a float16 gradient is unscaled in float32, not in float16 where small values would flush to zero). On the CPU
+the hook adds synchronously. The same class serves both, so the CPU tests exercise its bookkeeping.
+
+The buffers can be given (e.g. hivemind's shared-memory averaging tensors, see
+:mod:`lean_transformer.swarm.host_grad_averager`), so the gradients are accumulated, averaged and handed to the
+optimizer in one float32 copy. torch offers no such hook-driven host accumulator (FSDP's CPU offload keeps the
+whole model sharded and needs a process group), hence this module.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+WAIT_TIMEOUT = 600.0  # seconds: a gradient copy that takes longer means the device or the host thread is stuck
+
+
+class HostGradients:
+    """Float32 host accumulators for ``params``, fed by post-accumulate-grad hooks.
+
+    :param params: the model's parameters (any device, any floating-point dtype); each gets a hook
+    :param buffers: float32 CPU tensors of the parameters' shapes to accumulate into (default: new ones)
+    :param staging_slots: pinned transfer slots for a CUDA model, each the size of the largest gradient
+
+    After :meth:`reset`, each buffer's next gradient overwrites it (no zeroing pass); a buffer that got no gradient
+    since then is stale until :meth:`zero_untouched_`. ``grad_scale`` multiplies every incoming gradient (set it to
+    1 / loss scale under float16 loss scaling). Read the buffers only after :meth:`wait`.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Optional[Sequence[torch.Tensor]] = None,
+                 staging_slots: int = 2):
+        self.params = tuple(params)
+        if not self.params:
+            raise ValueError("params: HostGradients got an empty parameter list")
+        for index, param in enumerate(self.params):
+            if not isinstance(param, torch.Tensor) or not param.is_floating_point() or not param.requires_grad:
+                raise ValueError(f"params[{index}] must be a floating-point tensor that requires grad")
+        if len({id(param) for param in self.params}) != len(self.params):
+            raise ValueError("params: a parameter appears more than once")
+        self.devices = {param.device for param in self.params}
+        if len(self.devices) != 1:
+            raise ValueError(f"params must all be on one device, got {sorted(map(str, self.devices))}")
+        self.device = next(iter(self.devices))
+        self.is_cuda = self.device.type == "cuda"
+        if buffers is None:
+            buffers = [torch.zeros(param.shape, dtype=torch.float32) for param in self.params]
+        self.buffers = tuple(buffers)
+        if len(self.buffers) != len(self.params):
+            raise ValueError(f"buffers: expected {len(self.params)} tensors, got {len(self.buffers)}")
+        for index, (param, buffer) in enumerate(zip(self.params, self.buffers)):
+            if buffer.dtype != torch.float32 or buffer.device.type != "cpu" or buffer.shape != param.shape:
+                raise ValueError(f"buffers[{index}] must be a float32 CPU tensor of shape {tuple(param.shape)}, got "
+                                 f"{buffer.dtype} {buffer.device.type} {tuple(buffer.shape)}")
+        self.grad_scale = 1.0
+        self.writes = 0  # gradients received so far (ever): tells a reader whether anything arrived since it looked
+        self._fresh = [True] * len(self.params)
+        self._found_non_finite = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._error: Optional[BaseException] = None
+        if self.is_cuda:
+            self._stream = torch.cuda.Stream(self.device)
+            largest = max(param.numel() * param.element_size() for param in self.params)
+            self._free_slots: queue.Queue = queue.Queue()
+            for _ in range(staging_slots):
+                self._free_slots.put(torch.empty(largest, dtype=torch.uint8, pin_memory=True))
+            self._jobs: queue.Queue = queue.Queue()
+            self._pending = 0
+            self._idle = threading.Condition()
+            self._thread = threading.Thread(target=self._host_adds, name="host-gradients", daemon=True)
+            self._thread.start()
+        self._handles = [param.register_post_accumulate_grad_hook(self._make_hook(index))
+                         for index, param in enumerate(self.params)]
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._take(index, param)
+        return hook
+
+    @torch.no_grad()
+    def _take(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None  # the device's copy goes as soon as the host has it (below: after the copy on CUDA)
+        if grad.numel():
+            low, high = torch.aminmax(grad)  # NaN propagates to both; no temporary of the gradient's size
+            self._found_non_finite.logical_or_(~(torch.isfinite(low) & torch.isfinite(high)))
+        self.writes += 1
+        if not self.is_cuda:
+            self._accumulate(index, grad)
+            return
+        slot = self._free_slots.get(timeout=WAIT_TIMEOUT)
+        staged = slot[:grad.numel() * grad.element_size()].view(grad.dtype).view(grad.shape)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staged.copy_(grad, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        grad.record_stream(self._stream)  # its memory is reused only after the copy
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((index, staged, slot, copied, self.grad_scale))
+
+    def _accumulate(self, index: int, grad: torch.Tensor, scale: Optional[float] = None) -> None:
+        buffer, scale = self.buffers[index], self.grad_scale if scale is None else scale
+        if self._fresh[index]:
+            buffer.copy_(grad)  # then scale in float32: a float16 gradient times 1/scale could flush to zero
+            if scale != 1.0:
+                buffer.mul_(scale)
+            self._fresh[index] = False
+        else:
+            buffer.add_(grad, alpha=scale)  # computed in float32, the buffer's dtype
+
+    def _host_adds(self) -> None:
+        while True:
+            index, staged, slot, copied, scale = self._jobs.get()
+            try:
+                copied.synchronize()
+                self._accumulate(index, staged, scale)
+            except BaseException as error:  # reported by the next wait()
+                self._error = error
+            finally:
+                self._free_slots.put(slot)
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def wait(self) -> None:
+        """Return once every gradient produced so far is in the buffers."""
+        if self.is_cuda:
+            with self._idle:
+                if not self._idle.wait_for(lambda: self._pending == 0, timeout=WAIT_TIMEOUT):
+                    raise TimeoutError(f"gradient copies to the host still pending after {WAIT_TIMEOUT:.0f} s")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("accumulating a gradient on the host failed") from error
+
+    def non_finite(self) -> bool:
+        """Whether a gradient received since the last :meth:`reset` had an inf or a NaN."""
+        return bool(self._found_non_finite)
+
+    def touched(self) -> list[bool]:
+        """For each buffer, whether it received a gradient since the last :meth:`reset`."""
+        return [not fresh for fresh in self._fresh]
+
+    @torch.no_grad()
+    def zero_untouched_(self) -> None:
+        """Zero the buffers that got no gradient since the last :meth:`reset` (their content is stale)."""
+        self.wait()
+        for index, buffer in enumerate(self.buffers):
+            if self._fresh[index]:
+                buffer.zero_()
+
+    def reset(self) -> None:
+        """Start a new accumulation: each buffer's next gradient overwrites it; forget non-finite gradients."""
+        self.wait()
+        self._fresh = [True] * len(self.params)
+        self._found_non_finite.zero_()
+
+    def remove_hooks(self) -> None:
+        """Detach from the model: gradients stay in ``param.grad`` again."""
+        self.wait()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
