@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -24,6 +24,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+# the CUDA tests (pytest -m cuda) and the GPU benchmarks (measured beside the estimate); one line and exit 0 without CUDA
+gpu-check: $(STAMP)
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(PY) -m pytest -q -m cuda tests -p no:rerunfailures && $(PY) benchmarks/gpu_memory.py && \
+		$(PY) benchmarks/throughput.py --steps 1; \
+	else echo "gpu-check: skipped (no CUDA device: torch.cuda.is_available() is False)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,321 @@
+"""GPU memory of a trainer step (forward, backward and the offloaded optimizer's step) for LeanGPT 125M..2.7B under
+each memory option, against today's trainer; and the host RAM per parameter of the offloaded path.
+
+Rows, each adding to the one before (4 x 2048 tokens per micro-batch, vocab 50304, tied embeddings, rotary):
+
+- baseline, today's trainer: float32 weights under bf16 autocast, hivemind's gradient accumulators on the device
+  beside the ``.grad`` buffers, float32 logits for the loss;
+- bf16 weights (``--model_dtype bfloat16``): weights, gradients and accumulators in bfloat16;
+- + grad offload: gradients leave the device during backward (``HostGradients``), no device accumulators;
+- + checkpointing: ``gradient_checkpointing=True`` (one checkpoint per layer);
+- + chunked loss: logits and cross-entropy 1024 tokens at a time, each chunk recomputed in backward. This is a shape
+  model written here (hidden states -> per-chunk checkpointed ``F.linear`` + ``cross_entropy``), not the model
+  library's chunked loss, which lives on another branch.
+
+ESTIMATED without CUDA: the model runs on fake tensors (``FakeTensorMode``) on the CPU device with the GPU's dtypes,
+under ``torch.distributed._tools.mem_tracker.MemTracker``, whose peak counts every live tensor (parameters,
+gradients, activations, temporaries); the optimizer step is modelled as weights (+ device accumulators) + one float32
+temporary of the largest parameter (hivemind copies each float32 master weight into a bfloat16 parameter through
+such a temporary). The estimate frees each gradient at its hook; on a GPU it lives until its host copy is done.
+CPU kernels may keep other temporaries than CUDA's (attention: CPU flash kernel vs CUDA flash). With CUDA, the same
+rows are MEASURED (``torch.cuda.max_memory_allocated`` over a whole trainer step: a 1-peer hivemind.Optimizer with
+8-bit LAMB offloaded, as the trainer builds it) and printed beside the estimate with their ratio.
+
+Usage: python benchmarks/gpu_memory.py [--sizes 125M 350M 1.3B 2.7B] [--skip-largest] [--skip-host]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.checkpoint import checkpoint
+
+from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
+
+GiB = 2 ** 30
+VOCAB, BATCH, SEQ, LOSS_CHUNK = 50304, 4, 2048, 1024
+GPU_GPT = json.loads((Path(__file__).resolve().parents[1] / "tasks" / "configs" / "gpu_gpt.json").read_text())
+SIZES = {  # name: hidden, layers, heads (1.3B is tasks/configs/gpu_gpt.json)
+    "125M": (768, 12, 12),
+    "350M": (1024, 24, 16),
+    "1.3B": (GPU_GPT["hidden_size"], GPU_GPT["num_hidden_layers"], GPU_GPT["num_attention_heads"]),
+    "2.7B": (2560, 32, 32),
+}
+TARGETS = {"1.3B": "<= 4 GiB", "2.7B": "<= 8 GiB"}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    dtype: torch.dtype = torch.bfloat16
+    accumulators: bool = False  # hivemind's device accumulators (+ .grad buffers kept through backward)
+    offload: bool = False  # HostGradients: each gradient leaves the device at its hook
+    checkpointing: bool = False
+    chunked_loss: bool = False
+
+
+OPTIONS = [
+    Option("today's trainer: fp32 weights + bf16 autocast + device grad accumulators + fp32 logits (baseline)",
+           dtype=torch.float32, accumulators=True),
+    Option("bf16 weights", accumulators=True),
+    Option("+ grad offload", offload=True),
+    Option("+ checkpointing", offload=True, checkpointing=True),
+    Option("+ chunked loss (shape model)", offload=True, checkpointing=True, chunked_loss=True),
+]
+
+
+def config(hidden: int, layers: int, heads: int) -> LeanGPTConfig:
+    return LeanGPTConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=4 * hidden, hidden_act="gelu_new", max_position_embeddings=SEQ,
+                         position_embedding_type="rotary", hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, tie_word_embeddings=True)
+
+
+def build(cfg: LeanGPTConfig, option: Option, device: str) -> LeanGPTForCausalLM:
+    """The model directly in the option's dtype (fake parameters cannot be converted with .to(dtype))."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(option.dtype)
+    try:
+        with torch.device(device):
+            model = LeanGPTForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.set_optimizations(gradient_checkpointing=option.checkpointing)
+    return model.train()
+
+
+def chunked_loss(model: LeanGPTForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the vocabulary LOSS_CHUNK tokens at a time; only one chunk's logits are ever alive."""
+    head = model.lm_head
+    hidden = model.transformer(input_ids, causal=True)
+    hidden = (head.transform(hidden) if head.transform is not None else hidden)[:, :-1].flatten(0, 1)
+    labels = input_ids[:, 1:].flatten()
+    weight = model.transformer.embeddings.word_embeddings.weight if head.weight is None else head.weight
+
+    def chunk_loss(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(chunk, weight, head.bias).float()  # not head(): MemTracker allows one call per module
+        return F.cross_entropy(logits, chunk_labels, reduction="sum")
+
+    total = sum(checkpoint(chunk_loss, hidden[start:start + LOSS_CHUNK], labels[start:start + LOSS_CHUNK],
+                           use_reentrant=False)
+                for start in range(0, hidden.shape[0], LOSS_CHUNK))
+    return total / labels.numel()
+
+
+def loss_function(model: LeanGPTForCausalLM, option: Option, input_ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=option.dtype == torch.float32)
+
+    def compute() -> torch.Tensor:
+        with autocast:
+            if option.chunked_loss:
+                return chunked_loss(model, input_ids)
+            return model(input_ids=input_ids, labels=input_ids).loss
+    return compute
+
+
+def step_peak_model(model: LeanGPTForCausalLM, option: Option) -> int:
+    """Device bytes during the offloaded optimizer step: weights, accumulators, one float32 conversion temporary."""
+    params = list(model.parameters())
+    weights = sum(param.numel() * param.element_size() for param in params)
+    accumulators = weights if option.accumulators else 0
+    conversion = 0 if option.dtype == torch.float32 else 4 * max(param.numel() for param in params)
+    return weights + accumulators + conversion
+
+
+def estimate(cfg: LeanGPTConfig, option: Option) -> tuple[int, int, int]:
+    """ESTIMATED (fake tensors) peak bytes of a trainer step, weight bytes, parameter count."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        model = build(cfg, option, "cpu")
+        params = list(model.parameters())
+        if option.offload:
+            for param in params:
+                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        input_ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+        compute = loss_function(model, option, input_ids)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            accumulators = [torch.zeros_like(param) for param in params] if option.accumulators else []
+            compute().backward()
+            del accumulators
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        weights = sum(param.numel() * param.element_size() for param in params)
+        return max(peak, step_peak_model(model, option)), weights, sum(param.numel() for param in params)
+
+
+def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optional[int], Optional[float]]:
+    """MEASURED on CUDA: peak bytes over whole trainer steps (1-peer hivemind.Optimizer, LAMB offloaded), tokens/s."""
+    import hivemind
+
+    from lean_transformer.optim import CPULAMB8Bit
+    from lean_transformer.swarm.host_grad_averager import HostGradientAverager
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    model = optimizer = None
+    try:
+        model = build(cfg, option, "cuda")
+        optimizer = hivemind.Optimizer(
+            dht=dht, run_id=f"gpu_memory_{time.monotonic_ns()}", params=model.parameters(),
+            optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=BATCH, batch_size_per_step=BATCH,
+            offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0, verbose=False,
+            grad_averager_factory=HostGradientAverager if option.offload else None)
+        input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
+        compute = loss_function(model, option, input_ids)
+
+        def trainer_step() -> None:
+            compute().backward()
+            optimizer.step()
+            if not option.offload:
+                optimizer.zero_grad()
+
+        trainer_step()  # warm-up: kernels, allocator, LAMB's numba compile
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer_step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), steps * BATCH * SEQ / (time.perf_counter() - start)
+    except torch.cuda.OutOfMemoryError:
+        return None, None
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+        del model, optimizer
+        torch.cuda.empty_cache()
+
+
+def options_table(sizes: list[str]) -> None:
+    cuda = torch.cuda.is_available()
+    where = f"MEASURED on {torch.cuda.get_device_name()} beside the ESTIMATE" if cuda else "ESTIMATED (no CUDA)"
+    print(f"\nTrainer-step peak GPU memory, GiB, {BATCH} x {SEQ} tokens per micro-batch; {where}\n")
+    header = "| model | option | weights | estimated peak | vs baseline |"
+    header += " measured peak | measured / estimated | tokens/s |" if cuda else ""
+    print(header)
+    print("|" + " --- |" * (header.count("|") - 1))
+    for size in sizes:
+        cfg = config(*SIZES[size])
+        baseline = None
+        for option in OPTIONS:
+            started = time.perf_counter()
+            peak, weights, count = estimate(cfg, option)
+            baseline = baseline or peak
+            row = (f"| {size} ({count / 1e9:.2f}B) | {option.name} | {weights / GiB:.2f} | {peak / GiB:.2f} | "
+                   f"{peak / baseline:.2f}x |")
+            if cuda:
+                measured, tokens = measure(cfg, option)
+                row += (" OOM | | |" if measured is None
+                        else f" {measured / GiB:.2f} | {measured / peak:.2f} | {tokens:.0f} |")
+            print(row, flush=True)
+            print(f"  ({size}, {option.name[:20]}: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        print(f"| {size} | target for the last row | | {TARGETS.get(size, '')} | |" + (" | | |" if cuda else ""))
+
+
+def beyond_weights(size: str = "1.3B") -> None:
+    """Forward + backward memory beyond weights (+ gradients, here none on the device), bf16, checkpointing."""
+    print(f"\n{size}, bf16, {BATCH} x {SEQ}, checkpointing, grad offload: ESTIMATED peak minus weights "
+          f"(target <= 1.5 GiB)\n")
+    print("| loss | forward + backward beyond weights (GiB) |")
+    print("| --- | --- |")
+    for option in OPTIONS[3:]:
+        peak, weights, _ = estimate(config(*SIZES[size]), option)
+        print(f"| {'chunked (shape model)' if option.chunked_loss else 'full logits'} | "
+              f"{(peak - weights) / GiB:.2f} |", flush=True)
+
+
+def largest_in(budget_gib: float = 24.0) -> None:
+    """ESTIMATED: the largest LeanGPT (d=4096, 32 heads, growing depth) whose trainer step fits in the budget."""
+    best = OPTIONS[-1]
+    print(f"\nLargest LeanGPT in {budget_gib:.0f} GiB, ESTIMATED, all options ({best.name}); goal >= 8B\n")
+    print("| hidden x layers | parameters | estimated peak (GiB) | fits |")
+    print("| --- | --- | --- | --- |")
+    for layers in (40, 44, 48, 52):
+        peak, _, count = estimate(config(4096, layers, 32), best)
+        fits = "yes" if peak <= budget_gib * GiB else "no"
+        print(f"| 4096 x {layers} | {count / 1e9:.2f}B | {peak / GiB:.2f} | {fits} |", flush=True)
+
+
+def host_bytes() -> None:
+    """COUNTED: host bytes per parameter that a 1-peer hivemind.Optimizer (offloaded 8-bit LAMB) holds, with
+    hivemind's accumulators and with host gradients. A CPU model here, so no pinned staging: on CUDA,
+    HostGradients adds 2 slots of the largest gradient (for 1.3B in bf16: 2 x 206 MB = 0.31 bytes/param)."""
+    import hivemind
+
+    from lean_transformer.optim import CPULAMB8Bit
+    from lean_transformer.swarm.host_grad_averager import HostGradientAverager
+
+    cfg = config(512, 8, 8)
+    print("\nHost bytes per parameter (COUNTED: unique tensor storages hivemind and our classes hold; a "
+          f"{sum(p.numel() for p in LeanGPTForCausalLM(cfg).parameters()) / 1e6:.0f}M-parameter LeanGPT on the CPU;"
+          " target <= 12)\n")
+    print("| path | master weights | LAMB state | gradient buffers | device-side accumulators | total host |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for host in (False, True):
+        model = LeanGPTForCausalLM(cfg)
+        count = sum(param.numel() for param in model.parameters())
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        optimizer = hivemind.Optimizer(
+            dht=dht, run_id=f"host_bytes_{host}", params=model.parameters(),
+            optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=2, batch_size_per_step=2,
+            offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0, verbose=False,
+            grad_averager_factory=HostGradientAverager if host else None)
+        input_ids = torch.randint(0, VOCAB, (2, 64))
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        inner = optimizer.state_averager.optimizer
+        masters = [param for group in inner.param_groups for param in group["params"]]
+        state = [value for per_param in inner.state.values() for value in per_param.values()
+                 if isinstance(value, torch.Tensor)]
+        grads = [param.grad for param in masters] + list(optimizer.grad_averager._averaged_tensors)
+        accumulators = list(optimizer.grad_averager._local_accumulators or ())
+        figures = [unique_bytes(tensors) / count for tensors in (masters, state, grads, accumulators)]
+        name = "host gradients (HostGradientAverager)" if host else "hivemind accumulators (baseline)"
+        print(f"| {name} | " + " | ".join(f"{figure:.2f}" for figure in figures) +
+              f" | {sum(figures[:3]):.2f} |", flush=True)
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--skip-largest", action="store_true", help="skip the 24 GiB search (slowest part)")
+    parser.add_argument("--skip-host", action="store_true", help="skip the host bytes count (starts hivemind)")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    options_table(args.sizes)
+    beyond_weights()
+    if not args.skip_largest:
+        largest_in()
+    if not args.skip_host:
+        host_bytes()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
