@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from aux_utils import PeerProcess, wait_until  # noqa: E402
 from grad_peer import check_rounds  # noqa: E402
 
-from lean_transformer.swarm.local_swarm import command_line  # noqa: E402
+from lean_transformer.demo.local_swarm import command_line  # noqa: E402
 
 RUN_ID = "gated"
 RUN = dict(run_id=RUN_ID, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=24, per_device_batch_size=4,

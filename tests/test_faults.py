@@ -35,7 +35,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
 from swarm_utils import EpochReport, epoch_reports  # noqa: E402
 
-from lean_transformer.swarm.local_swarm import command_line  # noqa: E402
+from lean_transformer.demo.local_swarm import command_line  # noqa: E402
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
