@@ -22,8 +22,8 @@ from lean_transformer.swarm.averaging_gate import (AveragingGate, GatedGradientA
                                                    publish_access_token)
 
 if TYPE_CHECKING:
-    from arguments import CollaborationArguments, NetworkArguments, TrainingArguments
-    from tasks.base import Task
+    from lean_transformer.swarm.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
+                                                 TrainingTask)
 
 
 def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> CompressionBase:
@@ -51,8 +51,8 @@ class FloatsOnly(AdaptiveCompressionBase):
         return self.compression if floats else NoCompression()
 
 
-def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: NetworkArguments,
-                    collaboration: CollaborationArguments, training: TrainingArguments, private_key: RSAPrivateKey,
+def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
+                    collaboration: CollaborationSettings, training: TrainingSettings, private_key: RSAPrivateKey,
                     *, auxiliary: bool = False,
                     optimizer_class: type[hivemind.Optimizer] = hivemind.Optimizer) -> hivemind.Optimizer:
     """Wrap the task's LAMB and LR schedule in a hivemind.Optimizer that averages with the run's peers.
@@ -99,7 +99,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
     )
 
 
-def open_averaging_gate(dht: hivemind.DHT, network: NetworkArguments, private_key: RSAPrivateKey) -> AveragingGate:
+def open_averaging_gate(dht: hivemind.DHT, network: NetworkSettings, private_key: RSAPrivateKey) -> AveragingGate:
     """Publish this peer's access token under its peer ID and return the gate for its averagers. ``private_key``
     must be the DHT's signature validator key, which owns the token's record (as with the metrics records)."""
     authority_public_key = load_public_key(network.authority_public_key_path, "authority public key file")
@@ -108,7 +108,7 @@ def open_averaging_gate(dht: hivemind.DHT, network: NetworkArguments, private_ke
     return AveragingGate(dht, network.run_id, authority_public_key)
 
 
-def averager_options(network: NetworkArguments, collaboration: CollaborationArguments) -> dict:
+def averager_options(network: NetworkSettings, collaboration: CollaborationSettings) -> dict:
     """Options of hivemind's averagers. Matchmaking requests must time out well within the matchmaking window:
     with hivemind's default (3 s) at or above a short --matchmaking_time, two peers that both wait for the other
     to answer can deadlock and miss every gradient-averaging round (seen on loopback with matchmaking_time=3)."""
