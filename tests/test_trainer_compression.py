@@ -6,7 +6,7 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-from lean_transformer.swarm.compat import numpy_rejects_one_element_int
+from lean_transformer.swarm.hivemind_fixes.numpy_decode import numpy_rejects_one_element_int
 from lean_transformer.swarm.optimizer import FloatsOnly, make_compression
 
 # choice -> (bytes per value of a large float32 tensor, largest error relative to the tensor's std)
@@ -19,7 +19,7 @@ def test_compression_round_trip(name):
     torch.manual_seed(0)
     tensor = torch.randn(2**17)
     serialized = make_compression(name).compress(tensor, CompressionInfo.from_tensor(tensor))
-    restored = deserialize_torch_tensor(serialized)  # 8-bit codecs need lean_transformer.swarm.compat on NumPy 2.4
+    restored = deserialize_torch_tensor(serialized)  # 8-bit codecs need lean_transformer.swarm.hivemind_fixes.numpy_decode on NumPy 2.4
     bytes_per_value, max_error = EXPECTED[name]
     assert len(serialized.buffer) / tensor.numel() == pytest.approx(bytes_per_value, rel=0.02)
     assert restored.dtype == tensor.dtype and restored.shape == tensor.shape
@@ -58,13 +58,13 @@ def test_state_compression_passes_8_bit_optimizer_statistics_through(name):
     assert len(compression.compress(weights, CompressionInfo.from_tensor(weights)).buffer) < 4 * weights.numel()
 
 
-def test_compat_fix_is_needed_and_installed():
+def test_numpy_decode_fix_is_needed_and_installed():
     """With NumPy >= 2.4, hivemind's own 8-bit decoder raises; importing lean_transformer.swarm replaces it."""
     from hivemind.compression import quantization
 
-    from lean_transformer.swarm import compat
+    from lean_transformer.swarm.hivemind_fixes import numpy_decode
 
     if not numpy_rejects_one_element_int():
         pytest.skip("this NumPy still converts one-element arrays to int; hivemind's decoder works as is")
-    assert quantization.Quantization.extract is compat._extract_codebook_quantization
-    assert quantization.BlockwiseQuantization.extract is compat._extract_blockwise_quantization
+    assert quantization.Quantization.extract is numpy_decode._extract_codebook_quantization
+    assert quantization.BlockwiseQuantization.extract is numpy_decode._extract_blockwise_quantization

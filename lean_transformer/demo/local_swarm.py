@@ -26,10 +26,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, NoReturn, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from lean_transformer.demo.markov import MarkovCorpus
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.cli import OneLineErrorParser
 from lean_transformer.swarm.run_history import read_rows
 from lean_transformer.swarm.shutdown import descendant_pids
 
@@ -447,13 +448,8 @@ def prepare_output_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m lean_transformer.demo", description=__doc__.split("\n\n")[0],
+    parser = OneLineErrorParser(prog="python -m lean_transformer.demo", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--duration", type=float, default=180.0,
                         help="seconds of training, counted from when the first trainer has joined (start-up takes "

@@ -13,7 +13,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
-from lean_transformer.swarm.auth import load_identity_key, make_authorizer
+from lean_transformer.swarm.auth.authorizer import make_authorizer
+from lean_transformer.swarm.auth.keys import load_identity_key
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.settings import NetworkSettings

@@ -1,7 +1,7 @@
 """``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
 schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. Its averagers are
-hivemind's, safe to cancel (:mod:`lean_transformer.swarm.averagers`); in an authorized swarm they serve token
-holders only (:mod:`lean_transformer.swarm.averaging_gate`)."""
+hivemind's, safe to cancel (:mod:`lean_transformer.swarm.hivemind_fixes.averagers`); in an authorized swarm they serve token
+holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -16,9 +16,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
-from lean_transformer.swarm.auth import load_public_key
-from lean_transformer.swarm.averagers import with_averagers
-from lean_transformer.swarm.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
+from lean_transformer.swarm.auth.keys import load_public_key
+from lean_transformer.swarm.hivemind_fixes.averagers import with_averagers
+from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                    publish_access_token)
 
 if TYPE_CHECKING:
