@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import CompressionInfo, TensorRole, deserialize_torch_tensor
 
 from lean_transformer.swarm.hivemind_fixes.numpy_decode import numpy_rejects_one_element_int
-from lean_transformer.swarm.optimizer import FloatsOnly, make_compression
+from lean_transformer.swarm.optimizer import ParametersOnly, make_compression
 
 # choice -> (bytes per value of a large float32 tensor, largest error relative to the tensor's std)
 EXPECTED = {"none": (4, 0.0), "float16": (2, 1e-3), "scaled_float16": (2, 1e-3), "uniform8bit": (1, 0.25),
@@ -42,8 +42,8 @@ def test_unknown_compression_is_a_clear_error():
 
 @pytest.mark.parametrize("name", ["float16", "uniform8bit", "blockwise8bit"])
 def test_state_compression_passes_8_bit_optimizer_statistics_through(name):
-    """A newcomer downloads uint8 LAMB statistics too; the float codecs refuse them or mangle them, FloatsOnly sends
-    them as they are."""
+    """A newcomer downloads uint8 LAMB statistics too; the float codecs refuse them or mangle them, ParametersOnly
+    sends them as they are."""
     statistics = torch.randint(0, 256, (5000,), dtype=torch.uint8)
     try:
         mangled = deserialize_torch_tensor(make_compression(name).compress(statistics,
@@ -51,11 +51,25 @@ def test_state_compression_passes_8_bit_optimizer_statistics_through(name):
         assert not torch.equal(mangled, statistics)
     except ValueError:
         pass  # refused
-    compression = FloatsOnly(make_compression(name))
+    compression = ParametersOnly(make_compression(name))
     assert torch.equal(deserialize_torch_tensor(compression.compress(statistics, CompressionInfo.from_tensor(
-        statistics))), statistics)
+        statistics, role=TensorRole.OPTIMIZER))), statistics)
     weights = torch.randn(5000)
-    assert len(compression.compress(weights, CompressionInfo.from_tensor(weights)).buffer) < 4 * weights.numel()
+    compressed = compression.compress(weights, CompressionInfo.from_tensor(weights, role=TensorRole.PARAMETER))
+    assert len(compressed.buffer) < 4 * weights.numel()
+
+
+@pytest.mark.parametrize("name", ["float16", "uniform8bit", "blockwise8bit", "size_adaptive"])
+def test_state_compression_sends_float_optimizer_statistics_exactly(name):
+    """float32 second moments of small tensors (LAMB keeps them below min_8bit_size) are ~1e-10: float16 flushes
+    them to zero, which a newcomer's first step would divide by."""
+    second_moments = torch.rand(5000) * 1e-9
+    plain = deserialize_torch_tensor(make_compression(name).compress(
+        second_moments, CompressionInfo.from_tensor(second_moments, role=TensorRole.OPTIMIZER)))
+    assert not torch.equal(plain, second_moments)
+    sent = deserialize_torch_tensor(ParametersOnly(make_compression(name)).compress(
+        second_moments, CompressionInfo.from_tensor(second_moments, role=TensorRole.OPTIMIZER)))
+    assert sent.dtype == torch.float32 and torch.equal(sent, second_moments)
 
 
 def test_numpy_decode_fix_is_needed_and_installed():

@@ -10,7 +10,7 @@ import hivemind
 import torch
 from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
                                   NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
-                                  SizeAdaptiveCompression, Uniform8BitQuantization)
+                                  SizeAdaptiveCompression, TensorRole, Uniform8BitQuantization)
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
@@ -39,16 +39,17 @@ def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> Compres
     return simple[name]()
 
 
-class FloatsOnly(AdaptiveCompressionBase):
-    """Compresses float32/float16 tensors and sends the others as they are: the optimizer state that newcomers
-    download holds 8-bit (uint8) LAMB statistics, which hivemind's float16 and 8-bit codecs refuse or mangle."""
+class ParametersOnly(AdaptiveCompressionBase):
+    """Compresses the state's float parameters and sends everything else as it is. The optimizer statistics must
+    arrive exactly: the 8-bit (uint8) LAMB codes are refused or mangled by hivemind's float16 and 8-bit codecs, and
+    the float32 second moments of small tensors (~1e-8 and below) flush to zero in float16."""
 
     def __init__(self, compression: CompressionBase):
         self.compression = compression
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
         floats = info.descriptor.dtype in (torch.float32, torch.float16)
-        return self.compression if floats else NoCompression()
+        return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
 def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
@@ -68,7 +69,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
         optimizer_class = with_averagers(optimizer_class, GatedGradientAverager, GatedTrainingStateAverager)
     else:
         optimizer_class = with_averagers(optimizer_class)
-    state_compression = FloatsOnly(make_compression(collaboration.state_compression,
+    state_compression = ParametersOnly(make_compression(collaboration.state_compression,
                                                     collaboration.size_adaptive_threshold))
     return optimizer_class(
         dht=dht,

@@ -128,19 +128,22 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
             losses.append(loss.item())
 
-        # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned)
-        finite = all(map(math.isfinite, losses)) and gradients_are_finite(model)
-        if not finite and scaler is None:
+        # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned). With fp16, a
+        # finite loss whose scaled gradients overflow is loss scaling at work: hivemind's GradScaler skips that step
+        finite_loss = all(map(math.isfinite, losses))
+        finite = finite_loss and gradients_are_finite(model)
+        non_finite_in_a_row = 0 if finite else non_finite_in_a_row + 1
+        if non_finite_in_a_row == MAX_NON_FINITE_STEPS_IN_A_ROW:  # diverged, on every path (fp16 included)
+            discard_local_gradients(optimizer, reuse_grad_buffers)
+            backups.restore(model, optimizer, reason=f"{non_finite_in_a_row} local steps in a row had non-finite "
+                                                     f"loss or gradients")
+            non_finite_in_a_row, epoch = 0, optimizer.local_epoch
+            continue
+        if not finite_loss or (not finite and scaler is None):
             discard_local_gradients(optimizer, reuse_grad_buffers)
             work.skipped += accumulation
-            non_finite_in_a_row += 1
             logger.warning(f"Skipped {accumulation} micro-batch(es) with non-finite loss or gradients (not counted)")
-            if non_finite_in_a_row == MAX_NON_FINITE_STEPS_IN_A_ROW:
-                backups.restore(model, optimizer, reason=f"{non_finite_in_a_row} local steps in a row had "
-                                                         f"non-finite loss or gradients")
-                non_finite_in_a_row, epoch = 0, optimizer.local_epoch
             continue
-        non_finite_in_a_row = 0
 
         # report the samples to the swarm; this averages and steps when the swarm has reached the target batch
         optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it
