@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m lean_transformer.swarm.local_swarm $(ARGS)
+	$(PY) -m lean_transformer.demo $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-from typing import Literal, NoReturn, Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 from transformers import HfArgumentParser
 
+from lean_transformer.swarm.cli import OneLineErrors
 from lean_transformer.swarm.dht import validate_maddrs, validate_run_id
 from lean_transformer.swarm.hub import is_hub_repo_id
 
@@ -269,11 +270,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Show defaults, keep the description's line breaks."""
 
 
-class ArgumentParser(HfArgumentParser):
+class ArgumentParser(OneLineErrors, HfArgumentParser):
     """``HfArgumentParser`` that reports a bad command line in one line on stderr (no usage wall)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(dataclass_types: Sequence[type], description: Optional[str] = None) -> ArgumentParser:

@@ -9,6 +9,7 @@ Stop with Ctrl+C or SIGTERM.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Optional, Sequence
@@ -29,9 +30,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from lean_transformer.swarm.aux_peer import run_aux_peer
     from lean_transformer.swarm.dht import SwarmConnectionError
+    from tasks import get_task
 
+    run_config = {name: value for args in (network, collaboration, task_args, training, aux)
+                  for name, value in dataclasses.asdict(args).items()}
     try:
-        run_aux_peer(network, collaboration, task_args, training, aux)
+        task = get_task(task_args.task)(task_args, training)
+        run_aux_peer(task, network, collaboration, training, aux, run_config)
     except (ValueError, OSError, SwarmConnectionError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_aux_peer.py: error: {e}", file=sys.stderr)

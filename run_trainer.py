@@ -29,9 +29,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from lean_transformer.swarm.dht import SwarmConnectionError
     from lean_transformer.swarm.shutdown import exit_now
     from lean_transformer.swarm.trainer import train
+    from tasks import get_task
 
     try:
-        train(network, collaboration, training, task_args)
+        task = get_task(task_args.task)(task_args, training)
+        train(task, network, collaboration, training)
     except (ValueError, OSError, SwarmConnectionError, NonFiniteParametersError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_trainer.py: error: {e}", file=sys.stderr)

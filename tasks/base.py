@@ -7,13 +7,14 @@ import json
 import os
 from abc import ABC, abstractmethod
 from functools import partial
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lean_transformer.swarm.settings import Batch, Batcher
 from tasks.data import make_text_source
 from tasks.schedules import learning_rate_factor, sequence_length
 from tasks.tokenizer import load_tokenizer
@@ -22,16 +23,12 @@ if TYPE_CHECKING:
     from arguments import TaskArguments, TrainingArguments
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-Batch = dict[str, torch.Tensor]
-
-
-class Batcher(Protocol):
-    def next_batch(self, batch_size: int, sequence_length: int) -> Batch:
-        """The next ``batch_size`` samples, at most ``sequence_length`` tokens long, as model keyword arguments."""
+__all__ = ["Batch", "Batcher", "CONFIGS_DIR", "Task"]
 
 
 class Task(ABC):
-    """One training objective. Subclasses set the class attributes and turn documents into batches."""
+    """One training objective. Subclasses set the class attributes and turn documents into batches. Instances
+    satisfy the library's :class:`~lean_transformer.swarm.settings.TrainingTask` protocol."""
 
     name: ClassVar[str]
     default_config: ClassVar[str]  # file name in tasks/configs/

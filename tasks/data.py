@@ -9,7 +9,7 @@ import random
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, TypeVar
 
-from tasks.markov import MarkovCorpus
+from lean_transformer.demo.markov import MarkovCorpus
 
 if TYPE_CHECKING:
     from arguments import TaskArguments

@@ -35,7 +35,7 @@ def _seed() -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Swarm tests run real peers that share 2 CPU cores, and their rounds depend on timing: such a test gets up to
     2 fresh re-runs (its fixtures rebuilt). The one systematic cause seen, a peer left out of every round for good,
-    was a hivemind bug, fixed in lean_transformer.swarm.averagers; a re-run shows in pytest's summary ("rerun")."""
+    was a hivemind bug, fixed in lean_transformer.swarm.hivemind_fixes.averagers; a re-run shows in pytest's summary ("rerun")."""
     for item in items:
         if item.get_closest_marker("swarm"):
             item.add_marker(pytest.mark.flaky(reruns=2))

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict
 
-from lean_transformer.swarm.local_swarm import ProcessTracker
+from lean_transformer.demo.local_swarm import ProcessTracker
 
 _EPOCH_REPORT = re.compile(r"Reached epoch (\d+): mean loss (\S+) over (\d+) mini-steps \((\d+) samples, (\d+) skipped\)")
 

@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from aux_utils import PeerProcess, wait_until  # noqa: E402
 from grad_peer import check_rounds  # noqa: E402
 
-from lean_transformer.swarm.local_swarm import command_line  # noqa: E402
+from lean_transformer.demo.local_swarm import command_line  # noqa: E402
 
 RUN_ID = "gated"
 RUN = dict(run_id=RUN_ID, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=24, per_device_batch_size=4,
@@ -60,7 +60,7 @@ def test_peer_id_of_a_key_is_its_libp2p_peer_id(keys):
     from hivemind.p2p import PeerID
 
     from lean_transformer.swarm.auth import public_key_text
-    from lean_transformer.swarm.averaging_gate import peer_id_of
+    from lean_transformer.swarm.auth.averaging_gate import peer_id_of
 
     expected = PeerID.from_identity(keys["alice_file"].read_bytes())  # hivemind's derivation from the identity file
     assert peer_id_of(keys["alice"].get_public_key()) == expected
@@ -80,7 +80,7 @@ TOKENS = {
 @pytest.mark.parametrize("case", list(TOKENS))
 def test_gate_admits_only_a_valid_token_of_the_calling_peer(keys, case):
     from lean_transformer.swarm.auth import InvalidTokenError, TokenExpiredError, issue_token
-    from lean_transformer.swarm.averaging_gate import check_member_token, peer_id_of
+    from lean_transformer.swarm.auth.averaging_gate import check_member_token, peer_id_of
 
     signer, holder, hours, error = TOKENS[case]
     expires = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=hours)
@@ -98,7 +98,7 @@ def test_gate_admits_only_a_valid_token_of_the_calling_peer(keys, case):
 def test_gate_refuses_a_token_whose_key_was_swapped(keys):
     """A token holder cannot lend its signature: the key is part of what the authority signed."""
     from lean_transformer.swarm.auth import InvalidTokenError, issue_token
-    from lean_transformer.swarm.averaging_gate import check_member_token, peer_id_of
+    from lean_transformer.swarm.auth.averaging_gate import check_member_token, peer_id_of
 
     token = issue_token(keys["authority"], keys["alice"].get_public_key(),
                         datetime.now(timezone.utc) + timedelta(hours=1), "alice")
@@ -114,7 +114,7 @@ def test_gated_averagers_keep_hivemind_rpc_protocol():
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    from lean_transformer.swarm.averaging_gate import GatedGradientAverager, GatedTrainingStateAverager
+    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager, GatedTrainingStateAverager
 
     for parent, gated in ((GradientAverager, GatedGradientAverager), (TrainingStateAverager,
                                                                       GatedTrainingStateAverager)):
@@ -136,7 +136,7 @@ async def _join(node, member: str, schema_hash: bytes) -> str:
     from hivemind.utils.asyncio import anext
     from hivemind.utils.timed_storage import get_dht_time
 
-    from lean_transformer.swarm.averaging_gate import GatedGradientAverager
+    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
 
     prefix = f"{RUN_ID}_grad_averager"
     stub = GatedGradientAverager.get_stub(node.p2p, PeerID.from_base58(member), namespace=prefix)
@@ -156,7 +156,7 @@ async def _aggregate(node, member: str) -> str:
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import anext, as_aiter
 
-    from lean_transformer.swarm.averaging_gate import GatedGradientAverager
+    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
 
     stub = GatedGradientAverager.get_stub(node.p2p, PeerID.from_base58(member), namespace=f"{RUN_ID}_grad_averager")
     part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"a group of my own",
@@ -172,7 +172,7 @@ async def _download(node, member: str) -> dict:
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import aiter_with_timeout
 
-    from lean_transformer.swarm.averaging_gate import GatedTrainingStateAverager
+    from lean_transformer.swarm.auth.averaging_gate import GatedTrainingStateAverager
 
     stub = GatedTrainingStateAverager.get_stub(node.p2p, PeerID.from_base58(member),
                                                namespace=f"{RUN_ID}_state_averager")
@@ -208,7 +208,7 @@ def _visitor_main(argv: List[str]) -> None:
     from hivemind.utils.timed_storage import get_dht_time
 
     from lean_transformer.swarm.auth import encode_token, load_identity_key, load_token, make_authorizer
-    from lean_transformer.swarm.averaging_gate import access_token_key, publish_access_token
+    from lean_transformer.swarm.auth.averaging_gate import access_token_key, publish_access_token
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--identity", required=True)

@@ -11,10 +11,10 @@ from lean_transformer.swarm.auth import (
     issue_token,
     load_authority_key,
     load_identity_key,
-    main,
     make_authorizer,
     save_token,
 )
+from lean_transformer.swarm.auth.cli import main
 
 CLI = [sys.executable, "-m", "lean_transformer.swarm.auth"]
 

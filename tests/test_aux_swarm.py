@@ -23,7 +23,7 @@ from grad_peer import check_rounds
 from swarm_utils import epoch_reports
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
-from lean_transformer.swarm.local_swarm import command_line
+from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]

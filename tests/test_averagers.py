@@ -1,4 +1,4 @@
-"""The fixes of lean_transformer.swarm.averagers, each against hivemind's own GradientAverager.
+"""The fixes of lean_transformer.swarm.hivemind_fixes.averagers, each against hivemind's own GradientAverager.
 
 Each case runs as a script, once per variant, in its own process (hivemind objects install signal handlers): two
 peers on 127.0.0.1, A and B, each a DHT and a gradient averager. Both cases make a race of hivemind's certain
@@ -81,7 +81,7 @@ def main(variant: str, case: str) -> None:
     from hivemind.optim import grad_averager
     from hivemind.utils.mpfuture import MPFuture
 
-    from lean_transformer.swarm import averagers
+    from lean_transformer.swarm.hivemind_fixes import averagers
 
     parent = averagers.GradientAverager if variant == "lean_transformer" else grad_averager.GradientAverager
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from lean_transformer.modules.blocksparse import BlockSparseLinear, make_layout, parse_layout, register_layout
-from lean_transformer.modules.linear import LinearOp, SharedLinear
+from lean_transformer.modules.linear import SharedLinear
+from lean_transformer.modules.linear_op import LinearOp
 
 RTOL, ATOL = 1e-4, 1e-5
 

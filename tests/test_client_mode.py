@@ -27,7 +27,7 @@ import pytest
 from aux_utils import PeerProcess, wait_until
 from swarm_utils import epoch_reports
 
-from lean_transformer.swarm.local_swarm import command_line
+from lean_transformer.demo.local_swarm import command_line
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 

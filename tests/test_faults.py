@@ -20,6 +20,7 @@ import json
 import os
 import re
 import runpy
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
 from swarm_utils import EpochReport, epoch_reports  # noqa: E402
 
-from lean_transformer.swarm.local_swarm import command_line  # noqa: E402
+from lean_transformer.demo.local_swarm import command_line  # noqa: E402
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -368,6 +369,40 @@ def run_with_nonfinite_gradients(argv: List[str]) -> None:
     runpy.run_path(str(REPO / argv[0]), run_name="__main__")
 
 
+def run_diverged(argv: List[str]) -> None:
+    """Run ``argv`` (a trainer script and its arguments) with a model whose loss is NaN from the first batch on."""
+    from tasks.base import Task
+
+    build_model = Task.build_model
+
+    def build_diverged_model(self):
+        model = build_model(self)
+        model.get_input_embeddings().register_forward_hook(lambda _module, _inputs, output: output * float("nan"))
+        return model
+
+    Task.build_model = build_diverged_model
+    sys.argv = argv
+    runpy.run_path(str(REPO / argv[0]), run_name="__main__")
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
+def test_a_diverged_trainer_stops_with_one_line_on_every_precision(precision, tmp_path: Path, report):
+    """Non-finite losses in a row end in a backup restore, or (none yet) a clear exit: with --fp16 too, where loss
+    scaling used to hide them from the guard and the peer looped forever."""
+    argv = [sys.executable, __file__, "diverge", "run_trainer.py", "--run_id", "diverged", "--host_maddrs",
+            "/ip4/127.0.0.1/tcp/0", "--output_dir", str(tmp_path), "--per_device_batch_size", "2",
+            "--max_sequence_length", "16", *precision]
+    started = time.monotonic()
+    run = subprocess.run(argv, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=240)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
+    assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
+    assert "local steps in a row had non-finite loss or gradients" in errors[0] and "no local backup" in errors[0]
+    report(f"{' '.join(precision) or 'fp32'}: NaN loss from the start -> exit 1 after "
+           f"{time.monotonic() - started:.0f} s: {errors[0][:100]}...")
+
+
 def attack_metrics(argv: List[str]) -> None:
     """Join the swarm's DHT without the metrics validator, try to store bad records under the run's metrics key and
     print one result line per case, then what the swarm's nodes return for that key."""
@@ -434,4 +469,4 @@ def attack_metrics(argv: List[str]) -> None:
 if __name__ == "__main__":
     os.chdir(REPO)
     command, rest = sys.argv[1], sys.argv[2:]
-    {"nonfinite": run_with_nonfinite_gradients, "attack-metrics": attack_metrics}[command](rest)
+    {"nonfinite": run_with_nonfinite_gradients, "diverge": run_diverged, "attack-metrics": attack_metrics}[command](rest)

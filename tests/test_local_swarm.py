@@ -1,4 +1,4 @@
-"""The one-command local swarm (``python -m lean_transformer.swarm.local_swarm``), run for real: an aux peer and two
+"""The one-command local swarm (``python -m lean_transformer.demo``), run for real: an aux peer and two
 trainers on 127.0.0.1. A short run ends with a checkpoint, a plot and a summary; a trainer that crashes is reported
 while the others go on; Ctrl+C (SIGINT to its process group, as a terminal sends it) stops every process it started,
 the crashed trainer's orphaned hivemind processes included, and leaves no socket files behind."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aux_utils import PeerProcess, assert_valid_png
-from lean_transformer.swarm import local_swarm
+from lean_transformer.demo import local_swarm
 from swarm_utils import TreeWatcher
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -27,7 +27,7 @@ VIEW = re.compile(r"^\[\d+:\d\d / \d+:\d\d\] aux +swarm epoch \d+ \|.*\n +traine
 
 
 def start_local_swarm(tmp_path: Path, *args: str) -> tuple[PeerProcess, TreeWatcher]:
-    run = PeerProcess("local_swarm", ["-m", "lean_transformer.swarm.local_swarm", "--output_dir",
+    run = PeerProcess("local_swarm", ["-m", "lean_transformer.demo", "--output_dir",
                                       str(tmp_path / "demo"), "--refresh", "2", *args], tmp_path)
     return run, TreeWatcher(run.process.pid).start()
 

@@ -226,6 +226,30 @@ def test_zero_gradient_step_changes_nothing():
         assert torch.equal(decoded, torch.zeros_like(decoded))
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_skips_the_whole_step(max_grad_norm, bad, caplog):
+    """min(1.0, nan) is 1.0 and inf divides by zero: without the check one bad value poisons the 8-bit state."""
+    params = big_params()
+    optimizer = CPULAMB8Bit(params, **{**OPTIONS, "max_grad_norm": max_grad_norm})
+    run_steps(params, optimizer, steps=2, seed=1)
+    before_params = [p.detach().clone() for p in params]
+    before_state = copy.deepcopy(optimizer.state_dict())
+    for index, p in enumerate(params):
+        p.grad = torch.randn_like(p)
+        if index == len(params) - 1:
+            p.grad.view(-1)[7] = bad  # one value in the last tensor, after the others would have been updated
+    with caplog.at_level("WARNING"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before_params))
+    after_state = optimizer.state_dict()
+    for key, state in before_state["state"].items():
+        assert same_state(state, after_state["state"][key]) and state["step"] == after_state["state"][key]["step"]
+    assert "non-finite gradient norm" in caplog.text
+    run_steps(params, optimizer, steps=1, seed=3)  # and training goes on
+    assert all(torch.isfinite(p).all() for p in params)
+
+
 def test_state_dict_round_trip_continues_identically():
     params = big_params()
     optimizer = CPULAMB8Bit(params, **OPTIONS)

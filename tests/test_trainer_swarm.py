@@ -139,7 +139,7 @@ def test_averaging_matches_one_peer_with_twice_the_batch(scenario: Scenario):
     """Two peers with batch b and one peer with batch 2b reach the same held-out loss after the same epochs."""
     from lean_transformer import LeanGPTForCausalLM
     from tasks.causal_lm import PackedBatcher
-    from tasks.markov import MarkovCorpus
+    from lean_transformer.demo.markov import MarkovCorpus
     from tasks.tokenizer import ByteTokenizer
 
     batcher = PackedBatcher(MarkovCorpus.generate(0).documents(seed=123_456), ByteTokenizer())

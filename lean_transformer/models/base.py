@@ -11,7 +11,8 @@ from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
-from lean_transformer.modules.linear import LinearOp, SharedMatrix
+from lean_transformer.modules.linear import SharedMatrix
+from lean_transformer.modules.linear_op import LinearOp
 from lean_transformer.modules.transformer import LeanTransformer
 
 

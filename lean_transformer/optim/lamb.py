@@ -19,6 +19,7 @@ give bit-identical results, whatever the number of threads.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -38,6 +39,8 @@ from lean_transformer.optim.quantization import (
     num_blocks,
 )
 from lean_transformer.optim.workers import TileWorkers
+
+logger = logging.getLogger(__name__)
 
 # elements per tile: enough work (~0.2 ms) to hide the per-call overhead, few enough to balance the threads
 DEFAULT_TILE_SIZE = 2**18
@@ -159,6 +162,11 @@ class _QuantizedTensor:
         self.m_absmax, self.v_absmax = state["exp_avg_absmax"].numpy(), state["exp_avg_sq_absmax"].numpy()
 
 
+def global_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm over all gradients (as ``clip_grad_norm_`` computes it); inf or nan if any value is."""
+    return math.sqrt(sum(torch.linalg.vector_norm(grad, dtype=torch.float32).item() ** 2 for grad in grads))
+
+
 class CPULAMB8Bit(torch.optim.Optimizer):
     """LAMB with block-wise 8-bit moments for float32 CPU parameters (e.g. hivemind's offloaded copies).
 
@@ -167,7 +175,8 @@ class CPULAMB8Bit(torch.optim.Optimizer):
     :param chunk_size: the largest tensor updated in a single pass; the float32 buffer this needs is the
       optimizer's only sizeable scratch memory (``4 * chunk_size`` bytes at most)
     :param max_grad_norm: if set, gradients are scaled as by ``clip_grad_norm_`` over all parameters of all
-      groups (without modifying ``.grad``)
+      groups (without modifying ``.grad``). Whether set or not, a step whose gradients hold an inf or nan is
+      skipped as a whole (parameters, statistics and step counts untouched) with a warning.
     :param tile_size: elements processed at a time by one thread (rounded down to whole blocks)
     """
 
@@ -237,7 +246,12 @@ class CPULAMB8Bit(torch.optim.Optimizer):
                         f"CPULAMB8Bit needs dense gradients shaped like the parameter {tuple(param.shape)}"
                     )
                 work.append((group, param))
-        clip = self._clip_coefficient([param.grad for _, param in work])
+        total_norm = global_norm([param.grad for _, param in work])
+        if not math.isfinite(total_norm):  # one bad value would poison the 8-bit statistics for good
+            logger.warning(f"CPULAMB8Bit: skipped a step with a non-finite gradient norm ({total_norm}); parameters "
+                           f"and statistics are unchanged")
+            return loss
+        clip = self._clip_coefficient(total_norm)
         for group, param in work:
             state = self.state[param]
             if not state:
@@ -250,10 +264,9 @@ class CPULAMB8Bit(torch.optim.Optimizer):
                 self._update_full_precision(param, state, group, constants)
         return loss
 
-    def _clip_coefficient(self, grads: list[torch.Tensor]) -> float:
-        if self.max_grad_norm is None or not grads:
+    def _clip_coefficient(self, total_norm: float) -> float:
+        if self.max_grad_norm is None:
             return 1.0
-        total_norm = math.sqrt(sum(torch.linalg.vector_norm(grad, dtype=torch.float32).item() ** 2 for grad in grads))
         return min(1.0, self.max_grad_norm / (total_norm + 1e-6))
 
     def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:

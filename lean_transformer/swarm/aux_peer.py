@@ -8,7 +8,6 @@ It records the swarm's progress (wandb, a JSONL file and a PNG plot), keeps chec
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
@@ -29,10 +28,10 @@ from lean_transformer.swarm.plot import redraw_plot
 from lean_transformer.swarm.run_history import RunHistory
 from lean_transformer.swarm.shutdown import GracefulShutdown
 from lean_transformer.swarm.training_state import load_training_state, save_training_state
-from tasks import get_task
 
 if TYPE_CHECKING:
-    from arguments import AuxPeerArguments, CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments
+    from lean_transformer.swarm.settings import (AuxSettings, CollaborationSettings, NetworkSettings,
+                                                 TrainingSettings, TrainingTask)
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class AuxPeer:
     """The loop: every refresh, aggregate the trainers' metrics and log them; every N epochs, checkpoint."""
 
     def __init__(self, dht: hivemind.DHT, model: PreTrainedModel, optimizer: AuxiliaryOptimizer,
-                 network: NetworkArguments, aux: AuxPeerArguments, config: dict, shutdown: GracefulShutdown):
+                 network: NetworkSettings, aux: AuxSettings, config: dict, shutdown: GracefulShutdown):
         self.dht, self.model, self.optimizer = dht, model, optimizer
         self.run_id, self.aux, self.shutdown = network.run_id, aux, shutdown
         self.history = RunHistory(aux.metrics_path, max_rows=aux.history_window)
@@ -185,15 +184,15 @@ def status_line(swarm_epoch: int, alive_peers: int, last: Optional[SwarmStats]) 
     return line
 
 
-def run_aux_peer(network: NetworkArguments, collaboration: CollaborationArguments, task_args: TaskArguments,
-                 training: TrainingArguments, aux: AuxPeerArguments) -> None:
-    """Run an aux peer until Ctrl+C / SIGTERM. Bad input raises ValueError / FileNotFoundError (naming the flag) or
-    SwarmConnectionError before the peer joins."""
+def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
+                 training: TrainingSettings, aux: AuxSettings, run_config: Optional[dict] = None) -> None:
+    """Run an aux peer for a swarm training ``task`` until Ctrl+C / SIGTERM. ``run_config`` is logged with the
+    metrics (wandb). Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError
+    before the peer joins."""
     shutdown = GracefulShutdown(training.shutdown_timeout)
     if aux.assist_in_averaging and network.client_mode:
         raise ValueError("--assist_in_averaging: averaging through this peer needs incoming connections; "
                          "drop --client_mode")
-    task = get_task(task_args.task)(task_args, training)
     checkpoint = None
     if training.resume_from is not None:
         checkpoint = resolve_checkpoint(training.resume_from, Path(aux.checkpoint_dir) / "downloaded")
@@ -213,9 +212,7 @@ def run_aux_peer(network: NetworkArguments, collaboration: CollaborationArgument
                             f"from it")
             if not network.client_mode:  # printed once ready, so trainers started on this line find the state
                 print(initial_peers_line(dht), flush=True)
-            config = {name: value for args in (network, collaboration, task_args, training, aux)
-                      for name, value in dataclasses.asdict(args).items()}
-            AuxPeer(dht, model, optimizer, network, aux, config, shutdown).run()
+            AuxPeer(dht, model, optimizer, network, aux, run_config or {}, shutdown).run()
         finally:
             logger.info("Leaving the swarm")
             optimizer.shutdown()

@@ -13,10 +13,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
-from lean_transformer.swarm.auth import load_identity_key, make_authorizer
+from lean_transformer.swarm.auth.authorizer import make_authorizer
+from lean_transformer.swarm.auth.keys import load_identity_key
 
 if TYPE_CHECKING:
-    from arguments import NetworkArguments
+    from lean_transformer.swarm.settings import NetworkSettings
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _LOG_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} ")
@@ -48,7 +49,7 @@ def validate_maddrs(maddrs: Sequence[str], flag: str, *, require_peer_id: bool =
                 raise ValueError(f"--{flag}: {maddr!r} has a malformed peer id") from None
 
 
-def build_dht(network: NetworkArguments, record_validators: Iterable[RecordValidatorBase] = ()) -> hivemind.DHT:
+def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValidatorBase] = ()) -> hivemind.DHT:
     """Start a DHT node as the network arguments say, or raise SwarmConnectionError within ``startup_timeout`` s.
 
     Must be called from the main thread (hivemind starts a child process that owns the p2p daemon).
@@ -82,7 +83,7 @@ def build_dht(network: NetworkArguments, record_validators: Iterable[RecordValid
     return dht
 
 
-def peer_private_key(network: NetworkArguments) -> RSAPrivateKey:
+def peer_private_key(network: NetworkSettings) -> RSAPrivateKey:
     """The RSA key that owns this peer's signed DHT records (metrics, training progress). With --identity_path it is
     the identity's own key (created if missing), so a restarted peer keeps owning its records and an access token
     can be bound to it; otherwise hivemind's process-wide key."""

@@ -1,7 +1,7 @@
 """``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
 schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. Its averagers are
-hivemind's, safe to cancel (:mod:`lean_transformer.swarm.averagers`); in an authorized swarm they serve token
-holders only (:mod:`lean_transformer.swarm.averaging_gate`)."""
+hivemind's, safe to cancel (:mod:`lean_transformer.swarm.hivemind_fixes.averagers`); in an authorized swarm they serve token
+holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,20 +10,20 @@ import hivemind
 import torch
 from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
                                   NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
-                                  SizeAdaptiveCompression, Uniform8BitQuantization)
+                                  SizeAdaptiveCompression, TensorRole, Uniform8BitQuantization)
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
-from lean_transformer.swarm.auth import load_public_key
-from lean_transformer.swarm.averagers import with_averagers
-from lean_transformer.swarm.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
+from lean_transformer.swarm.auth.keys import load_public_key
+from lean_transformer.swarm.hivemind_fixes.averagers import with_averagers
+from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                    publish_access_token)
 
 if TYPE_CHECKING:
-    from arguments import CollaborationArguments, NetworkArguments, TrainingArguments
-    from tasks.base import Task
+    from lean_transformer.swarm.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
+                                                 TrainingTask)
 
 
 def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> CompressionBase:
@@ -39,20 +39,21 @@ def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> Compres
     return simple[name]()
 
 
-class FloatsOnly(AdaptiveCompressionBase):
-    """Compresses float32/float16 tensors and sends the others as they are: the optimizer state that newcomers
-    download holds 8-bit (uint8) LAMB statistics, which hivemind's float16 and 8-bit codecs refuse or mangle."""
+class ParametersOnly(AdaptiveCompressionBase):
+    """Compresses the state's float parameters and sends everything else as it is. The optimizer statistics must
+    arrive exactly: the 8-bit (uint8) LAMB codes are refused or mangled by hivemind's float16 and 8-bit codecs, and
+    the float32 second moments of small tensors (~1e-8 and below) flush to zero in float16."""
 
     def __init__(self, compression: CompressionBase):
         self.compression = compression
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
         floats = info.descriptor.dtype in (torch.float32, torch.float16)
-        return self.compression if floats else NoCompression()
+        return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: NetworkArguments,
-                    collaboration: CollaborationArguments, training: TrainingArguments, private_key: RSAPrivateKey,
+def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
+                    collaboration: CollaborationSettings, training: TrainingSettings, private_key: RSAPrivateKey,
                     *, auxiliary: bool = False,
                     optimizer_class: type[hivemind.Optimizer] = hivemind.Optimizer) -> hivemind.Optimizer:
     """Wrap the task's LAMB and LR schedule in a hivemind.Optimizer that averages with the run's peers.
@@ -68,7 +69,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
         optimizer_class = with_averagers(optimizer_class, GatedGradientAverager, GatedTrainingStateAverager)
     else:
         optimizer_class = with_averagers(optimizer_class)
-    state_compression = FloatsOnly(make_compression(collaboration.state_compression,
+    state_compression = ParametersOnly(make_compression(collaboration.state_compression,
                                                     collaboration.size_adaptive_threshold))
     return optimizer_class(
         dht=dht,
@@ -99,7 +100,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: Task, network: Ne
     )
 
 
-def open_averaging_gate(dht: hivemind.DHT, network: NetworkArguments, private_key: RSAPrivateKey) -> AveragingGate:
+def open_averaging_gate(dht: hivemind.DHT, network: NetworkSettings, private_key: RSAPrivateKey) -> AveragingGate:
     """Publish this peer's access token under its peer ID and return the gate for its averagers. ``private_key``
     must be the DHT's signature validator key, which owns the token's record (as with the metrics records)."""
     authority_public_key = load_public_key(network.authority_public_key_path, "authority public key file")
@@ -108,7 +109,7 @@ def open_averaging_gate(dht: hivemind.DHT, network: NetworkArguments, private_ke
     return AveragingGate(dht, network.run_id, authority_public_key)
 
 
-def averager_options(network: NetworkArguments, collaboration: CollaborationArguments) -> dict:
+def averager_options(network: NetworkSettings, collaboration: CollaborationSettings) -> dict:
     """Options of hivemind's averagers. Matchmaking requests must time out well within the matchmaking window:
     with hivemind's default (3 s) at or above a short --matchmaking_time, two peers that both wait for the other
     to answer can deadlock and miss every gradient-averaging round (seen on loopback with matchmaking_time=3)."""

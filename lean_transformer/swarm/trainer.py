@@ -27,11 +27,10 @@ from lean_transformer.swarm.optimizer import build_optimizer
 from lean_transformer.swarm.progress import ProgressLine
 from lean_transformer.swarm.shutdown import GracefulShutdown
 from lean_transformer.swarm.training_state import load_training_state
-from tasks import get_task
 
 if TYPE_CHECKING:
-    from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments
-    from tasks.base import Task
+    from lean_transformer.swarm.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
+                                                 TrainingTask)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +52,13 @@ class EpochWork:
         return self.loss_sum / self.mini_steps if self.mini_steps else math.nan
 
 
-def train(network: NetworkArguments, collaboration: CollaborationArguments, training: TrainingArguments,
-          task_args: TaskArguments) -> None:
-    """Run a trainer peer until ``training.stop_epoch`` or Ctrl+C / SIGTERM.
+def train(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
+          training: TrainingSettings) -> None:
+    """Run a trainer peer on ``task`` until ``training.stop_epoch`` or Ctrl+C / SIGTERM.
 
     Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before any training.
     """
     shutdown = GracefulShutdown(training.shutdown_timeout)
-    task = get_task(task_args.task)(task_args, training)
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" and not collaboration.offload_optimizer:
         raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
@@ -103,9 +101,9 @@ def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint
     logger.info(f"Joined the swarm at epoch {optimizer.local_epoch}")
 
 
-def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
-                  public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkArguments,
-                  collaboration: CollaborationArguments, training: TrainingArguments) -> None:
+def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
+                  public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
+                  collaboration: CollaborationSettings, training: TrainingSettings) -> None:
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -130,19 +128,22 @@ def training_loop(task: Task, model: PreTrainedModel, optimizer: hivemind.Optimi
             (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
             losses.append(loss.item())
 
-        # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned)
-        finite = all(map(math.isfinite, losses)) and gradients_are_finite(model)
-        if not finite and scaler is None:
+        # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned). With fp16, a
+        # finite loss whose scaled gradients overflow is loss scaling at work: hivemind's GradScaler skips that step
+        finite_loss = all(map(math.isfinite, losses))
+        finite = finite_loss and gradients_are_finite(model)
+        non_finite_in_a_row = 0 if finite else non_finite_in_a_row + 1
+        if non_finite_in_a_row == MAX_NON_FINITE_STEPS_IN_A_ROW:  # diverged, on every path (fp16 included)
+            discard_local_gradients(optimizer, reuse_grad_buffers)
+            backups.restore(model, optimizer, reason=f"{non_finite_in_a_row} local steps in a row had non-finite "
+                                                     f"loss or gradients")
+            non_finite_in_a_row, epoch = 0, optimizer.local_epoch
+            continue
+        if not finite_loss or (not finite and scaler is None):
             discard_local_gradients(optimizer, reuse_grad_buffers)
             work.skipped += accumulation
-            non_finite_in_a_row += 1
             logger.warning(f"Skipped {accumulation} micro-batch(es) with non-finite loss or gradients (not counted)")
-            if non_finite_in_a_row == MAX_NON_FINITE_STEPS_IN_A_ROW:
-                backups.restore(model, optimizer, reason=f"{non_finite_in_a_row} local steps in a row had "
-                                                         f"non-finite loss or gradients")
-                non_finite_in_a_row, epoch = 0, optimizer.local_epoch
             continue
-        non_finite_in_a_row = 0
 
         # report the samples to the swarm; this averages and steps when the swarm has reached the target batch
         optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it

@@ -1,4 +1,4 @@
-"""A fix for hivemind 1.1.12 under NumPy >= 2.4, installed on import of ``lean_transformer.swarm``.
+"""A fix for hivemind 1.1.12 under NumPy >= 2.4, installed on import of ``lean_transformer.swarm.hivemind_fixes``.
 
 hivemind's 8-bit decompression (uniform, quantile and blockwise) reads its header with ``int(np.frombuffer(...,
 count=1))``; NumPy 2.4 turned that conversion of a one-element array into an error. The error is raised inside the

@@ -34,9 +34,9 @@ from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
-from lean_transformer.swarm.auth import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
-                                         token_expiration)
-from lean_transformer.swarm.averagers import GradientAverager, TrainingStateAverager
+from lean_transformer.swarm.auth.tokens import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
+                                                token_expiration)
+from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
 
 logger = get_logger(__name__)
 

@@ -1,10 +1,11 @@
 """A whole swarm on this machine in one command: an aux peer and N trainer peers on 127.0.0.1 train the tiny LeanGPT
 on the embedded corpus (no GPU, no internet), with a live view, then a checkpoint, a plot and a summary.
 
-    python -m lean_transformer.swarm.local_swarm [--duration 180] [--num_trainers 2] [--output_dir outputs/demo]
+    python -m lean_transformer.demo [--duration 180] [--num_trainers 2] [--output_dir outputs/demo]
 
-Every peer is a separate process running the project's own ``run_aux_peer.py`` / ``run_trainer.py`` (exactly what a
-volunteer runs), in its own session, logging to ``OUTPUT_DIR/logs/NAME.log``. The live view is read from those
+Every peer is a separate process running the project's own ``run_aux_peer`` / ``run_trainer`` modules (exactly what a
+volunteer runs: the scripts at the repository root, installed as top-level modules by ``pip install .``), in its own
+session, logging to ``OUTPUT_DIR/logs/NAME.log``. The live view is read from those
 logs; the summary from the aux peer's metrics file and the trainers' logs. Ctrl+C or SIGTERM stops every peer
 gracefully (a second Ctrl+C at once); whatever is left of a peer's process group afterwards is killed, and the p2p
 daemons' socket files left in /tmp are removed, so nothing outlives the command.
@@ -12,6 +13,7 @@ daemons' socket files left in /tmp are removed, so nothing outlives the command.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -24,13 +26,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, NoReturn, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
+from lean_transformer.demo.markov import MarkovCorpus
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.cli import OneLineErrorParser
 from lean_transformer.swarm.run_history import read_rows
 from lean_transformer.swarm.shutdown import descendant_pids
 
-REPO = Path(__file__).resolve().parents[2]  # run_trainer.py, run_aux_peer.py and tasks/ live at the repository root
+PEER_MODULES = ("run_aux_peer", "run_trainer")  # the application's entry points; started, never imported
 MARKER_FILE = "local_swarm.json"  # marks an output directory as ours, so that a new run may replace it
 HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"  # where hivemind's p2p daemon and clients put their unix sockets
 KEEP_CHECKPOINTS = 3
@@ -120,7 +124,7 @@ class Peer:
     def start(self) -> None:
         self.log.path.parent.mkdir(parents=True, exist_ok=True)
         with self.log.path.open("ab") as log_file:
-            self.process = subprocess.Popen([sys.executable, *self.argv], cwd=REPO, stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen([sys.executable, *self.argv], stdin=subprocess.DEVNULL,
                                             stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True)
 
@@ -261,13 +265,14 @@ class LocalSwarm:
     def checkpoint_dir(self) -> Path:
         return self.output_dir / "checkpoints"
 
-    def _peer(self, name: str, script: str, *args: str) -> Peer:
+    def _peer(self, name: str, module: str, *args: str) -> Peer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [peer_modules_dir(), env.get("PYTHONPATH")]))
         # one compute thread pool per trainer, sized so that they do not fight over the cores
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.num_trainers)))
         if self.wandb:
             env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(self.output_dir))
-        argv = [str(REPO / script), "--run_id", "local_swarm", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+        argv = ["-m", module, "--run_id", "local_swarm", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
                 *command_line(SWARM_ARGS), *args]
         return Peer(name, argv, PeerLog(self.output_dir / "logs" / f"{name}.log"), env)
 
@@ -281,7 +286,7 @@ class LocalSwarm:
 
     def start(self, stop: threading.Event) -> bool:
         """Start the aux peer, then (once it is reachable) the trainers; False if stopped or failed meanwhile."""
-        aux = self._peer("aux", "run_aux_peer.py", "--refresh_period", "0.5", "--metrics_path", str(self.metrics_path),
+        aux = self._peer("aux", "run_aux_peer", "--refresh_period", "0.5", "--metrics_path", str(self.metrics_path),
                          "--checkpoint_dir", str(self.checkpoint_dir), "--checkpoint_every_epochs", "10",
                          "--keep_checkpoints", str(KEEP_CHECKPOINTS), "--wandb_project",
                          "lean_transformer-local" if self.wandb else "")
@@ -291,7 +296,7 @@ class LocalSwarm:
         if not self._wait_for(lambda: aux.log.initial_peers is not None, stop, "the aux peer to print its address"):
             return False
         for index in range(1, self.num_trainers + 1):
-            trainer = self._peer(f"trainer{index}", "run_trainer.py", "--initial_peers", *aux.log.initial_peers,
+            trainer = self._peer(f"trainer{index}", "run_trainer", "--initial_peers", *aux.log.initial_peers,
                                  "--output_dir", str(self.output_dir / f"trainer{index}"),
                                  "--progress_every", str(self.refresh))
             self.peers.append(trainer)
@@ -422,11 +427,16 @@ def _minutes(seconds: float) -> str:
 
 def entropy_floor(corpus_seed: int = 0) -> float:
     """The loss floor (nats per byte-level token) of the embedded corpus the trainers train on."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))  # tasks/ is a top-level folder of the repository, like run_trainer.py
-    from tasks.markov import MarkovCorpus
-
     return MarkovCorpus.generate(corpus_seed).entropy_per_byte
+
+
+def peer_modules_dir() -> Optional[str]:
+    """The directory that holds the peers' entry modules (a checkout's root or site-packages), or None if they are
+    not importable here. Passed to the peers in PYTHONPATH, so they start from any working directory."""
+    specs = [importlib.util.find_spec(module) for module in PEER_MODULES]
+    if not all(spec is not None and spec.origin for spec in specs):
+        return None
+    return str(Path(specs[0].origin).resolve().parent)
 
 
 def prepare_output_dir(path: Path) -> None:
@@ -438,13 +448,8 @@ def prepare_output_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m lean_transformer.swarm.local_swarm", description=__doc__.split("\n\n")[0],
+    parser = OneLineErrorParser(prog="python -m lean_transformer.demo", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--duration", type=float, default=180.0,
                         help="seconds of training, counted from when the first trainer has joined (start-up takes "
@@ -461,9 +466,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--num_trainers must be between 1 and 16, got {args.num_trainers}")
     if args.refresh <= 0:
         parser.error(f"--refresh must be positive, got {args.refresh:g}")
-    if not (REPO / "run_trainer.py").is_file():
-        parser.error(f"run_trainer.py is not in {REPO}; run this from a checkout of the repository")
-    args.output_dir = args.output_dir.resolve()  # the peers run in the repository root, maybe not the current folder
+    if peer_modules_dir() is None:
+        parser.error(f"the peers' entry points ({', '.join(PEER_MODULES)}) are not importable; install the project "
+                     f"(pip install .) or run this from a checkout of the repository")
+    args.output_dir = args.output_dir.resolve()
     try:
         prepare_output_dir(args.output_dir)
     except (ValueError, OSError) as e:

@@ -3,7 +3,7 @@
 The data are arithmetic sequences modulo the vocabulary size (each with its own random start and step), so the
 model can only predict well by inferring the step in context: the loss falls visibly within a few hundred steps.
 
-Usage: python -m lean_transformer.demo [--steps 150 --seed 0]
+Usage: python -m lean_transformer.demo.one_process [--steps 150 --seed 0]
 """
 from __future__ import annotations
 

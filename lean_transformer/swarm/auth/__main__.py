@@ -1,0 +1,5 @@
+import sys
+
+from lean_transformer.swarm.auth.cli import main
+
+sys.exit(main())

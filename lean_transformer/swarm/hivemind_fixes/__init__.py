@@ -1,0 +1,23 @@
+"""Where we mend hivemind 1.1.12, all in one place: for each fix, what hivemind does wrong, the test that reproduces
+it, and when the fix can go. Importing this package installs the global ones; the others are classes and options
+that the swarm code uses explicitly.
+
+- :mod:`.numpy_decode`: hivemind's 8-bit decompression calls ``int()`` on a one-element array, an error since NumPy
+  2.4, so all-reduce silently averages partial results. Reproduced by ``tests/test_trainer_compression.py``
+  (``test_compat_fix_is_needed_and_installed`` and the 8-bit round trips). Drop when hivemind reads its headers as
+  scalars (not fixed in 1.1.12) or NumPy < 2.4 is pinned.
+- :mod:`.averagers`: a cancelled averaging round can (a) be garbage-collected half-way and leave the peer out of
+  every later round, and (b) average anyway with weight 1 and stale buffers; hivemind also passes ``averager_opts``
+  to the state averager only. Reproduced deterministically by ``tests/test_averagers.py`` against hivemind's own
+  averagers. Drop when hivemind keeps its cancelled matchmaking tasks referenced and marks a step cancelled before
+  signalling its averager, and forwards ``averager_opts`` to both averagers.
+- Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.optimizer.averager_options`): with hivemind's
+  request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
+  round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
+  Drop when hivemind bounds its matchmaking requests by the window itself.
+- Leaving during a round (in :func:`lean_transformer.swarm.trainer.cancel_averaging_in_flight`): hivemind's
+  ``Optimizer.shutdown`` cancels the pre-scheduled round again and raises ``InvalidStateError`` if we cancelled it
+  first; we forget it after cancelling. Covered by the SIGTERM tests (``tests/test_trainer_swarm.py``).
+"""
+
+from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)

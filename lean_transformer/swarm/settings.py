@@ -1,0 +1,123 @@
+"""What the swarm code reads from a peer's settings, as protocols: any object with these attributes will do.
+
+The command line (``arguments.py`` at the repository root) builds dataclasses that satisfy them; a program that
+embeds a peer can pass its own. The library never imports the application, so it states here what it needs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol, Union
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+Batch = dict[str, torch.Tensor]
+
+
+class NetworkSettings(Protocol):
+    """How a peer joins the swarm (every peer)."""
+
+    run_id: str
+    initial_peers: list[str]
+    host_maddrs: list[str]
+    announce_maddrs: list[str]
+    identity_path: Optional[str]
+    auth_token_path: Optional[str]
+    authority_public_key_path: Optional[str]
+    client_mode: bool
+    use_relay: bool
+    use_auto_relay: bool
+    bandwidth: Optional[float]
+    startup_timeout: float
+
+
+class CollaborationSettings(Protocol):
+    """How the peers of one run average (every peer)."""
+
+    target_batch_size: int
+    matchmaking_time: float
+    averaging_timeout: float
+    next_chunk_timeout: Optional[float]
+    load_state_timeout: float
+    average_state_every: int
+    offload_optimizer: bool
+    delay_optimizer_step: bool
+    delay_grad_averaging: bool
+    reuse_grad_buffers: bool
+    grad_compression: str
+    state_compression: str
+    size_adaptive_threshold: int
+    metrics_expiration: float
+
+
+class TrainingSettings(Protocol):
+    """How a trainer runs its local steps (the aux peer reads the few it shares: seed, resume, shutdown)."""
+
+    seed: int
+    device: Optional[str]
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+    fp16: bool
+    bf16: bool
+    checkpoint_attention_core: bool
+    ffn_custom_grad: bool
+    preserve_rng_state: bool
+    output_dir: str
+    backup_every_epochs: int
+    keep_backups: int
+    progress_every: float
+    resume_from: Optional[str]
+    shutdown_timeout: float
+
+    def checkpointing_option(self) -> Union[bool, int]: ...
+
+    @property
+    def stop_epoch(self) -> int: ...
+
+
+class AuxSettings(Protocol):
+    """What the auxiliary peer does besides averaging."""
+
+    metrics_path: str
+    history_window: int
+    refresh_period: float
+    checkpoint_dir: str
+    checkpoint_every_epochs: int
+    keep_checkpoints: int
+    hub_repo_id: Optional[str]
+    hub_upload_interval: float
+    wandb_project: Optional[str]
+    wandb_dir: Optional[str]
+    assist_in_averaging: bool
+    assist_refresh_period: float
+
+
+class Batcher(Protocol):
+    def next_batch(self, batch_size: int, sequence_length: int) -> Batch:
+        """The next ``batch_size`` samples, at most ``sequence_length`` tokens long, as model keyword arguments."""
+
+
+class TrainingTask(Protocol):
+    """One training objective as the swarm sees it: the model, this peer's batches, the optimizer and schedule."""
+
+    config: PretrainedConfig
+
+    def build_model(self) -> PreTrainedModel:
+        """A freshly initialized model, the same on every peer."""
+
+    def batches(self, seed: int) -> Batcher:
+        """This peer's stream of batches; ``seed`` differs between peers."""
+
+    def sequence_length(self, epoch: int) -> int:
+        """The sequence length to train on at a swarm epoch."""
+
+    def param_groups(self, model: nn.Module) -> list[dict]:
+        """The optimizer's parameter groups."""
+
+    def optimizer_factory(self) -> Callable[[list[dict]], torch.optim.Optimizer]:
+        """Builds the (CPU) optimizer from parameter groups."""
+
+    def scheduler_factory(self) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]:
+        """Builds the LR schedule, stepped once per swarm epoch."""
+
+

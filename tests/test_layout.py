@@ -1,0 +1,120 @@
+"""The package stands alone: it never imports the application (``tasks``, ``arguments``, the ``run_*`` scripts),
+its modules import each other without circles, and a wheel installed elsewhere runs a swarm from any directory."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "lean_transformer"
+APPLICATION = {"tasks", "arguments", "run_trainer", "run_aux_peer"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, *, runtime_only: bool) -> set[str]:
+    """Absolute names of the modules ``path`` imports, anywhere in the file (functions included); with
+    ``runtime_only``, imports under ``if TYPE_CHECKING:`` are left out."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = set()
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped.update(id(child) for child in ast.walk(node))
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it runs on import (a module also runs its parent packages' __init__)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in imports(path, runtime_only=True):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            parts = imported.split(".")
+            edges.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules)
+        edges.discard(name)
+        edges -= {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}  # its own parents
+        graph[name] = edges
+    return graph
+
+
+def test_the_package_never_imports_the_application():
+    offenders = {module_name(path): sorted(name for name in imports(path, runtime_only=False)
+                                           if name.split(".")[0] in APPLICATION)
+                 for path in PACKAGE.rglob("*.py")}
+    assert {name: found for name, found in offenders.items() if found} == {}
+    texts = {module_name(path): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert not [name for name, text in texts.items() if "parents[" in text], "no path tricks to reach the checkout"
+
+
+def test_no_import_circles():
+    graph = package_graph()
+    assert "lean_transformer.modules.blocksparse" in graph["lean_transformer.modules.linear"]  # edges are seen
+    state, stack, cycles = {}, [], []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for successor in sorted(graph[node]):
+            if state.get(successor) == "open":
+                cycles.append(stack[stack.index(successor):] + [successor])
+            elif successor not in state:
+                visit(successor)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert cycles == []
+
+
+@pytest.mark.swarm
+def test_wheel_runs_a_one_peer_swarm_from_another_directory(tmp_path: Path):
+    """Build a wheel, install it (not editable) into a fresh venv, and train a 1-peer swarm from elsewhere."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(REPO)], check=True, timeout=300, capture_output=True)
+    (wheel,) = wheels.glob("lean_transformer-*.whl")
+    target = tmp_path / "installed"  # the dependencies come from this environment, the project from the wheel only
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, timeout=300, capture_output=True)
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    located = subprocess.run([sys.executable, "-c", "import lean_transformer, tasks, run_trainer, arguments as a; "
+                                                    "print(lean_transformer.__file__, tasks.__file__, a.__file__)"],
+                             cwd=workdir, env=env, check=True, text=True, capture_output=True).stdout.split()
+    assert all(path.startswith(str(target)) for path in located), located
+    for script in ("lean-aux-peer", "lean-demo"):
+        shown = subprocess.run([target / "bin" / script, "--help"], cwd=workdir, env=env, text=True,
+                               capture_output=True, timeout=120)
+        assert shown.returncode == 0 and ("--run_id" in shown.stdout or "--num_trainers" in shown.stdout), shown
+    trainer = subprocess.run(
+        [target / "bin" / "lean-trainer", "--run_id", "wheel", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--target_batch_size", "16", "--per_device_batch_size", "4", "--max_sequence_length", "32",
+         "--matchmaking_time", "0.5", "--max_epochs", "3", "--output_dir", "out", "--shutdown_timeout", "20"],
+        cwd=workdir, env=env, text=True, capture_output=True, timeout=240)
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert "Reached epoch 3" in trainer.stderr + trainer.stdout, trainer.stderr[-3000:]
+    assert (workdir / "out" / "backups").is_dir()
