@@ -192,6 +192,13 @@ class TrainingArguments:
     fp16: bool = field(default=False, metadata={
         "help": "Mixed precision with float16 and hivemind's gradient scaler (GPU)."})
     bf16: bool = field(default=False, metadata={"help": "Mixed precision with bfloat16."})
+    model_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata={
+        "help": "The dtype of the weights on the device (auto: bfloat16 on a GPU that supports it, else float32). "
+                "The optimizer keeps float32 master weights in host memory either way; float16 gets loss scaling. "
+                "Anything but float32 needs --offload_gradients."})
+    offload_gradients: Literal["auto", "true", "false"] = field(default="auto", metadata={
+        "help": "Move each gradient to float32 host buffers as backward produces it, so the device never holds a "
+                "whole set (auto: on a GPU). Needs --offload_optimizer, without --delay_optimizer_step."})
     gradient_checkpointing: str = field(default="false", metadata={
         "help": "Recompute activations in backward: false; true (keep only each layer's input); or an integer N "
                 "(split the layers into N equal segments and keep only each segment's input; 1..num_hidden_layers)."})

@@ -32,7 +32,7 @@ import torch
 from hivemind.optim import grad_averager
 
 from lean_transformer.optim.grad_offload import HostGradients
-from lean_transformer.swarm.averagers import GradientAverager
+from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
 
 
 class HostAccumulated:

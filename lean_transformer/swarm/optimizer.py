@@ -17,7 +17,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from lean_transformer.swarm.auth.keys import load_public_key
-from lean_transformer.swarm.hivemind_fixes.averagers import with_averagers
+from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager, with_averagers
+from lean_transformer.swarm.host_grad_averager import with_host_gradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                    publish_access_token)
 
@@ -54,21 +55,25 @@ class ParametersOnly(AdaptiveCompressionBase):
 
 def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
                     collaboration: CollaborationSettings, training: TrainingSettings, private_key: RSAPrivateKey,
-                    *, auxiliary: bool = False,
+                    *, auxiliary: bool = False, host_gradients: bool = False,
                     optimizer_class: type[hivemind.Optimizer] = hivemind.Optimizer) -> hivemind.Optimizer:
     """Wrap the task's LAMB and LR schedule in a hivemind.Optimizer that averages with the run's peers.
 
     ``private_key`` owns the progress records (the same key as the metrics records). With --fp16, gradients are
     accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those.
     ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
-    token is published first (its averaging partners look it up) and the class gets gated averagers.
+    token is published first (its averaging partners look it up) and the class gets gated averagers. With
+    ``host_gradients``, the model's gradients leave the device during backward into the gradient averager's host
+    buffers (:mod:`lean_transformer.swarm.host_grad_averager`; needs ``offload_optimizer``, no delays).
     """
     averager_opts = averager_options(network, collaboration)
+    gradient_averager, state_averager = GradientAverager, TrainingStateAverager
     if network.auth_token_path is not None:
         averager_opts["gate"] = open_averaging_gate(dht, network, private_key)
-        optimizer_class = with_averagers(optimizer_class, GatedGradientAverager, GatedTrainingStateAverager)
-    else:
-        optimizer_class = with_averagers(optimizer_class)
+        gradient_averager, state_averager = GatedGradientAverager, GatedTrainingStateAverager
+    if host_gradients:
+        gradient_averager = with_host_gradients(gradient_averager)
+    optimizer_class = with_averagers(optimizer_class, gradient_averager, state_averager)
     state_compression = ParametersOnly(make_compression(collaboration.state_compression,
                                                     collaboration.size_adaptive_threshold))
     return optimizer_class(

@@ -59,6 +59,8 @@ class TrainingSettings(Protocol):
     gradient_accumulation_steps: int
     fp16: bool
     bf16: bool
+    model_dtype: str  # auto, bfloat16, float16 or float32
+    offload_gradients: str  # auto, true or false
     checkpoint_attention_core: bool
     ffn_custom_grad: bool
     preserve_rng_state: bool

@@ -19,8 +19,10 @@ import hivemind
 import torch
 from transformers import PreTrainedModel
 
+from lean_transformer.optim.loss_scale import DynamicLossScale
 from lean_transformer.swarm.backups import LocalBackups
 from lean_transformer.swarm.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.hub import resolve_checkpoint
 from lean_transformer.swarm.metrics import LocalMetrics, make_validators, publish_metrics
 from lean_transformer.swarm.optimizer import build_optimizer
@@ -62,6 +64,17 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" and not collaboration.offload_optimizer:
         raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
+    dtype, host_gradients = model_dtype(training.model_dtype, device), offload_gradients(training, device)
+    if host_gradients:
+        try:
+            check_host_gradient_options(collaboration.offload_optimizer, collaboration.delay_optimizer_step,
+                                        collaboration.delay_grad_averaging)
+        except ValueError as e:
+            raise ValueError(f"--offload_gradients: needs --offload_optimizer and neither --delay_optimizer_step nor "
+                             f"--delay_grad_averaging ({e})") from None
+    if dtype != torch.float32 and not host_gradients:
+        raise ValueError(f"--model_dtype: {training.model_dtype} weights need --offload_gradients true (float32 "
+                         f"host gradients for the float32 master weights)")
     checkpoint = None
     if training.resume_from is not None:
         checkpoint = resolve_checkpoint(training.resume_from, Path(training.output_dir) / "downloaded")
@@ -72,12 +85,13 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     try:
         if not network.client_mode:
             print(initial_peers_line(dht), flush=True)
-        model = task.build_model().to(device)
+        model = task.build_model().to(device, dtype)  # hivemind keeps float32 master weights on the host
         model.set_optimizations(gradient_checkpointing=training.checkpointing_option(),
                                 checkpoint_attention_core=training.checkpoint_attention_core,
                                 ffn_custom_grad=training.ffn_custom_grad,
                                 preserve_rng_state=training.preserve_rng_state)
-        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key)
+        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
+                                    host_gradients=host_gradients)
         shutdown.on_overdue = lambda: cancel_averaging_in_flight(optimizer)
         try:
             join_swarm(model, optimizer, checkpoint)
@@ -107,7 +121,11 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
-    scaler = hivemind.GradScaler(device.type) if training.fp16 else None
+    # host gradients (see offload_gradients) are unscaled on the host, hivemind's GradScaler only unscales .grad
+    host_grads = getattr(optimizer.grad_averager, "host_grads", None)
+    float16 = training.fp16 or next(model.parameters()).dtype == torch.float16
+    loss_scale = DynamicLossScale() if float16 and host_grads is not None else None
+    scaler = hivemind.GradScaler(device.type) if training.fp16 and host_grads is None else None
     reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
@@ -125,13 +143,18 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             with autocast:
                 loss = model(**batch).loss
             scaled_loss = loss / accumulation
+            if loss_scale is not None:
+                host_grads.grad_scale = 1.0 / loss_scale.scale
+                scaled_loss = scaled_loss * loss_scale.scale
             (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
             losses.append(loss.item())
 
         # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned). With fp16, a
         # finite loss whose scaled gradients overflow is loss scaling at work: hivemind's GradScaler skips that step
         finite_loss = all(map(math.isfinite, losses))
-        finite = finite_loss and gradients_are_finite(model)
+        finite = finite_loss and gradients_are_finite(model) and (host_grads is None or not host_grads.non_finite())
+        if loss_scale is not None:
+            loss_scale.update(overflow=finite_loss and not finite)
         non_finite_in_a_row = 0 if finite else non_finite_in_a_row + 1
         if non_finite_in_a_row == MAX_NON_FINITE_STEPS_IN_A_ROW:  # diverged, on every path (fp16 included)
             discard_local_gradients(optimizer, reuse_grad_buffers)
@@ -174,6 +197,19 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     logger.info(f"Stopping at epoch {optimizer.local_epoch} "
                 f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")
     backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``--model_dtype``: auto is bfloat16 on a GPU that supports it, else float32."""
+    if name == "auto":
+        bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16_gpu else torch.float32
+    return getattr(torch, name)
+
+
+def offload_gradients(training: TrainingSettings, device: torch.device) -> bool:
+    """``--offload_gradients``: auto is on for a GPU (gradients leave it during backward), off on the CPU."""
+    return device.type == "cuda" if training.offload_gradients == "auto" else training.offload_gradients == "true"
 
 
 def gradients_are_finite(model: torch.nn.Module) -> bool:

@@ -1,0 +1,92 @@
+"""Trainers whose gradients leave the model during backward (``--offload_gradients true``) and whose weights are in
+bfloat16 or float16 (``--model_dtype``), on the CPU, in real hivemind swarms on 127.0.0.1.
+
+- "pair": two trainers with bfloat16 weights and 2 micro-batches per local step average their host gradients
+  through hivemind for 4 epochs;
+- "fp16": one trainer alone with float16 weights, its loss scaled and its gradients unscaled on the host;
+- two bad combinations stop with one error line naming the flag.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from aux_utils import REPO, PeerProcess
+
+pytestmark = pytest.mark.swarm
+
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+) over (\d+) mini-steps \((\d+) samples, (\d+) skipped")
+
+
+def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs: int, *extra: str) -> list[str]:
+    return ["run_trainer.py", "--run_id", run_id, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+            *(["--initial_peers", *initial_peers] if initial_peers else []), "--target_batch_size", "64",
+            "--per_device_batch_size", "8", "--gradient_accumulation_steps", "2", "--max_sequence_length", "64",
+            "--learning_rate", "0.02", "--warmup_steps", "1", "--total_steps", "100", "--max_epochs", str(epochs),
+            "--matchmaking_time", "3", "--averaging_timeout", "20", "--backup_every_epochs", "0",
+            "--progress_every", "2", "--offload_gradients", "true", "--output_dir", str(root / name), *extra]
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory) -> dict[str, PeerProcess]:
+    root = tmp_path_factory.mktemp("host_gradients")
+    boot = PeerProcess("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                       root, ENV)
+    started = {"boot": boot}
+    try:
+        initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
+        for name in ("a", "b"):
+            started[name] = PeerProcess(name, trainer_argv("pair", name, root, initial, 4, "--model_dtype",
+                                                           "bfloat16"), root, ENV)
+        started["fp16"] = PeerProcess("fp16", trainer_argv("fp16", "fp16", root, [], 5, "--model_dtype", "float16"),
+                                      root, ENV)
+        for name in ("a", "b", "fp16"):
+            started[name].wait(300)
+        return started
+    finally:
+        for peer in started.values():
+            peer.terminate()
+        for peer in started.values():
+            peer.wait(40)
+
+
+def epochs(peer: PeerProcess) -> dict[int, tuple[float, int]]:
+    """epoch -> (mean loss, skipped micro-batches)"""
+    return {int(match[0]): (float(match[1]), int(match[4])) for match in EPOCH_LINE.findall(peer.stderr)}
+
+
+def test_bfloat16_pair_averages_host_gradients_and_learns(peers):
+    for name in ("a", "b"):
+        peer = peers[name]
+        assert peer.process.returncode == 0, peer.stderr[-3000:]
+        assert "Averaged gradients with 2 peers" in peer.stderr, peer.stderr[-3000:]
+        reports = epochs(peer)
+        assert max(reports) == 4 and all(skipped == 0 for _, skipped in reports.values()), reports
+        first, last = min(reports), max(reports)
+        assert reports[last][0] < reports[first][0] - 0.2, reports
+
+
+def test_float16_weights_train_with_loss_scaling_on_the_host(peers):
+    peer = peers["fp16"]
+    assert peer.process.returncode == 0, peer.stderr[-3000:]
+    reports = epochs(peer)
+    assert sorted(reports) == [1, 2, 3, 4, 5], reports
+    assert reports[5][0] < reports[1][0] - 0.2, reports
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model_dtype", "bfloat16", "--offload_gradients", "false"], "--model_dtype: bfloat16 weights need"),
+    (["--offload_gradients", "true", "--delay_optimizer_step"], "--offload_gradients: needs --offload_optimizer and"),
+])
+def test_bad_combinations_name_the_flag(tmp_path, extra, message):
+    argv = [sys.executable, "run_trainer.py", "--run_id", "bad", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--output_dir", str(tmp_path), *extra]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
