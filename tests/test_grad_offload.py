@@ -8,6 +8,7 @@ import torch
 
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.optim.grad_offload import HostGradients
+from lean_transformer.optim.loss_scale import DynamicLossScale
 
 
 def backward_twice(model: torch.nn.Module, data: list[torch.Tensor], loss_scale: float = 1.0) -> None:
@@ -106,3 +107,15 @@ def test_cuda_gradients_arrive_on_the_host_and_never_all_sit_on_the_device(gpt_c
     for total, buffer in zip(expected, grads.buffers):
         torch.testing.assert_close(buffer, total, rtol=1e-6, atol=1e-8)
     assert all(param.grad is None for param in model.parameters())
+
+
+def test_loss_scale_halves_on_overflow_and_doubles_after_clean_steps():
+    scale = DynamicLossScale(initial_scale=8.0, growth_interval=3, min_scale=2.0)
+    for overflow, expected in [(True, 4.0), (True, 2.0), (True, 2.0), (False, 2.0), (False, 2.0), (False, 4.0),
+                               (False, 4.0), (True, 2.0), (False, 2.0), (False, 2.0), (False, 4.0)]:
+        scale.update(overflow)
+        assert scale.scale == expected
+    with pytest.raises(ValueError, match="growth_interval"):
+        DynamicLossScale(growth_interval=0)
+    with pytest.raises(ValueError, match="initial_scale"):
+        DynamicLossScale(initial_scale=0.5)

@@ -129,7 +129,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
-    progress = ProgressLine(training.progress_every)
+    progress = ProgressLine(training.progress_every, device)
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     model.train()
@@ -140,6 +140,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
         losses = []
         for _ in range(accumulation):
             batch = {key: value.to(device) for key, value in batches.next_batch(batch_size, sequence_length).items()}
+            progress.count_tokens(batch["input_ids"].numel())
             with autocast:
                 loss = model(**batch).loss
             scaled_loss = loss / accumulation

@@ -1,0 +1,52 @@
+"""The trainer's progress line: tokens/s since the last line and, on a GPU, the peak GPU memory."""
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lean_transformer.swarm.progress import ProgressLine, format_progress
+
+
+def optimizer_view(samples: int = 96, peers: int = 2) -> SimpleNamespace:
+    """What format_progress reads from a hivemind.Optimizer."""
+    swarm = SimpleNamespace(samples_accumulated=samples, eta_next_epoch=math.inf, num_peers=peers)
+    tracker = SimpleNamespace(global_progress=swarm, performance_ema=SimpleNamespace(samples_per_second=186.44))
+    return SimpleNamespace(local_epoch=2, target_batch_size=256, tracker=tracker)
+
+
+def test_line_shows_tokens_per_second_and_peak_gpu_memory():
+    line = format_progress(optimizer_view(), 5.36312, tokens_per_second=23861.6, peak_gpu_bytes=3 * 2 ** 30 + 2 ** 29)
+    assert line == ("epoch 2 | 96/256 samples (38%, ETA unknown) | loss 5.3631 | 186.4 samples/s, 23862 tokens/s | "
+                    "2 peers | peak GPU 3.50 GiB")
+    assert format_progress(optimizer_view(peers=1), math.nan).endswith("| loss n/a | 186.4 samples/s | 1 peer")
+
+
+def test_tokens_per_second_counts_the_tokens_since_the_last_line(caplog, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("lean_transformer.swarm.progress.time.monotonic", lambda: clock[0])
+    progress = ProgressLine(every_seconds=5.0, device=torch.device("cpu"))
+    progress.count_tokens(4000)
+    clock[0] = 104.0
+    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
+        progress.maybe_report(optimizer_view(), 1.0)  # too early: nothing
+        progress.count_tokens(6000)
+        clock[0] = 110.0
+        progress.maybe_report(optimizer_view(), 1.0)
+    assert [record.getMessage().split(" | ")[3] for record in caplog.records] == ["186.4 samples/s, 1000 tokens/s"]
+    assert "peak GPU" not in caplog.records[0].getMessage()  # a CPU peer
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peer_shows_its_peak_memory(caplog):
+    block = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")  # 0.25 GiB
+    progress = ProgressLine(every_seconds=0.0, device=torch.device("cuda"))
+    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
+        progress.maybe_report(optimizer_view(), 1.0)
+    peak = float(caplog.records[0].getMessage().split("peak GPU ")[1].split()[0])
+    assert peak >= 0.25
+    del block
