@@ -97,7 +97,10 @@ class HostGradients:
         if not self.is_cuda:
             self._accumulate(index, grad)
             return
-        slot = self._free_slots.get(timeout=WAIT_TIMEOUT)
+        try:
+            slot = self._free_slots.get(timeout=WAIT_TIMEOUT)
+        except queue.Empty:
+            raise TimeoutError(f"no staging slot freed within {WAIT_TIMEOUT:.0f} s: the host adds are stuck") from None
         staged = slot[:grad.numel() * grad.element_size()].view(grad.dtype).view(grad.shape)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
