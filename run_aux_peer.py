@@ -36,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   for name, value in dataclasses.asdict(args).items()}
     try:
         task = get_task(task_args.task)(task_args, training)
-        run_aux_peer(task, network, collaboration, training, aux, run_config)
+        run_aux_peer(task, network, collaboration, training, aux, task.swarm_settings(collaboration), run_config)
     except (ValueError, OSError, SwarmConnectionError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_aux_peer.py: error: {e}", file=sys.stderr)

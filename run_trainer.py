@@ -33,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         task = get_task(task_args.task)(task_args, training)
-        train(task, network, collaboration, training)
+        train(task, network, collaboration, training, task.swarm_settings(collaboration))
     except (ValueError, OSError, SwarmConnectionError, NonFiniteParametersError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_trainer.py: error: {e}", file=sys.stderr)

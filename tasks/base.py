@@ -7,7 +7,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from functools import partial
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from tasks.schedules import learning_rate_factor, sequence_length
 from tasks.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from arguments import TaskArguments, TrainingArguments
+    from arguments import CollaborationArguments, TaskArguments, TrainingArguments
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 __all__ = ["Batch", "Batcher", "CONFIGS_DIR", "Task"]
@@ -71,6 +71,20 @@ class Task(ABC):
     def batches(self, seed: int) -> Batcher:
         """This peer's batches; ``seed`` (derived from the peer's identity) orders its data."""
         return self.batcher(self.text_source.documents(seed), seed)
+
+    def swarm_settings(self, collaboration: CollaborationArguments) -> dict[str, Any]:
+        """What every peer of a run must agree on (see lean_transformer.swarm.agreement), named by flag."""
+        args = self.training_args
+        settings = {f"model_config_path ({name})": value for name, value in sorted(self.config.to_diff_dict().items())
+                    if name not in ("transformers_version",)}
+        settings.update(
+            task=self.name, tokenizer_path=self.tokenizer.fingerprint(),
+            **{name: getattr(args, name) for name in (
+                "learning_rate", "warmup_steps", "total_steps", "lr_schedule", "weight_decay", "adam_beta1",
+                "adam_beta2", "adam_epsilon", "max_grad_norm", "clamp_value", "min_8bit_size")},
+            **{name: getattr(collaboration, name) for name in (
+                "target_batch_size", "grad_compression", "state_compression", "size_adaptive_threshold")})
+        return settings
 
     def sequence_length(self, epoch: int) -> int:
         args = self.training_args

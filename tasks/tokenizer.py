@@ -2,6 +2,8 @@
 a local directory. Both give word boundaries, which whole-word masking needs."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Optional, Protocol
 
@@ -29,6 +31,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def fingerprint(self) -> str:
+        """Equal for tokenizers that map text to the same ids (peers of a run must agree on it)."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; five special tokens follow. Words are maximal runs of non-whitespace bytes."""
@@ -52,6 +57,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return f"bytes:{len(self)}"
 
 
 class HFTokenizer:
@@ -89,6 +97,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def fingerprint(self) -> str:
+        vocabulary = json.dumps(sorted(self.tokenizer.get_vocab().items())).encode()
+        return f"{type(self.tokenizer).__name__}:{len(self)}:{hashlib.sha256(vocabulary).hexdigest()[:16]}"
 
 
 def load_tokenizer(path: Optional[str]) -> Tokenizer:

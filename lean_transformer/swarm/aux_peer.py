@@ -13,12 +13,13 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import hivemind
 from transformers import PreTrainedModel
 
 from lean_transformer.swarm.aggregation import EpochCollector, SwarmStats
+from lean_transformer.swarm.agreement import SwarmAgreement
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.hub import HubUploader, resolve_checkpoint
@@ -93,8 +94,9 @@ class AuxPeer:
     """The loop: every refresh, aggregate the trainers' metrics and log them; every N epochs, checkpoint."""
 
     def __init__(self, dht: hivemind.DHT, model: PreTrainedModel, optimizer: AuxiliaryOptimizer,
-                 network: NetworkSettings, aux: AuxSettings, config: dict, shutdown: GracefulShutdown):
-        self.dht, self.model, self.optimizer = dht, model, optimizer
+                 network: NetworkSettings, aux: AuxSettings, config: dict, shutdown: GracefulShutdown,
+                 agreement: SwarmAgreement):
+        self.dht, self.model, self.optimizer, self.agreement = dht, model, optimizer, agreement
         self.run_id, self.aux, self.shutdown = network.run_id, aux, shutdown
         self.history = RunHistory(aux.metrics_path, max_rows=aux.history_window)
         self.plot_path = Path(aux.metrics_path).with_suffix(".png")
@@ -119,6 +121,7 @@ class AuxPeer:
             assistant.start()
         try:
             while not self.shutdown.requested.is_set():
+                self.agreement.raise_if_mismatched()
                 self.refresh()
                 self.shutdown.requested.wait(self.aux.refresh_period)
         finally:
@@ -185,10 +188,12 @@ def status_line(swarm_epoch: int, alive_peers: int, last: Optional[SwarmStats]) 
 
 
 def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
-                 training: TrainingSettings, aux: AuxSettings, run_config: Optional[dict] = None) -> None:
-    """Run an aux peer for a swarm training ``task`` until Ctrl+C / SIGTERM. ``run_config`` is logged with the
-    metrics (wandb). Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError
-    before the peer joins."""
+                 training: TrainingSettings, aux: AuxSettings, swarm_settings: Mapping[str, Any],
+                 run_config: Optional[dict] = None) -> None:
+    """Run an aux peer for a swarm training ``task`` until Ctrl+C / SIGTERM. ``swarm_settings`` must agree with the
+    trainers' (see :func:`lean_transformer.swarm.trainer.train`); ``run_config`` is logged with the metrics (wandb).
+    Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before the peer
+    joins."""
     shutdown = GracefulShutdown(training.shutdown_timeout)
     if aux.assist_in_averaging and network.client_mode:
         raise ValueError("--assist_in_averaging: averaging through this peer needs incoming connections; "
@@ -198,8 +203,11 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
         checkpoint = resolve_checkpoint(training.resume_from, Path(aux.checkpoint_dir) / "downloaded")
 
     private_key = peer_private_key(network)
-    dht = build_dht(network, make_validators(network.run_id, private_key))
+    validators = make_validators(network.run_id, private_key)
+    dht = build_dht(network, validators)
+    agreement = None
     try:
+        agreement = SwarmAgreement(dht, network.run_id, validators[0].local_public_key, swarm_settings).start()
         model = task.build_model()
         optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
                                     auxiliary=not network.client_mode, optimizer_class=AuxiliaryOptimizer)
@@ -212,10 +220,12 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
                             f"from it")
             if not network.client_mode:  # printed once ready, so trainers started on this line find the state
                 print(initial_peers_line(dht), flush=True)
-            AuxPeer(dht, model, optimizer, network, aux, run_config or {}, shutdown).run()
+            AuxPeer(dht, model, optimizer, network, aux, run_config or {}, shutdown, agreement).run()
         finally:
             logger.info("Leaving the swarm")
             optimizer.shutdown()
     finally:
+        if agreement is not None:
+            agreement.stop()
         dht.shutdown()
     logger.info("Shut down cleanly")

@@ -13,13 +13,14 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import hivemind
 import torch
 from transformers import PreTrainedModel
 
 from lean_transformer.optim.loss_scale import DynamicLossScale
+from lean_transformer.swarm.agreement import SwarmAgreement
 from lean_transformer.swarm.backups import LocalBackups
 from lean_transformer.swarm.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
 from lean_transformer.swarm.host_grad_averager import check_host_gradient_options
@@ -55,10 +56,12 @@ class EpochWork:
 
 
 def train(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
-          training: TrainingSettings) -> None:
+          training: TrainingSettings, swarm_settings: Mapping[str, Any]) -> None:
     """Run a trainer peer on ``task`` until ``training.stop_epoch`` or Ctrl+C / SIGTERM.
 
-    Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before any training.
+    Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before any training;
+    ``swarm_settings`` (what all peers of the run must agree on, named by flag) that differ from an older peer's
+    raise SettingsMismatchError, at start or within a minute of training.
     """
     shutdown = GracefulShutdown(training.shutdown_timeout)
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -82,7 +85,9 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     private_key = peer_private_key(network)
     signature_validator, metrics_validator = make_validators(network.run_id, private_key)
     dht = build_dht(network, [signature_validator, metrics_validator])
+    agreement = None
     try:
+        agreement = SwarmAgreement(dht, network.run_id, signature_validator.local_public_key, swarm_settings).start()
         if not network.client_mode:
             print(initial_peers_line(dht), flush=True)
         model = task.build_model().to(device, dtype)  # hivemind keeps float32 master weights on the host
@@ -96,11 +101,13 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
         try:
             join_swarm(model, optimizer, checkpoint)
             training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
-                          network, collaboration, training)
+                          network, collaboration, training, agreement)
         finally:
             logger.info("Leaving the swarm")
             optimizer.shutdown()
     finally:
+        if agreement is not None:
+            agreement.stop()
         dht.shutdown()
     logger.info("Shut down cleanly")
 
@@ -117,7 +124,7 @@ def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint
 
 def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
-                  collaboration: CollaborationSettings, training: TrainingSettings) -> None:
+                  collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement) -> None:
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -135,6 +142,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
+        agreement.raise_if_mismatched()
         # forward and backward over the micro-batches of one local step
         sequence_length = task.sequence_length(optimizer.local_epoch)
         losses = []

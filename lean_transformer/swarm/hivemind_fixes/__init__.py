@@ -11,6 +11,10 @@ that the swarm code uses explicitly.
   to the state averager only. Reproduced deterministically by ``tests/test_averagers.py`` against hivemind's own
   averagers. Drop when hivemind keeps its cancelled matchmaking tasks referenced and marks a step cancelled before
   signalling its averager, and forwards ``averager_opts`` to both averagers.
+- :mod:`.state_download`: a state download cut short passes for a whole one (then ``IndexError`` kills the
+  receiver), metadata leaks from one peer to the next, served states can tear while the server steps, and nothing
+  is validated, so a misfitting state makes a newcomer retry forever. Reproduced by ``tests/test_state_download.py``.
+  Drop when hivemind validates downloads and reports cut streams (not in 1.1.12).
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).

@@ -35,6 +35,8 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
 
+from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
+
 _live_tasks: Set[asyncio.Task] = set()
 _current_step: ContextVar[Optional[StepControl]] = ContextVar("current_step", default=None)  # one per _step task
 
@@ -79,8 +81,9 @@ class GradientAverager(CancelSafe, grad_averager.GradientAverager):
     """hivemind's GradientAverager (same RPC names), safe to cancel."""
 
 
-class TrainingStateAverager(CancelSafe, state_averager.TrainingStateAverager):
-    """hivemind's TrainingStateAverager (same RPC names), safe to cancel."""
+class TrainingStateAverager(CancelSafe, ValidatedStateSharing, state_averager.TrainingStateAverager):
+    """hivemind's TrainingStateAverager (same RPC names), safe to cancel, sharing consistent states and loading only
+    states that fit (:mod:`.state_download`)."""
 
 
 class _OwnAveragers:

@@ -1,0 +1,123 @@
+"""Swarm-wide agreement on the settings that must be equal across a run.
+
+Peers of one run must agree on the model, the tokenizer, the task, the optimizer and its schedule, the target batch
+and the compressions: a peer that differs either cannot load the others' state (hivemind would retry forever) or
+silently averages incompatible updates. The application passes those settings as a flat mapping (name -> value, the
+names being the flags a user would change); every peer publishes them with their digest under ``{run_id}_agreement``
+(a subkey owned by its RSA key, like its metrics), and compares them with the records of the others.
+
+The swarm's settings are those of its oldest live peer: a peer whose settings differ from an older peer's stops
+with one line naming the first field that differs and both values (:class:`SettingsMismatchError`), while the older
+peers go on. Records live ``ttl`` seconds and are renewed every ``period`` seconds, so the settings of a swarm that
+has emptied out do not bind a new one for long. Malformed records are ignored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from typing import Any, Mapping, Optional
+
+import hivemind
+from hivemind.utils import get_dht_time
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+logger = logging.getLogger(__name__)
+
+
+class SettingsMismatchError(ValueError):
+    """This peer's settings differ from those of an older peer of the same run."""
+
+
+class AgreementRecord(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    digest: str
+    since: float  # when the peer first published (its start); the oldest live peer's settings are the swarm's
+    settings: dict[str, str]  # name -> the value as JSON
+
+
+def agreement_key(run_id: str) -> str:
+    return f"{run_id}_agreement"
+
+
+def settings_digest(settings: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()
+
+
+def first_difference(ours: Mapping[str, str], theirs: Mapping[str, str]) -> Optional[str]:
+    """The first setting (in name order) whose values differ, or None."""
+    return next((name for name in sorted(set(ours) | set(theirs)) if ours.get(name) != theirs.get(name)), None)
+
+
+class SwarmAgreement:
+    """Publishes this peer's settings and watches the others' in a background thread (every ``period`` s).
+
+    :param settings: name -> value (any JSON-serializable value); names should be the flags that set them
+    :param public_key: this peer's signature validator key (it owns the record's subkey)
+    """
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, public_key: bytes, settings: Mapping[str, Any],
+                 period: float = 10.0, ttl: float = 60.0):
+        self.dht, self.key, self.public_key, self.period, self.ttl = dht, agreement_key(run_id), public_key, period, ttl
+        self.settings = {name: json.dumps(value, sort_keys=True) for name, value in settings.items()}
+        self.record = AgreementRecord(digest=settings_digest(self.settings), since=get_dht_time(),
+                                      settings=self.settings)
+        self.mismatch: Optional[SettingsMismatchError] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="swarm-agreement", daemon=True)
+
+    def start(self) -> "SwarmAgreement":
+        """Publish, compare with the peers already there (raising SettingsMismatchError), then keep watching."""
+        logger.info(f"Comparing this peer's {len(self.settings)} run settings with the swarm's")
+        self.publish()
+        self.check()
+        self._thread.start()
+        return self
+
+    def publish(self) -> None:
+        self.dht.store(self.key, subkey=self.public_key, value=self.record.model_dump(),
+                       expiration_time=get_dht_time() + self.ttl, return_future=True)
+
+    def check(self) -> None:
+        """Raise SettingsMismatchError if an older live peer of the run has other settings."""
+        entry = self.dht.get(self.key, latest=True)
+        records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+        for owner, item in records.items():
+            if owner == self.public_key:
+                continue
+            try:
+                other = AgreementRecord.model_validate(item.value)
+            except (ValidationError, AttributeError):
+                continue
+            older = (other.since, other.digest) < (self.record.since, self.record.digest)
+            if other.digest == self.record.digest or not older:
+                continue
+            name = first_difference(self.settings, other.settings)
+            if name is None:  # equal settings under another digest: a forged or corrupt record
+                continue
+            started = time.strftime("%H:%M:%S", time.localtime(other.since))
+            raise SettingsMismatchError(
+                f"--{name}: this peer has {self.settings.get(name, 'nothing')}, the swarm has "
+                f"{other.settings.get(name, 'nothing')} (a peer running since {started}); every peer of a run must "
+                f"use the same value")
+
+    def raise_if_mismatched(self) -> None:
+        if self.mismatch is not None:
+            raise self.mismatch
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.publish()
+                self.check()
+            except SettingsMismatchError as error:
+                self.mismatch = error
+                return
+            except Exception as error:  # a DHT hiccup: try again at the next period
+                logger.debug(f"Could not compare settings with the swarm: {error!r}")

@@ -1,0 +1,229 @@
+"""State downloads that cannot tear, be cut short unnoticed, or crash the peer that receives them.
+
+What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`` and
+``TrainingStateAverager.load_state_from_peers``/``get_current_state``):
+
+- **A cut stream passes for a whole one.** Its p2p client ends a response stream quietly when the connection closes
+  (``IncompleteReadError`` -> ``break``), and the downloader never compares the tensors it got with what the
+  metadata announced. A server that goes away mid-download (a peer restarting its averager, dying, or a broken link)
+  leaves the receiver with a truncated list: ``load_optimizer_state`` then raises ``IndexError``, which hivemind does
+  not catch (it expects ``StopIteration``). That killed the aux peer of ``make demo`` while it downloaded a
+  checkpoint from a trainer that was changing epoch.
+- **Metadata leaks from one peer to the next.** The loop over peers keeps the previous peer's ``metadata`` when the
+  next one fails or refuses, so one peer's metadata can be paired with another peer's tensors.
+- **A served state can be torn.** ``get_current_state`` hands out the optimizer's own CPU tensors (``.cpu()`` does not
+  copy) and streams them after releasing its lock, while the next optimizer step updates them in place.
+- **Nothing is validated.** A state of another shape (a peer with another ``--min_8bit_size``), dtype, or with NaN in
+  it is loaded as is, or fails deep inside ``load_state_dict``; ``hivemind.Optimizer.load_state_from_peers`` then
+  retries forever without saying why.
+
+Here the server takes its snapshot under the optimizer's lock and sends copies with their count, and the receiver
+tries peers in hivemind's order, each with fresh metadata, and checks every state against its own layout (count,
+shapes, dtypes, optimizer structure, finite values, epoch) before it touches the model or optimizer. A bad state is
+logged in one line and the next peer is tried; no peer with a fitting state leaves the receiver where it was, within
+the download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN,
+wrongly typed, oversized and foreign-structured states, and a peer that steps while it serves). Drop when hivemind
+checks a downloaded state's length and ends a cut stream with an error (not fixed in 1.1.12).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Optional, Sequence
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.logging import get_logger
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+logger = get_logger(__name__)
+
+MIN_CHUNK_TIMEOUT = 10.0  # seconds to wait for the next part of a state, whatever the (short) request timeout
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What a state must look like to fit this peer: sent to the averager's process, which checks downloads."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    optimizer_skeleton: tuple[tuple[str, Any], ...]  # ("tensor", index) or ("value", type name) per element
+    min_epoch: int
+
+    def max_bytes(self, index: int) -> int:
+        """The most bytes tensor ``index`` may take on the wire (uncompressed, plus room for a codec's header)."""
+        return math.prod(self.shapes[index]) * torch.empty(0, dtype=self.dtypes[index]).element_size() + 2**20
+
+    def problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> Optional[str]:
+        """Why this downloaded state does not fit, in a few words; None if it does."""
+        if not isinstance(metadata, dict):
+            return f"metadata is a {type(metadata).__name__}, not a dict"
+        epoch = metadata.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < self.min_epoch:
+            return f"epoch {epoch!r} is not an integer >= {self.min_epoch}"
+        if metadata.get("num_tensors") != len(tensors):
+            return f"the stream was cut: {len(tensors)} of {metadata.get('num_tensors')!r} tensors arrived"
+        if len(tensors) != len(self.shapes):
+            return f"{len(tensors)} tensors, this peer has {len(self.shapes)}"
+        for index, (tensor, shape, dtype) in enumerate(zip(tensors, self.shapes, self.dtypes)):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                return (f"tensor {index} is {tensor.dtype} {tuple(tensor.shape)}, this peer has "
+                        f"{dtype} {shape}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"tensor {index} {shape} holds inf or nan"
+        skeleton = optimizer_skeleton(metadata.get("optimizer_metadata"))
+        if skeleton != self.optimizer_skeleton:
+            return "the optimizer state has another structure (another optimizer or --min_8bit_size?)"
+        for element in metadata["optimizer_metadata"]:
+            value = element.get("value")
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"the optimizer state holds the value {value}"
+        return None
+
+
+def optimizer_skeleton(flat_metadata: Any) -> Optional[tuple[tuple[str, Any], ...]]:
+    """The shape of ``dump_optimizer_state``'s metadata, with values reduced to their types; None if malformed."""
+    if not isinstance(flat_metadata, list):
+        return None
+    skeleton = []
+    for element in flat_metadata:
+        if not isinstance(element, dict):
+            return None
+        if element.get("type") == "tensor":
+            skeleton.append(("tensor", element.get("index")))
+        elif element.get("type") == "value" and "value" in element:
+            skeleton.append(("value", type(element["value"]).__name__))
+        else:
+            return None
+    return tuple(skeleton)
+
+
+class ValidatedStateSharing:
+    """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in."""
+
+    def get_current_state(self):
+        """Executed in the host process for a peer that downloads our state: a snapshot between two optimizer steps,
+        copied, so that streaming it cannot tear, with the tensor count that lets the receiver detect a cut."""
+        with self.lock_optimizer:
+            metadata, tensors, infos = super().get_current_state()
+            tensors = [tensor.clone() for tensor in tensors]
+        metadata["num_tensors"] = len(tensors)
+        return metadata, tensors, infos
+
+    def _local_layout(self) -> StateLayout:
+        with torch.no_grad(), self.lock_averaged_tensors:
+            parameters = [param for group in self.optimizer.param_groups for param in group["params"]]
+            optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
+            tensors = list(chain(parameters, self.extra_tensors, optimizer_tensors))
+            return StateLayout(tuple(tuple(tensor.shape) for tensor in tensors),
+                               tuple(tensor.dtype for tensor in tensors), optimizer_skeleton(optimizer_metadata),
+                               min_epoch=self.local_epoch)
+
+    def load_state_from_peers(self, timeout: Optional[float] = None, **_unused) -> None:
+        """Load the best state that a peer serves and that fits this peer (see the module's docstring); keep the
+        current state if none does within ``timeout`` seconds (default: ``request_timeout`` per part)."""
+        layout = self._local_layout()
+        future = MPFuture()
+        self._outer_pipe.send(("_download_fitting_state", [], dict(layout=layout, timeout=timeout, future=future)))
+        loaded = future.result(timeout=None if timeout is None else timeout + MIN_CHUNK_TIMEOUT)
+        if loaded is None:
+            return
+        metadata, tensors = loaded
+        parameters = [param for group in self.optimizer.param_groups for param in group["params"]]
+        parameters_and_extras = list(chain(parameters, self.extra_tensors))
+        with torch.no_grad(), self.lock_averaged_tensors:
+            load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], tensors[len(parameters_and_extras):])
+            for local, downloaded in zip(parameters_and_extras, tensors):
+                local.copy_(downloaded, non_blocking=True)
+        if self.offload_optimizer:
+            self._apply_optimizer_parameters_()
+        if not self.reuse_tensors:
+            self._load_local_tensors_into_averager_()
+        self.local_epoch = metadata["epoch"]
+        self._update_scheduler()
+
+    async def _download_fitting_state(self, layout: StateLayout, future: MPFuture,
+                                      timeout: Optional[float] = None) -> None:
+        """Executed in the averager's process: try the peers that share their state, best first, until one serves a
+        state that fits ``layout``; resolve ``future`` with (metadata, tensors) or None."""
+        chunk_timeout = max(MIN_CHUNK_TIMEOUT, self.next_chunk_timeout or self.request_timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = self.dht.get(key, latest=True)
+            priorities = found.value if found is not None and isinstance(found.value, dict) else {}
+            ranked = {}
+            for peer_id, info in priorities.items():
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (int, float)):
+                    try:
+                        ranked[PeerID(peer_id)] = (float(info.value), random.random())
+                    except Exception:  # a malformed key in the DHT record
+                        continue
+            for peer in sorted(ranked, key=ranked.get, reverse=True):
+                if peer == self.peer_id:
+                    continue
+                if deadline is not None and time.monotonic() > deadline:
+                    logger.warning(f"No peer served a state that fits within {timeout:g} s")
+                    break
+                started = time.monotonic()
+                try:
+                    metadata, tensors = await self._download_state(peer, layout, chunk_timeout, deadline)
+                    problem = None if metadata is None else layout.problem(metadata, tensors)
+                except ValueError as error:  # too large, or malformed on the wire
+                    metadata, problem = {}, str(error)
+                except Exception as error:
+                    logger.warning(f"Could not download the state of {peer}: {type(error).__name__} {error}")
+                    continue
+                if metadata is None:
+                    logger.debug(f"Peer {peer} does not share its state now")
+                    continue
+                if problem is not None:
+                    logger.warning(f"Rejected the state of {peer}: {problem}; trying the next peer")
+                    continue
+                logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {peer} in "
+                            f"{time.monotonic() - started:.3f} s")
+                future.set_result((metadata, tensors))
+                return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state(self, peer: PeerID, layout: StateLayout, chunk_timeout: float,
+                              deadline: Optional[float]) -> tuple[Any, list[torch.Tensor]]:
+        """One peer's whole response: (metadata, tensors), metadata None if it sent nothing. A response larger than
+        ``layout`` allows is abandoned as it arrives (ValueError), so a peer cannot fill this peer's memory."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts, part_bytes = None, [], [], 0
+        iterator = stream.__aiter__()
+        while True:
+            wait = chunk_timeout if deadline is None else min(chunk_timeout, max(0.0, deadline - time.monotonic()))
+            try:
+                message = await asyncio.wait_for(iterator.__anext__(), timeout=wait)
+            except StopAsyncIteration:
+                break
+            if message.metadata:
+                if metadata is not None:
+                    raise ValueError("the stream carried metadata twice")
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a part with a dtype starts the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts, part_bytes = [], 0
+            if len(tensors) >= len(layout.shapes):
+                raise ValueError(f"it sends more than the {len(layout.shapes)} tensors of this peer's state")
+            parts.append(message.tensor_part)
+            part_bytes += len(message.tensor_part.buffer)
+            if part_bytes > layout.max_bytes(len(tensors)):
+                raise ValueError(f"tensor {len(tensors)} is larger than this peer's {layout.shapes[len(tensors)]}")
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return metadata, tensors

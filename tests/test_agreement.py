@@ -1,0 +1,76 @@
+"""Swarm-wide agreement: a newcomer whose run settings differ from the swarm's is refused within 30 s, with one line
+naming the first field that differs and both values, while the swarm goes on (real peers on 127.0.0.1)."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from aux_utils import PeerProcess, stop_all
+
+from lean_transformer.demo.local_swarm import command_line
+from lean_transformer.swarm.agreement import first_difference, settings_digest
+
+TINY = dict(run_id="agreement", host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4,
+            max_sequence_length=32, target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10,
+            shutdown_timeout=20)
+ENV = {"OMP_NUM_THREADS": "1"}
+REFUSAL_LIMIT = 30  # seconds from the newcomer's DHT start to its exit
+
+
+def mismatches(tmp_path: Path) -> dict[str, tuple[dict, str]]:
+    """name -> (flags that differ from the swarm's, the fragment the error line must hold)"""
+    config = json.loads(Path("tasks/configs/tiny_gpt.json").read_text())
+    wider = tmp_path / "wider.json"
+    wider.write_text(json.dumps(dict(config, intermediate_size=2 * config["intermediate_size"])))
+    return {
+        "model config": (dict(model_config_path=str(wider)),
+                         f"--model_config_path (intermediate_size): this peer has {2 * config['intermediate_size']}, "
+                         f"the swarm has {config['intermediate_size']}"),
+        "8-bit threshold": (dict(min_8bit_size=1), "--min_8bit_size: this peer has 1, the swarm has 4096"),
+        "learning rate": (dict(learning_rate=0.5), "--learning_rate: this peer has 0.5, the swarm has"),
+        "target batch": (dict(target_batch_size=32), "--target_batch_size: this peer has 32, the swarm has 16"),
+        "compression": (dict(grad_compression="float16"),
+                        '--grad_compression: this peer has "float16", the swarm has "size_adaptive"'),
+    }
+
+
+@pytest.mark.swarm
+def test_a_misconfigured_newcomer_is_refused_in_one_line_and_the_swarm_goes_on(tmp_path: Path, report):
+    swarm = PeerProcess("swarm", ["run_trainer.py", *command_line(dict(TINY, output_dir=str(tmp_path / "swarm")))],
+                        tmp_path, ENV)
+    newcomers = {}
+    try:
+        initial_peers = swarm.initial_peers()
+        swarm.wait_for(r"Joined the swarm", 120)
+        cases = mismatches(tmp_path)
+        for name, (flags, fragment) in cases.items():  # one at a time: 2 cores, the timing is each one's own
+            newcomers[name] = newcomer = PeerProcess(name.replace(" ", "-"), ["run_trainer.py", *command_line(dict(
+                TINY, output_dir=str(tmp_path / name), **flags)), "--initial_peers", *initial_peers], tmp_path, ENV)
+            started = time.monotonic()
+            newcomer.wait_for("Comparing this peer's .* run settings with the swarm's", 120)
+            joined = time.monotonic()  # the DHT is up: the rest is this feature's own time (imports vary with load)
+            code = newcomer.wait(120)
+            seconds = time.monotonic() - joined
+            errors = [line for line in newcomer.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
+            assert code == 1 and len(errors) == 1, f"{name}:\n{newcomer.stderr[-3000:]}"
+            assert fragment in errors[0], (name, errors[0])
+            assert seconds <= REFUSAL_LIMIT, f"{name}: refused {seconds:.0f} s after its DHT started"
+            report(f"{name}: refused {seconds:.1f} s after its DHT started ({time.monotonic() - started:.0f} s after "
+                   f"launch): {errors[0][len('run_trainer.py: error: '):][:100]}")
+        assert swarm.process.poll() is None, f"the swarm's peer stopped:\n{swarm.stderr[-3000:]}"
+        epoch = int(re.findall(r"Reached epoch (\d+)", swarm.stderr)[-1])
+        swarm.wait_for(rf"Reached epoch {epoch + 1}\b", 60)  # and it still trains
+    finally:
+        stop_all([swarm, *newcomers.values()])
+
+
+def test_digest_and_first_difference():
+    ours = {"a": "1", "b": '"x"'}
+    assert settings_digest(ours) == settings_digest(dict(reversed(list(ours.items()))))
+    assert settings_digest(ours) != settings_digest({**ours, "b": '"y"'})
+    assert first_difference(ours, {**ours, "b": '"y"'}) == "b"
+    assert first_difference(ours, {"a": "1"}) == "b" and first_difference(ours, dict(ours)) is None

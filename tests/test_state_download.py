@@ -1,0 +1,115 @@
+"""No peer dies from the state another peer sends: downloads are validated before they touch the model.
+
+A broken state (``tests/bad_state_peer.py``: truncated as by a closed connection, reshaped, NaN, float64, oversized)
+served by the first peer a newcomer asks is rejected in one log line; the newcomer trains on. On 71fc88d the
+truncated state killed the newcomer with hivemind's uncaught ``IndexError`` (the crash of ``make demo``'s aux peer).
+The server side is checked directly: a served state is a copy taken between two optimizer steps.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aux_utils import PeerProcess, stop_all
+
+from lean_transformer.demo.local_swarm import command_line
+from lean_transformer.swarm.hivemind_fixes.state_download import StateLayout, ValidatedStateSharing
+
+TINY = dict(host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4, max_sequence_length=32,
+            target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10, shutdown_timeout=20)
+ENV = {"OMP_NUM_THREADS": "1"}
+REASONS = {"truncated": "the stream was cut", "reshaped": "tensor 0 is torch.float32", "nan": "holds inf or nan",
+           "dtype": "tensor 0 is torch.float64", "oversized": "more than the"}
+
+
+@pytest.mark.swarm
+def test_a_broken_state_is_rejected_in_one_line_and_the_newcomer_trains_on(tmp_path: Path, report):
+    servers, trainers = {}, {}
+    try:
+        for kind in REASONS:
+            servers[kind] = PeerProcess(f"bad-{kind}", ["tests/bad_state_peer.py", "--kind", kind, *command_line(
+                dict(TINY, run_id=f"bad_{kind}"))], tmp_path, ENV)
+        for kind, server in servers.items():
+            server.wait_for("^serving$", 120, stream="stdout")
+            trainers[kind] = PeerProcess(f"newcomer-{kind}", ["run_trainer.py", *command_line(dict(
+                TINY, run_id=f"bad_{kind}", output_dir=str(tmp_path / kind), max_epochs=2)),
+                "--initial_peers", *server.initial_peers()], tmp_path, ENV)
+        codes = {kind: trainer.wait(240) for kind, trainer in trainers.items()}
+    finally:
+        stop_all([*servers.values(), *trainers.values()])
+    for kind, trainer in trainers.items():
+        log = trainer.stderr
+        rejected = re.findall(r"Rejected the state of \S+: (.*); trying the next peer", log)
+        assert codes[kind] == 0, f"{kind}:\n{log[-3000:]}"
+        assert rejected and all(REASONS[kind] in reason for reason in rejected), f"{kind}: {rejected}\n{log[-2000:]}"
+        training = log.partition("Leaving the swarm")[0]  # (hivemind's DHT may log a pipe race while it shuts down)
+        assert "Traceback" not in training and "Reached epoch 2" in training, f"{kind}:\n{log[-3000:]}"
+        report(f"{kind}: rejected ({rejected[0][:70]}), the newcomer trained to epoch 2 and exited 0")
+
+
+class ServedState:
+    """What hivemind's get_current_state returns: the live tensors (no copies)."""
+
+    def get_current_state(self):
+        return dict(epoch=self.steps), list(self.params), None
+
+
+class CountingState(ValidatedStateSharing, ServedState):
+    """The server side of ValidatedStateSharing over a plain optimizer whose step adds 1 to every parameter."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params, self.lock_optimizer, self.steps = params, threading.Lock(), 0
+
+    def step(self) -> None:
+        with self.lock_optimizer:
+            for param in self.params:
+                param.add_(1.0)
+                time.sleep(0.01)  # a long step: a snapshot taken in the middle would see mixed values
+            self.steps += 1
+
+
+def test_a_served_state_is_a_copy_taken_between_two_steps():
+    server = CountingState([torch.zeros(1000) for _ in range(20)])
+    stepping = threading.Thread(target=lambda: [server.step() for _ in range(10)])
+    stepping.start()
+    snapshots = []
+    while stepping.is_alive():
+        snapshots.append(server.get_current_state())
+    stepping.join()
+    for metadata, tensors, _ in snapshots:
+        values = {float(tensor[0]) for tensor in tensors}
+        assert values == {float(metadata["epoch"])} and metadata["num_tensors"] == len(tensors)
+    metadata, tensors, _ = snapshots[0]
+    kept = [tensor.clone() for tensor in tensors]
+    server.step()
+    assert all(torch.equal(tensor, copy) for tensor, copy in zip(tensors, kept)), "served tensors must be copies"
+    assert len(snapshots) > 1
+
+
+def test_state_layout_names_what_does_not_fit():
+    layout = StateLayout(shapes=((2, 3), (4,)), dtypes=(torch.float32, torch.uint8),
+                         optimizer_skeleton=(("tensor", 0), ("value", "float")), min_epoch=5)
+    good = dict(epoch=5, num_tensors=2, optimizer_metadata=[dict(type="tensor", index=0),
+                                                            dict(type="value", value=0.5)])
+    tensors = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.uint8)]
+    assert layout.problem(good, tensors) is None
+    cases = {
+        "epoch 4 is not an integer >= 5": (dict(good, epoch=4), tensors),
+        "epoch '5' is not an integer": (dict(good, epoch="5"), tensors),
+        "the stream was cut: 1 of 2": (good, tensors[:1]),
+        "3 tensors, this peer has 2": (dict(good, num_tensors=3), [*tensors, torch.zeros(1)]),
+        "tensor 1 is torch.float32 (4,)": (good, [tensors[0], torch.zeros(4)]),
+        "tensor 0 (2, 3) holds inf or nan": (good, [torch.full((2, 3), float("inf")), tensors[1]]),
+        "another structure": (dict(good, optimizer_metadata=[dict(type="value", value=0.5)]), tensors),
+        "holds the value nan": (dict(good, optimizer_metadata=[dict(type="tensor", index=0),
+                                                               dict(type="value", value=float("nan"))]), tensors),
+        "metadata is a list": ([], tensors),
+    }
+    for expected, (metadata, received) in cases.items():
+        problem = layout.problem(metadata, received)
+        assert problem is not None and expected in problem, (expected, problem)
