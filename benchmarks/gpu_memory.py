@@ -159,6 +159,7 @@ def estimate(cfg: LeanGPTConfig, option: Option) -> tuple[int, int, int]:
 def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optional[int], Optional[float]]:
     """MEASURED on CUDA: peak bytes over whole trainer steps (1-peer hivemind.Optimizer, LAMB offloaded), tokens/s."""
     import hivemind
+    from hivemind.optim.grad_averager import GradientAverager
 
     from lean_transformer.optim import CPULAMB8Bit
     from lean_transformer.swarm.host_grad_averager import HostGradientAverager
@@ -169,11 +170,15 @@ def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optiona
     model = optimizer = None
     try:
         model = build(cfg, option, "cuda")
+        factory = HostGradientAverager
+        if not option.offload:  # float32 averaged gradients: an offloaded optimizer takes them as its .grad
+            factory = functools.partial(GradientAverager, averaged_grads=tuple(
+                torch.zeros(param.shape).share_memory_() for param in model.parameters()))
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=f"gpu_memory_{time.monotonic_ns()}", params=model.parameters(),
             optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=BATCH, batch_size_per_step=BATCH,
             offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0, verbose=False,
-            grad_averager_factory=HostGradientAverager if option.offload else None)
+            grad_averager_factory=factory)
         input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
         compute = loss_function(model, option, input_ids)
 
@@ -219,9 +224,12 @@ def options_table(sizes: list[str]) -> None:
             row = (f"| {size} ({count / 1e9:.2f}B) | {option.name} | {weights / GiB:.2f} | {peak / GiB:.2f} | "
                    f"{peak / baseline:.2f}x |")
             if cuda:
-                measured, tokens = measure(cfg, option)
-                row += (" OOM | | |" if measured is None
-                        else f" {measured / GiB:.2f} | {measured / peak:.2f} | {tokens:.0f} |")
+                try:
+                    measured, tokens = measure(cfg, option)
+                    row += (" OOM | | |" if measured is None
+                            else f" {measured / GiB:.2f} | {measured / peak:.2f} | {tokens:.0f} |")
+                except Exception as error:  # one broken row must not hide the others
+                    row += f" failed: {type(error).__name__}: {str(error)[:80]} | | |"
             print(row, flush=True)
             print(f"  ({size}, {option.name[:20]}: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
         print(f"| {size} | target for the last row | | {TARGETS.get(size, '')} | |" + (" | | |" if cuda else ""))
