@@ -5,7 +5,9 @@ the device by default, or the ``.grad`` buffers themselves with ``reuse_grad_buf
 (float32 shared host memory, which an offloaded optimizer uses as its ``.grad``). Here the model's gradients leave
 the device during backward (:class:`~lean_transformer.optim.grad_offload.HostGradients`) straight into the averaged
 buffers, which thus also serve as accumulators: one float32 host copy of the gradients in all (4 bytes/param),
-none on the device.
+none on the device. It also makes bfloat16/float16 weights possible: hivemind keeps float32 master weights for an
+offloaded optimizer (and copies them back into the low-precision weights after each step), but its own averaged
+gradients take the weights' dtype and cannot serve as the masters' ``.grad``.
 
 The buffers are accumulated in place, averaged in place and stepped from in place, so a local step must not run
 while an all-reduce or an optimizer step uses them: hivemind's ``delay_grad_averaging`` and
