@@ -181,7 +181,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     finished = not shutdown.requested.is_set()
     logger.info(f"Stopping at epoch {optimizer.local_epoch} "
                 f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")
-    backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
+    with shutdown.critical("final backup"):
+        backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
 
 
 def gradients_are_finite(model: torch.nn.Module) -> bool:
