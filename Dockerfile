@@ -1,11 +1,11 @@
 # A lean_transformer swarm peer on a CUDA GPU.
 #
 #   docker build -t lean-transformer .
-#   docker run --gpus all --ulimit nofile=65536:65536 -p 31337:31337 \
+#   docker run --gpus all --ulimit nofile=65536:65536 --shm-size 16g --stop-timeout 60 -p 31337:31337 \
 #       -v "$PWD/identity:/app/identity" -v "$PWD/outputs:/app/outputs" \
 #       lean-transformer python run_trainer.py --run_id my_run --host_maddrs /ip4/0.0.0.0/tcp/31337 \
 #       --identity_path identity/trainer.id --initial_peers /ip4/1.2.3.4/tcp/31337/p2p/QmPeer
-#   docker run --ulimit nofile=65536:65536 -p 31337:31337 \
+#   docker run --ulimit nofile=65536:65536 --shm-size 16g --stop-timeout 60 -p 31337:31337 \
 #       -v "$PWD/identity:/app/identity" -v "$PWD/outputs:/app/outputs" \
 #       lean-transformer python run_aux_peer.py --run_id my_run --host_maddrs /ip4/0.0.0.0/tcp/31337 \
 #       --identity_path identity/aux.id

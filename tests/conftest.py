@@ -32,22 +32,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Swarm tests run real peers that share 2 CPU cores, and their rounds depend on timing: such a test gets up to
-    2 fresh re-runs (its fixtures rebuilt). The one systematic cause seen, a peer left out of every round for good,
-    was a hivemind bug, fixed in lean_transformer.swarm.hivemind_fixes.averagers; a re-run shows in pytest's summary ("rerun")."""
-    for item in items:
-        if item.get_closest_marker("swarm"):
-            item.add_marker(pytest.mark.flaky(reruns=2))
-
-
 REPORT_LINES = pytest.StashKey[Dict[str, List[str]]]()  # test node ID -> its report lines, in run order
 
 
 @pytest.fixture
 def report(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Records one report line of this test (what a case tried, what held), shown at the end of the run: `make test`
-    runs pytest without -s, which swallows print(). A re-run starts the test's lines afresh, so none is doubled."""
+    runs pytest without -s, which swallows print()."""
     lines = request.config.stash.setdefault(REPORT_LINES, {})
     lines[request.node.nodeid] = []
     return lines[request.node.nodeid].append

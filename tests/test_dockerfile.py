@@ -21,7 +21,7 @@ SCRIPTS = ("run_trainer.py", "run_aux_peer.py")
 # docker run options that take a value (the rest of the README's options must be flags listed below)
 VALUE_OPTIONS = {"-v", "--volume", "-p", "--publish", "-e", "--env", "--env-file", "--name", "--ulimit", "--network",
                  "--net", "--gpus", "-w", "--workdir", "--shm-size", "--restart", "--mount", "-u", "--user", "--ipc",
-                 "--cpus", "-m", "--memory", "--hostname", "--add-host", "--entrypoint"}
+                 "--cpus", "-m", "--memory", "--hostname", "--add-host", "--entrypoint", "--stop-timeout"}
 FLAG_OPTIONS = {"--rm", "-it", "-ti", "-i", "-t", "-d", "--detach", "--init", "--interactive", "--tty"}
 
 
@@ -172,7 +172,18 @@ def check_docker_run(tokens: list[str], image: dict, built_as: set[str]) -> str:
             assert in_volume(path), f"{flag} {path} is not in a volume: it would vanish with the container"
     if script == "run_trainer.py":
         assert options.get("--gpus") == ["all"], "the trainer runs on the GPU: docker run --gpus all"
+    # hivemind keeps offloaded tensors in /dev/shm: Docker's default 64 MB fits no real model
+    assert options.get("--ipc") == ["host"] or parse_bytes(options.get("--shm-size", ["64m"])[-1]) >= 2**30, \
+        "hivemind's shared tensors need --shm-size (>= 1g) or --ipc=host"
+    shutdown = float(command[command.index("--shutdown_timeout") + 1]) if "--shutdown_timeout" in command else 25.0
+    assert float(options.get("--stop-timeout", ["10"])[-1]) > shutdown, \
+        f"--stop-timeout must exceed the peer's --shutdown_timeout ({shutdown:g} s) or its final save is cut"
     return script
+
+
+def parse_bytes(size: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([bkmg]?)", size.lower()).groups()
+    return int(number) * 1024 ** "bkmg".index(unit or "b")
 
 
 def check_document(text: str, image: dict, where: str) -> str:
@@ -197,6 +208,8 @@ def test_dockerfile_header_commands(image, report):
     (("--run_id", "--run-name"), "has no flag --run-name"),
     (("--gpus all ", ""), "docker run --gpus all"),
     (("lean-transformer python", "other-image python"), "but the docs build"),
+    (("--shm-size 16g ", ""), "need --shm-size"),
+    (("--stop-timeout 60 ", ""), "must exceed the peer's --shutdown_timeout"),
 ])
 def test_check_catches_mismatches(image, change, expected):
     """The check above would notice each way a documented command can drift from the image."""

@@ -231,3 +231,12 @@ def test_mixed_precision_training(lone_peers, name):
     losses = epoch_losses(peer.stderr)
     assert sorted(losses) == [1, 2, 3, 4, 5]
     assert losses[5] < losses[1] - 0.2, losses
+
+
+def test_short_epochs_get_one_line_of_advice():
+    from lean_transformer.swarm.trainer import short_epoch_warning
+
+    advice = short_epoch_warning(target_batch_size=64, matchmaking_time=1.0, samples_per_second=150, num_peers=2)
+    assert advice is not None and "--target_batch_size 320 or more" in advice and "\n" not in advice
+    assert short_epoch_warning(target_batch_size=512, matchmaking_time=1.0, samples_per_second=150, num_peers=2) is None
+    assert short_epoch_warning(target_batch_size=64, matchmaking_time=1.0, samples_per_second=0.0, num_peers=1) is None

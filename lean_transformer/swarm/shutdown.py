@@ -5,10 +5,13 @@ watchdog. A fifth of the time budget later, if the peer is still busy (typically
 partners are gone), the watchdog calls ``on_overdue`` (the trainer cancels the rounds in flight). If the graceful
 exit has not finished when the budget is spent, or if a second signal arrives, the step is abandoned: this process's
 children (hivemind's DHT and averager processes and their p2p daemons) are terminated and the process exits with
-code 0.
+code 0, or with code 1 if it was inside a :meth:`GracefulShutdown.critical` section (e.g. writing its final backup),
+whose work is then lost: a supervisor (Docker's ``--stop-timeout``, systemd) must give a peer more time than
+``--shutdown_timeout``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class GracefulShutdown:
         self.timeout = timeout
         self.requested = threading.Event()
         self.on_overdue: Optional[Callable[[], None]] = None
+        self._critical: Optional[str] = None
         self._owner_pid = os.getpid()
         for signum in signals:
             signal.signal(signum, self._handle)
@@ -88,8 +92,20 @@ class GracefulShutdown:
         time.sleep(self.timeout * 4 / 5)
         self.abandon(f"graceful shutdown took longer than {self.timeout:g} s")
 
-    @staticmethod
-    def abandon(reason: str) -> None:
+    @contextlib.contextmanager
+    def critical(self, what: str) -> Iterator[None]:
+        """Work whose abandonment loses data: if the watchdog or a second signal abandons it, the exit code is 1."""
+        self._critical = what
+        try:
+            yield
+        finally:
+            self._critical = None
+
+    def abandon(self, reason: str) -> None:
+        if self._critical is not None:
+            logger.error(f"Abandoning the {self._critical} unfinished ({reason}); it is lost. Give the peer more "
+                         f"time to stop (--shutdown_timeout, and a supervisor's stop timeout above it)")
+            exit_now(1)
         logger.warning(f"Abandoning the current step ({reason}); stopping hivemind's processes")
         exit_now(0)
 

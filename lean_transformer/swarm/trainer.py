@@ -139,6 +139,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     progress = ProgressLine(training.progress_every, device)
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
+    warned_short_epochs = False
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
@@ -198,6 +199,11 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
                                    samples_accumulated=work.samples, loss_sum=work.loss_sum,
                                    mini_steps=work.mini_steps)
             publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
+            advice = short_epoch_warning(collaboration.target_batch_size, collaboration.matchmaking_time,
+                                         metrics.samples_per_second, optimizer.tracker.global_progress.num_peers)
+            if advice is not None and not warned_short_epochs and optimizer.local_epoch >= 5:  # rates have settled
+                logger.warning(advice)
+                warned_short_epochs = True
             backups.on_new_epoch(model, optimizer)
             work, epoch, last_epoch_loss = EpochWork(), optimizer.local_epoch, work.mean_loss
         progress.maybe_report(optimizer, work.mean_loss if work.mini_steps else last_epoch_loss)
@@ -205,7 +211,25 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     finished = not shutdown.requested.is_set()
     logger.info(f"Stopping at epoch {optimizer.local_epoch} "
                 f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")
-    backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
+    with shutdown.critical("final backup"):
+        backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
+
+
+def short_epoch_warning(target_batch_size: int, matchmaking_time: float, samples_per_second: float,
+                        num_peers: int) -> Optional[str]:
+    """A line of advice if the swarm fills its target batch in much less time than a matchmaking window.
+
+    Then a peer that is slower, or busy catching up, misses the round: the others step alone and move on, it finds
+    itself out of sync, reloads the state, and misses the next round again, so the swarm degenerates into one peer
+    training alone (seen with --target_batch_size 64 --matchmaking_time 1 on loopback)."""
+    swarm_rate = samples_per_second * max(1, num_peers)
+    if swarm_rate <= 0 or target_batch_size / swarm_rate >= matchmaking_time / 2:
+        return None
+    enough = math.ceil(swarm_rate * matchmaking_time / 64) * 64
+    return (f"--target_batch_size {target_batch_size} is filled in ~{target_batch_size / swarm_rate:.2f} s by this "
+            f"swarm ({num_peers} peer(s), ~{swarm_rate:.0f} samples/s), much less than --matchmaking_time "
+            f"{matchmaking_time:g} s: slower peers fall out of sync and stop averaging; use --target_batch_size "
+            f"{enough} or more (or a shorter --matchmaking_time)")
 
 
 def model_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -168,9 +168,11 @@ class ValidatedStateSharing:
                         ranked[PeerID(peer_id)] = (float(info.value), random.random())
                     except Exception:  # a malformed key in the DHT record
                         continue
+            ranked.pop(self.peer_id, None)
+            if ranked:
+                bound = "" if timeout is None else f", at most {timeout:g} s"
+                logger.info(f"Downloading the swarm's state: {len(ranked)} peer(s) share one (best first{bound})")
             for peer in sorted(ranked, key=ranked.get, reverse=True):
-                if peer == self.peer_id:
-                    continue
                 if deadline is not None and time.monotonic() > deadline:
                     logger.warning(f"No peer served a state that fits within {timeout:g} s")
                     break
