@@ -28,7 +28,7 @@ bench: $(STAMP)
 # the CUDA tests (pytest -m cuda) and the GPU benchmarks (measured beside the estimate); one line and exit 0 without CUDA
 gpu-check: $(STAMP)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-		$(PY) -m pytest -q -m cuda tests -p no:rerunfailures && $(PY) benchmarks/gpu_memory.py && \
+		$(PY) -m pytest -q -m cuda tests && $(PY) benchmarks/gpu_memory.py && \
 		$(PY) benchmarks/throughput.py --steps 1; \
 	else echo "gpu-check: skipped (no CUDA device: torch.cuda.is_available() is False)"; fi
 
