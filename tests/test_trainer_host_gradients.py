@@ -2,7 +2,7 @@
 bfloat16 or float16 (``--model_dtype``), on the CPU, in real hivemind swarms on 127.0.0.1.
 
 - "pair": two trainers with bfloat16 weights and 2 micro-batches per local step average their host gradients
-  through hivemind for 4 epochs;
+  through hivemind for 6 epochs;
 - "fp16": one trainer alone with float16 weights, its loss scaled and its gradients unscaled on the host;
 - two bad combinations stop with one error line naming the flag.
 """
@@ -23,9 +23,10 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+) over (\d+) mini-steps \((\d+) samples, (\d+) skipped")
 
 
-def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs: int, *extra: str) -> list[str]:
+def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs: int, target_batch: int,
+                 *extra: str) -> list[str]:
     return ["run_trainer.py", "--run_id", run_id, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-            *(["--initial_peers", *initial_peers] if initial_peers else []), "--target_batch_size", "64",
+            *(["--initial_peers", *initial_peers] if initial_peers else []), "--target_batch_size", str(target_batch),
             "--per_device_batch_size", "8", "--gradient_accumulation_steps", "2", "--max_sequence_length", "64",
             "--learning_rate", "0.02", "--warmup_steps", "1", "--total_steps", "100", "--max_epochs", str(epochs),
             "--matchmaking_time", "3", "--averaging_timeout", "20", "--backup_every_epochs", "0",
@@ -41,10 +42,11 @@ def peers(tmp_path_factory) -> dict[str, PeerProcess]:
     try:
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
         for name in ("a", "b"):
-            started[name] = PeerProcess(name, trainer_argv("pair", name, root, initial, 4, "--model_dtype",
+            # epochs of 256 samples last a few seconds: long enough for the 3 s matchmaking window
+            started[name] = PeerProcess(name, trainer_argv("pair", name, root, initial, 6, 256, "--model_dtype",
                                                            "bfloat16"), root, ENV)
-        started["fp16"] = PeerProcess("fp16", trainer_argv("fp16", "fp16", root, [], 5, "--model_dtype", "float16"),
-                                      root, ENV)
+        started["fp16"] = PeerProcess("fp16", trainer_argv("fp16", "fp16", root, [], 5, 64, "--model_dtype",
+                                                           "float16"), root, ENV)
         for name in ("a", "b", "fp16"):
             started[name].wait(300)
         return started
@@ -66,7 +68,7 @@ def test_bfloat16_pair_averages_host_gradients_and_learns(peers):
         assert peer.process.returncode == 0, peer.stderr[-3000:]
         assert "Averaged gradients with 2 peers" in peer.stderr, peer.stderr[-3000:]
         reports = epochs(peer)
-        assert max(reports) == 4 and all(skipped == 0 for _, skipped in reports.values()), reports
+        assert max(reports) == 6 and all(skipped == 0 for _, skipped in reports.values()), reports
         first, last = min(reports), max(reports)
         assert reports[last][0] < reports[first][0] - 0.2, reports
 
