@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lean_transformer.config import LeanTransformerConfig
-from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask
+from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask, padding_or_none
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
 from lean_transformer.modules.linear import LinearOp, SharedMatrix
@@ -103,7 +103,8 @@ class LeanTransformerModel(LeanPreTrainedModel):
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, causal: bool = False) -> Tensor:
-        """:param attention_mask: [batch, seq] with 1 for tokens and 0 for padding (None: no padding)."""
+        """:param attention_mask: [batch, seq] with 1 for tokens and 0 for padding (None or all ones: no padding,
+            and attention runs without a mask)."""
         hidden = self.embeddings(input_ids, token_type_ids)
-        mask = make_attention_mask(attention_mask, input_ids.shape[1], causal)
+        mask = make_attention_mask(padding_or_none(attention_mask), input_ids.shape[1], causal)
         return self.encoder(hidden, mask, causal)

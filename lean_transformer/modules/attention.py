@@ -14,6 +14,16 @@ from lean_transformer.modules.linear import SharedMatrix, make_linear
 from lean_transformer.modules.rotary import apply_rotary
 
 
+def padding_or_none(attention_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """The model's [batch, seq] attention mask (1 = token, 0 = padding) as a boolean padding mask, or None when
+    every position is a token: then SDPA runs without a mask (``is_causal=True`` for causal models), which lets
+    CUDA pick its flash kernel (it takes no mask) and saves building a [batch, 1, seq, seq] mask on any device."""
+    if attention_mask is None:
+        return None
+    padding = attention_mask.bool()
+    return None if bool(padding.all()) else padding
+
+
 def make_attention_mask(padding_mask: Optional[Tensor], seq_len: int, causal: bool) -> Optional[Tensor]:
     """A boolean [batch, 1, seq, seq] mask (True = may attend) for SDPA, or None when ``is_causal`` suffices.
 
