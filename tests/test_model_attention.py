@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lean_transformer import LeanGPTForCausalLM
-from lean_transformer.modules.attention import make_attention_mask
+from lean_transformer.modules.attention import AttentionMask
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_unmasked_path_equals_masked_path_exactly(gpt_config, dtype):
         return logits, [p.grad for p in model.parameters()]
 
     unmasked = logits_and_grads(None)
-    masked = logits_and_grads(make_attention_mask(torch.ones_like(input_ids), input_ids.shape[1], causal=True))
+    masked = logits_and_grads(AttentionMask(torch.ones_like(input_ids, dtype=torch.bool), 12, 12, causal=True))
     assert torch.equal(unmasked[0], masked[0])
     assert all(torch.equal(a, b) for a, b in zip(unmasked[1], masked[1]))
 

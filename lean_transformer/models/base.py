@@ -6,9 +6,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
 from lean_transformer.config import LeanTransformerConfig
-from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask, padding_or_none
+from lean_transformer.modules.attention import LeanSelfAttention, attention_mask_for, padding_or_none
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
 from lean_transformer.modules.linear import LinearOp, SharedMatrix
@@ -102,9 +103,21 @@ class LeanTransformerModel(LeanPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, causal: bool = False) -> Tensor:
-        """:param attention_mask: [batch, seq] with 1 for tokens and 0 for padding (None or all ones: no padding,
-            and attention runs without a mask)."""
-        hidden = self.embeddings(input_ids, token_type_ids)
-        mask = make_attention_mask(padding_or_none(attention_mask), input_ids.shape[1], causal)
-        return self.encoder(hidden, mask, causal)
+                token_type_ids: Optional[Tensor] = None, causal: bool = False, position_ids: Optional[Tensor] = None,
+                cache: Optional[Cache] = None) -> Tensor:
+        """:param attention_mask: [batch, cached + seq] with 1 for tokens and 0 for padding (None or all ones: no
+            padding, and attention runs without a mask).
+        :param position_ids: [batch or 1, seq] (None: the positions after the cached ones).
+        :param cache: a transformers ``Cache`` of earlier keys and values, extended in place."""
+        past_length = cache.get_seq_length() if cache is not None else 0
+        seq_len = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + seq_len, device=input_ids.device)[None]
+        elif position_ids.shape[-1] != seq_len:
+            raise ValueError(f"position_ids has {position_ids.shape[-1]} positions, input_ids has {seq_len}")
+        if attention_mask is not None and attention_mask.shape != (input_ids.shape[0], past_length + seq_len):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                             f"{(input_ids.shape[0], past_length + seq_len)} (batch, cached + new positions)")
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, past_length)
+        mask = attention_mask_for(padding_or_none(attention_mask), seq_len, past_length + seq_len, causal)
+        return self.encoder(hidden, mask, causal, position_ids, cache)

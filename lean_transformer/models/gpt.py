@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lean_transformer.config import LeanGPTConfig
 from lean_transformer.models.base import LeanPreTrainedModel, LeanTransformerModel
@@ -20,7 +22,10 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-class LeanGPTForCausalLM(LeanPreTrainedModel):
+class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
+    """LeanGPT with a language-model head; works with transformers' ``generate`` (greedy, sampling, beam search)
+    and its KV caches."""
+
     config_class = LeanGPTConfig
 
     def __init__(self, config: LeanGPTConfig):
@@ -36,11 +41,41 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
         self.transformer.set_input_embeddings(value)
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                **unused) -> CausalLMOutput:
-        hidden = self.transformer(input_ids, attention_mask, causal=True)
+                past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = None,
+                position_ids: Optional[Tensor] = None, logits_to_keep: int = 0, return_dict: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None
+                ) -> CausalLMOutputWithPast:
+        """The arguments of transformers' causal LMs that this model supports; any other raises TypeError.
+
+        :param attention_mask: [batch, cached + new positions], 1 for tokens, 0 for padding.
+        :param past_key_values: a transformers ``Cache`` (e.g. ``DynamicCache``) with the keys and values of the
+            positions before ``input_ids``; it is extended in place and returned.
+        :param use_cache: return a cache (a new ``DynamicCache`` if none was given); default: whether one was given.
+        :param position_ids: [batch or 1, seq]; default: the positions after the cached ones. ``generate`` passes
+            them (counting only tokens, for left-padded prompts).
+        :param logits_to_keep: compute logits for the last this many positions only (0: all).
+        """
+        for name, value, supported in (("return_dict", return_dict, (None, True)),
+                                       ("output_attentions", output_attentions, (None, False)),
+                                       ("output_hidden_states", output_hidden_states, (None, False))):
+            if value not in supported:
+                raise ValueError(f"{name}={value!r} is not supported by {type(self).__name__}")
+        if logits_to_keep and labels is not None:
+            raise ValueError("logits_to_keep cannot be combined with labels: the loss needs every position's logits")
+        if past_key_values is not None and not isinstance(past_key_values, Cache):
+            raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got "
+                            f"{type(past_key_values).__name__}")
+        if use_cache is None:
+            use_cache = past_key_values is not None
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        cache = past_key_values if use_cache else None
+        hidden = self.transformer(input_ids, attention_mask, causal=True, position_ids=position_ids, cache=cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden, self.transformer.embeddings.word_embeddings.weight)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
     @classmethod
     def from_hf_gpt2(cls, hf_model: "transformers.GPT2LMHeadModel") -> "LeanGPTForCausalLM":
