@@ -9,7 +9,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from lean_transformer.config import LeanTransformerConfig
-from lean_transformer.modules.attention import LeanSelfAttention, attention_mask_for, padding_or_none
+from lean_transformer.modules.attention import LeanSelfAttention
+from lean_transformer.modules.attention_mask import attention_mask_for, padding_or_none
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
 from lean_transformer.modules.linear import LinearOp, SharedMatrix
@@ -50,19 +51,22 @@ class LeanPreTrainedModel(PreTrainedModel):
 
     def set_optimizations(self, *, gradient_checkpointing: Union[bool, int] = False,
                           checkpoint_attention_core: bool = False, ffn_custom_grad: bool = True,
-                          preserve_rng_state: bool = True) -> None:
+                          preserve_rng_state: bool = True, attention_core: str = "auto") -> None:
         """Trade compute for memory; none of these options changes predictions or gradients.
 
         :param gradient_checkpointing: False; True to keep only each layer's input (one checkpoint per layer:
             checkpointing attention and feed-forward separately would keep twice the inputs for the same
             recomputation); or an int N to keep only the inputs of N equal segments of layers.
-        :param checkpoint_attention_core: recompute the attention core (SDPA) in backward; it pays off where SDPA
-            keeps more than q, k, v and its output (the math kernel, used e.g. with attention dropout on CPU,
-            keeps the attention matrix).
+        :param checkpoint_attention_core: recompute the attention core in backward; it pays off where the core
+            keeps more than q, k, v and its output (SDPA's math kernel keeps the attention matrix).
         :param ffn_custom_grad: use the feed-forward's hand-written backward (keeps 5 d-words per token instead of
             about 10 for a 4x-wide plain-autograd feed-forward).
         :param preserve_rng_state: replay the RNG in recomputations so that dropout masks match the forward pass.
             Turning it off is only faster, and wrong with dropout.
+        :param attention_core: "sdpa" (``F.scaled_dot_product_attention``), "chunked" (``chunked_attention``:
+            exact, memory linear in the sequence length without a fused kernel, slower) or "auto" (chunked where SDPA
+            would materialize the attention matrix: on CPU with attention dropout). Without dropout both give the
+            same results within float rounding; with dropout they draw different masks.
         Each call sets every option; omitted ones return to their defaults.
         """
         num_layers = self.config.num_hidden_layers
@@ -77,11 +81,14 @@ class LeanPreTrainedModel(PreTrainedModel):
         for name, value in (("checkpoint_attention_core", checkpoint_attention_core),
                             ("ffn_custom_grad", ffn_custom_grad), ("preserve_rng_state", preserve_rng_state)):
             _require_bool(name, value)
+        if attention_core not in ("auto", "sdpa", "chunked"):
+            raise ValueError(f"attention_core must be 'auto', 'sdpa' or 'chunked', got {attention_core!r}")
         self.body.gradient_checkpointing = gradient_checkpointing
         self.body.preserve_rng_state = preserve_rng_state
         for module in self.body.modules():
             if isinstance(module, LeanSelfAttention):
                 module.checkpoint_core = checkpoint_attention_core
+                module.core_implementation = attention_core
                 module.preserve_rng_state = preserve_rng_state
             elif isinstance(module, LeanFFN):
                 module.custom_grad = ffn_custom_grad

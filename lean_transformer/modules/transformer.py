@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from lean_transformer.config import LeanTransformerConfig
 from transformers.cache_utils import Cache
 
-from lean_transformer.modules.attention import AttentionMask, LeanSelfAttention
+from lean_transformer.modules.attention import LeanSelfAttention
+from lean_transformer.modules.attention_mask import AttentionMask
 from lean_transformer.modules.checkpoint import checkpoint, reversible, reversible_couple
 from lean_transformer.modules.ffn import LeanFFN
 from lean_transformer.modules.linear import SharedLinear, make_shared_matrix
