@@ -79,6 +79,19 @@ def test_cached_decoding_matches_full_forward(gpt_config, architecture):
     torch.testing.assert_close(torch.cat(got, 1)[valid], expected[valid], **TOL)
 
 
+@pytest.mark.parametrize("position_embedding_type", ["rotary", "absolute"])
+def test_default_positions_continue_after_the_cache(gpt_config, position_embedding_type):
+    """Without position_ids, the new positions follow the cached ones."""
+    config = gpt_config(position_embedding_type=position_embedding_type)
+    model = LeanGPTForCausalLM(config).eval()
+    input_ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        first = model(input_ids[:, :7], use_cache=True)
+        second = model(input_ids[:, 7:], past_key_values=first.past_key_values)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), expected, **TOL)
+
+
 def test_generate_with_and_without_cache_agree(gpt_config):
     model = LeanGPTForCausalLM(gpt_config(max_position_embeddings=64)).eval()
     input_ids = torch.randint(0, 61, (2, 5))
