@@ -146,6 +146,21 @@ def test_chunked_attention_dropout_replays_its_masks():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_chunked_attention_ignores_autocast():
+    """Under bf16 autocast the chunked core still computes in float32 (returning the inputs' dtype), exactly as
+    without autocast."""
+    query, key, value, mask = _attention_case(37, padded=True, causal=True)
+    query, key, value = (t.detach().bfloat16().requires_grad_() for t in (query, key, value))
+    grad = torch.randn_like(query)
+    results = []
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = chunked_attention(query, key, value, mask, True, chunk_size=16)
+        results.append((out, *torch.autograd.grad(out, (query, key, value), grad)))
+    assert results[1][0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_attention_core_option(gpt_config, sdpa_calls):
     """"auto" takes the chunked core on CPU with attention dropout only; "sdpa" and "chunked" force either; without
     dropout the two give the same logits and gradients."""

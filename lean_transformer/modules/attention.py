@@ -1,5 +1,6 @@
 """Multi-head self-attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels where
-available, so attention memory grows linearly with the sequence length)."""
+available, so attention memory grows linearly with the sequence length), or through ``chunked_attention`` where
+SDPA has no fused kernel (CPU with attention dropout); with an optional transformers KV cache for generation."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,7 +19,7 @@ from lean_transformer.modules.rotary import apply_rotary
 
 
 class LeanSelfAttention(nn.Module):
-    """``dropout(post_norm?(W_o SDPA(rotary(W_qkv LayerNorm(x)))))``; the caller adds the residual."""
+    """``dropout(post_norm?(W_o attention(rotary(W_qkv LayerNorm(x)))))``; the caller adds the residual."""
 
     def __init__(self, config: LeanTransformerConfig, shared_qkv: Optional[SharedMatrix] = None,
                  shared_out: Optional[SharedMatrix] = None):

@@ -53,11 +53,12 @@ class _ChunkedAttention(torch.autograd.Function):
         ctx.rng = RNGState.capture(query) if dropout_p > 0 else None
         output = torch.empty_like(query)
         logsumexp = query.new_empty(query.shape[:-1], dtype=_compute_dtype(query))
-        value_c = value.to(logsumexp.dtype)
-        for start, end, probs in _chunk_probs(query, key, mask, chunk_size, logsumexp, fill=True):
-            if dropout_p > 0:
-                probs = probs * dropout_mask(probs.shape, dropout_p, probs.dtype, probs.device)
-            output[:, :, start:end] = (probs @ value_c).to(output.dtype)
+        with torch.autocast(query.device.type, enabled=False):  # the compute dtype is ours, not autocast's
+            value_c = value.to(logsumexp.dtype)
+            for start, end, probs in _chunk_probs(query, key, mask, chunk_size, logsumexp, fill=True):
+                if dropout_p > 0:
+                    probs = probs * dropout_mask(probs.shape, dropout_p, probs.dtype, probs.device)
+                output[:, :, start:end] = (probs @ value_c).to(output.dtype)
         ctx.save_for_backward(query, key, value, output, logsumexp)
         return output
 
@@ -71,7 +72,8 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_value = torch.zeros_like(value, dtype=dtype)
         scale = 1 / math.sqrt(query.shape[-1])
         key_c, value_c = key.to(dtype), value.to(dtype)
-        with ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext():
+        replay = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
+        with replay, torch.autocast(query.device.type, enabled=False):
             for start, end, probs in _chunk_probs(query, key, ctx.mask, ctx.chunk_size, logsumexp, fill=False):
                 grad_out = grad_output[:, :, start:end].to(dtype)
                 grad_probs = grad_out @ value_c.transpose(-1, -2)
