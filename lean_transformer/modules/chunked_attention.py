@@ -3,10 +3,11 @@ batch and head instead of the whole [query_len, key_len] matrix, in forward and 
 
 Which CPU cases need it (torch 2.13, measured with ``torch._fused_sdp_choice`` and the allocator's peak in
 ``benchmarks/attention.py``): CPU SDPA runs its fused flash kernel without dropout, with or without a mask, in
-float32, float64 and bfloat16; it needs the dense [batch, 1, query_len, key_len] mask then (and converts it to
-floats: 5 bytes per entry per sequence). With ``dropout_p > 0`` it falls back to the math kernel, which
-materializes the attention matrix several times over (probabilities, dropout mask, their gradients). On CUDA the
-flash and memory-efficient kernels cover masks and dropout, so this path is for CPU.
+float32, float64 and bfloat16; with a mask it needs the dense [batch, 1, query_len, key_len] mask (the allocator's
+peak suggests it also makes a float copy: about 5 bytes per entry per sequence, O(T^2) but not per head). With
+``dropout_p > 0`` it falls back to the math kernel, which materializes the attention matrix several times over
+(probabilities, dropout mask, their gradients). On CUDA, per PyTorch's documentation, the memory-efficient kernel
+takes masks and dropout (flash: dropout, no mask), so this path is for CPU.
 
 Why our own: no kept library has a CPU attention that is exact, trains with dropout and stays linear in memory
 (torch's fused CPU kernel takes no dropout). This one is a custom autograd Function: forward keeps q, k, v, the
