@@ -4,7 +4,7 @@ core, chunked attention against SDPA's math kernel (its fallback: the baseline) 
 Peak memory is measured exactly: every allocation and free of the CPU allocator during the call, as recorded by
 the PyTorch profiler (``profile_memory=True``), summed in time order; the peak is the highest running total above
 the memory held before the call (inputs excluded, their gradients and every temporary included). Times come from
-separate runs without the profiler, best of ``--repeats``, one thread.
+separate runs without the profiler, best of ``--repeats`` rounds that run every row once, one thread.
 
 Usage: python benchmarks/attention.py [--seq 4096 --heads 8 --head_dim 64 --chunk_size 128]
 """
@@ -45,13 +45,16 @@ def peak_bytes(step: Callable[[], None]) -> int:
     return peak
 
 
-def best_seconds(step: Callable[[], None], repeats: int) -> float:
-    times = []
+def best_seconds(steps: list[Callable[[], None]], repeats: int) -> list[float]:
+    """Each step's best time over ``repeats`` rounds; a round runs every step once, so that a change of load on a
+    shared machine affects all rows alike."""
+    best = [float("inf")] * len(steps)
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for i, step in enumerate(steps):
+            start = time.perf_counter()
+            step()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -99,7 +102,8 @@ def main() -> None:
             ("SDPA, padding mask + dropout 0.1 (math kernel: no fused kernel takes dropout)",
              sdpa(0.1, SDPBackend.MATH)),
             ("chunked attention, padding mask + dropout 0.1", chunked(0.1))]
-    results = [(name, peak_bytes(step), best_seconds(step, args.repeats)) for name, step in rows]
+    peaks = [peak_bytes(step) for _, step in rows]
+    results = list(zip([name for name, _ in rows], peaks, best_seconds([step for _, step in rows], args.repeats)))
     base_peak, base_time = results[0][1], results[0][2]
     print(f"\nattention core forward + backward, CPU fp32, 1 thread, batch 1, T={n}, {args.heads} heads of "
           f"{args.head_dim}, causal, last 10% padded; max |chunked - SDPA| = {error:.1e}\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Callable
 
 import torch
 import transformers
@@ -16,13 +17,16 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
 
 
-def best_time(generate, repeats: int) -> tuple[float, torch.Tensor]:
-    times, output = [], None
+def best_times(runs: list[Callable[[], torch.Tensor]], repeats: int) -> tuple[list[float], list[torch.Tensor]]:
+    """Each run's best time over ``repeats`` rounds (a round runs each once, so that a change of load on a shared
+    machine affects all rows alike), and its output."""
+    best, outputs = [float("inf")] * len(runs), [None] * len(runs)
     for _ in range(repeats):
-        start = time.perf_counter()
-        output = generate()
-        times.append(time.perf_counter() - start)
-    return min(times), output
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            outputs[i] = run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best, outputs
 
 
 def main() -> None:
@@ -33,7 +37,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=1, help="best of this many runs per row")
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many rounds")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -49,13 +53,14 @@ def main() -> None:
     common = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
 
     with torch.no_grad():
-        no_cache, out_no_cache = best_time(lambda: lean.generate(input_ids, use_cache=False, **common), args.repeats)
-        cached, out_cached = best_time(lambda: lean.generate(input_ids, **common), args.repeats)
-        hf_cached, _ = best_time(lambda: gpt2.generate(input_ids, **common), args.repeats)
+        (no_cache, cached, hf_cached), (out_no_cache, out_cached, _) = best_times(
+            [lambda: lean.generate(input_ids, use_cache=False, **common), lambda: lean.generate(input_ids, **common),
+             lambda: gpt2.generate(input_ids, **common)], args.repeats)
     assert torch.equal(out_cached, out_no_cache), "the cache changed the generated tokens"
 
     print(f"\n{args.new_tokens} new tokens after a {args.prompt}-token prompt, LeanGPT d={args.hidden}, "
-          f"{args.layers} layers, {args.heads} heads (rotary), greedy, fp32, 1 CPU thread, best of {args.repeats}\n")
+          f"{args.layers} layers, {args.heads} heads (rotary), greedy, fp32, 1 CPU thread, "
+          f"best of {args.repeats} rounds\n")
     print("| decoding | seconds | tokens/s | speed vs no cache |")
     print("| --- | ---: | ---: | ---: |")
     for name, seconds in [("LeanGPT, `use_cache=False` (baseline)", no_cache),
