@@ -3,8 +3,9 @@ core, chunked attention against SDPA's math kernel (its fallback: the baseline) 
 
 Peak memory is measured exactly: every allocation and free of the CPU allocator during the call, as recorded by
 the PyTorch profiler (``profile_memory=True``), summed in time order; the peak is the highest running total above
-the memory held before the call (inputs excluded, their gradients and every temporary included). Times come from
-separate runs without the profiler, best of ``--repeats`` rounds that run every row once, one thread.
+the memory held before the call (inputs excluded, their gradients and every temporary included). Times are the
+process's CPU time (one thread, so other jobs on a shared machine do not count) in separate runs without the
+profiler, best of ``--repeats`` rounds that run every row once.
 
 Usage: python benchmarks/attention.py [--seq 4096 --heads 8 --head_dim 64 --chunk_size 128]
 """
@@ -51,9 +52,9 @@ def best_seconds(steps: list[Callable[[], None]], repeats: int) -> list[float]:
     best = [float("inf")] * len(steps)
     for _ in range(repeats):
         for i, step in enumerate(steps):
-            start = time.perf_counter()
+            start = time.process_time()
             step()
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], time.process_time() - start)
     return best
 
 
@@ -107,7 +108,7 @@ def main() -> None:
     base_peak, base_time = results[0][1], results[0][2]
     print(f"\nattention core forward + backward, CPU fp32, 1 thread, batch 1, T={n}, {args.heads} heads of "
           f"{args.head_dim}, causal, last 10% padded; max |chunked - SDPA| = {error:.1e}\n")
-    print("| attention core | peak memory | vs baseline | time | vs baseline |")
+    print("| attention core | peak memory | vs baseline | CPU time | vs baseline |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, peak, seconds in results:
         print(f"| {name} | {peak / 2**20:.0f} MiB | {peak / base_peak:.3f}x | {seconds:.2f} s | "

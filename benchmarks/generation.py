@@ -1,6 +1,8 @@
 """Generation speed with transformers' ``generate``: 256 new tokens with the KV cache (a ``DynamicCache``) against
 the same greedy decoding without it (``use_cache=False``, each step runs the whole sequence again), side by side in
 one process; HF GPT-2 of the same shape, with its cache, as a second reference. CPU, fp32, one thread, batch 1.
+Times are the process's CPU time (one thread: its compute), so that other jobs on a shared machine, which stretch
+wall time and hit the many small steps of cached decoding hardest, do not count.
 
 Usage: python benchmarks/generation.py [--hidden 512 --layers 6 --heads 8 --prompt 16 --new_tokens 256]
 """
@@ -23,9 +25,9 @@ def best_times(runs: list[Callable[[], torch.Tensor]], repeats: int) -> tuple[li
     best, outputs = [float("inf")] * len(runs), [None] * len(runs)
     for _ in range(repeats):
         for i, run in enumerate(runs):
-            start = time.perf_counter()
+            start = time.process_time()
             outputs[i] = run()
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], time.process_time() - start)
     return best, outputs
 
 
@@ -61,7 +63,7 @@ def main() -> None:
     print(f"\n{args.new_tokens} new tokens after a {args.prompt}-token prompt, LeanGPT d={args.hidden}, "
           f"{args.layers} layers, {args.heads} heads (rotary), greedy, fp32, 1 CPU thread, "
           f"best of {args.repeats} rounds\n")
-    print("| decoding | seconds | tokens/s | speed vs no cache |")
+    print("| decoding | CPU seconds | tokens per CPU second | speed vs no cache |")
     print("| --- | ---: | ---: | ---: |")
     for name, seconds in [("LeanGPT, `use_cache=False` (baseline)", no_cache),
                           ("LeanGPT, KV cache (`DynamicCache`)", cached),
