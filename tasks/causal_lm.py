@@ -1,5 +1,5 @@
 """Causal language modeling with LeanGPT: documents are tokenized, joined with an end-of-text token and cut into
-full-length rows (no padding)."""
+full-length rows (no padding, so batches carry no attention mask and attention runs unmasked, ``is_causal``)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -23,7 +23,7 @@ class PackedBatcher:
             self.buffer.append(self.tokenizer.eos_token_id)
         input_ids = torch.tensor(self.buffer[:needed], dtype=torch.long).view(batch_size, sequence_length)
         del self.buffer[:needed]
-        return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone())
+        return dict(input_ids=input_ids, labels=input_ids.clone())
 
 
 class CausalLMTask(Task):

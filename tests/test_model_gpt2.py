@@ -64,3 +64,43 @@ def test_padding_mask_matches():
 def test_unsupported_gpt2_configs_raise(field, value):
     with pytest.raises(ValueError, match=field):
         LeanGPTForCausalLM.from_hf_gpt2(hf_gpt2(**{field: value}))
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tie_word_embeddings=False, activation_function="relu",
+                                                    n_inner=40)])
+def test_export_round_trip(overrides):
+    """GPT-2 -> LeanGPT -> GPT-2 gives back every weight, and a LeanGPT's export computes the same logits."""
+    hf = hf_gpt2(**overrides).eval()
+    lean = LeanGPTForCausalLM.from_hf_gpt2(hf).eval()
+    exported = lean.to_hf_gpt2().eval()
+    assert exported.state_dict().keys() == hf.state_dict().keys()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+    input_ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        assert (exported(input_ids).logits - lean(input_ids).logits).abs().max() <= 1e-5
+
+
+def test_export_of_a_trained_lean_model(gpt_config):
+    """A LeanGPT built and trained as LeanGPT (not converted from GPT-2) exports with the same logits."""
+    config = gpt_config(position_embedding_type="absolute", hidden_act="gelu", tie_word_embeddings=False)
+    lean = LeanGPTForCausalLM(config)
+    with torch.no_grad():
+        for param in lean.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    exported = lean.to_hf_gpt2().eval()
+    input_ids = torch.randint(0, config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids).logits, lean.eval()(input_ids).logits, **TOL)
+    assert LeanGPTForCausalLM.from_hf_gpt2(exported).config.hidden_act == "gelu"
+
+
+@pytest.mark.parametrize("field, value", [("position_embedding_type", "rotary"), ("hidden_act", "swiglu"),
+                                          ("sandwich_norm", True), ("fp32_residual", True), ("reversible", True),
+                                          ("weight_layout", "pixelfly(block_size=8)"), ("num_hidden_groups", 2),
+                                          ("share_large_matrices", True),
+                                          ("embedding_size", 16)])
+def test_export_rejects_what_gpt2_cannot_express(gpt_config, field, value):
+    config = gpt_config(**{"position_embedding_type": "absolute", "intermediate_size": 64, field: value})
+    with pytest.raises(ValueError, match=f"config field {field}="):
+        LeanGPTForCausalLM(config).to_hf_gpt2()

@@ -32,8 +32,9 @@ class LeanAlbertForPreTraining(LeanPreTrainedModel):
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                sentence_order_label: Optional[Tensor] = None, **unused) -> AlbertForPreTrainingOutput:
-        """:param labels: [batch, seq] token ids at masked positions, -100 elsewhere.
+                sentence_order_label: Optional[Tensor] = None) -> AlbertForPreTrainingOutput:
+        """Any other argument raises TypeError.
+        :param labels: [batch, seq] token ids at masked positions, -100 elsewhere.
         :param sentence_order_label: [batch], 0 if the two segments are in order, 1 if swapped."""
         hidden = self.transformer(input_ids, attention_mask, token_type_ids, causal=False)
         prediction_logits = self.mlm_head(hidden, self.transformer.embeddings.word_embeddings.weight)

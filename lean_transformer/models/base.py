@@ -6,9 +6,11 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
 from lean_transformer.config import LeanTransformerConfig
-from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask
+from lean_transformer.modules.attention import LeanSelfAttention
+from lean_transformer.modules.attention_mask import attention_mask_for, padding_or_none
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
 from lean_transformer.modules.linear import SharedMatrix
@@ -50,19 +52,22 @@ class LeanPreTrainedModel(PreTrainedModel):
 
     def set_optimizations(self, *, gradient_checkpointing: Union[bool, int] = False,
                           checkpoint_attention_core: bool = False, ffn_custom_grad: bool = True,
-                          preserve_rng_state: bool = True) -> None:
+                          preserve_rng_state: bool = True, attention_core: str = "auto") -> None:
         """Trade compute for memory; none of these options changes predictions or gradients.
 
         :param gradient_checkpointing: False; True to keep only each layer's input (one checkpoint per layer:
             checkpointing attention and feed-forward separately would keep twice the inputs for the same
             recomputation); or an int N to keep only the inputs of N equal segments of layers.
-        :param checkpoint_attention_core: recompute the attention core (SDPA) in backward; it pays off where SDPA
-            keeps more than q, k, v and its output (the math kernel, used e.g. with attention dropout on CPU,
-            keeps the attention matrix).
+        :param checkpoint_attention_core: recompute the attention core in backward; it pays off where the core
+            keeps more than q, k, v and its output (SDPA's math kernel keeps the attention matrix).
         :param ffn_custom_grad: use the feed-forward's hand-written backward (keeps 5 d-words per token instead of
             about 10 for a 4x-wide plain-autograd feed-forward).
         :param preserve_rng_state: replay the RNG in recomputations so that dropout masks match the forward pass.
             Turning it off is only faster, and wrong with dropout.
+        :param attention_core: "sdpa" (``F.scaled_dot_product_attention``), "chunked" (``chunked_attention``:
+            exact, memory linear in the sequence length without a fused kernel, slower) or "auto" (chunked where SDPA
+            would materialize the attention matrix: on CPU with attention dropout). Without dropout both give the
+            same results within float rounding; with dropout they draw different masks.
         Each call sets every option; omitted ones return to their defaults.
         """
         num_layers = self.config.num_hidden_layers
@@ -77,11 +82,14 @@ class LeanPreTrainedModel(PreTrainedModel):
         for name, value in (("checkpoint_attention_core", checkpoint_attention_core),
                             ("ffn_custom_grad", ffn_custom_grad), ("preserve_rng_state", preserve_rng_state)):
             _require_bool(name, value)
+        if attention_core not in ("auto", "sdpa", "chunked"):
+            raise ValueError(f"attention_core must be 'auto', 'sdpa' or 'chunked', got {attention_core!r}")
         self.body.gradient_checkpointing = gradient_checkpointing
         self.body.preserve_rng_state = preserve_rng_state
         for module in self.body.modules():
             if isinstance(module, LeanSelfAttention):
                 module.checkpoint_core = checkpoint_attention_core
+                module.core_implementation = attention_core
                 module.preserve_rng_state = preserve_rng_state
             elif isinstance(module, LeanFFN):
                 module.custom_grad = ffn_custom_grad
@@ -103,8 +111,21 @@ class LeanTransformerModel(LeanPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, causal: bool = False) -> Tensor:
-        """:param attention_mask: [batch, seq] with 1 for tokens and 0 for padding (None: no padding)."""
-        hidden = self.embeddings(input_ids, token_type_ids)
-        mask = make_attention_mask(attention_mask, input_ids.shape[1], causal)
-        return self.encoder(hidden, mask, causal)
+                token_type_ids: Optional[Tensor] = None, causal: bool = False, position_ids: Optional[Tensor] = None,
+                cache: Optional[Cache] = None) -> Tensor:
+        """:param attention_mask: [batch, cached + seq] with 1 for tokens and 0 for padding (None or all ones: no
+            padding, and attention runs without a mask).
+        :param position_ids: [batch or 1, seq] (None: the positions after the cached ones).
+        :param cache: a transformers ``Cache`` of earlier keys and values, extended in place."""
+        past_length = cache.get_seq_length() if cache is not None else 0
+        seq_len = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + seq_len, device=input_ids.device)[None]
+        elif position_ids.shape[-1] != seq_len:
+            raise ValueError(f"position_ids has {position_ids.shape[-1]} positions, input_ids has {seq_len}")
+        if attention_mask is not None and attention_mask.shape != (input_ids.shape[0], past_length + seq_len):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                             f"{(input_ids.shape[0], past_length + seq_len)} (batch, cached + new positions)")
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, past_length)
+        mask = attention_mask_for(padding_or_none(attention_mask), seq_len, past_length + seq_len, causal)
+        return self.encoder(hidden, mask, causal, position_ids, cache)

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lean_transformer.config import LeanGPTConfig
 from lean_transformer.models.base import LeanPreTrainedModel, LeanTransformerModel
+from lean_transformer.models.hf_gpt2 import config_from_gpt2, copy_gpt2_weights, gpt2_config_from_lean
 from lean_transformer.modules.embeddings import LeanLMHead
 
 
@@ -19,37 +21,10 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
-                     "silu": "silu", "swish": "silu"}
+class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
+    """LeanGPT with a language-model head; works with transformers' ``generate`` (greedy, sampling, beam search)
+    and its KV caches."""
 
-
-def _config_from_gpt2(hf_config) -> LeanGPTConfig:
-    """The LeanGPT architecture computing the same function as a GPT-2 config, or ValueError naming the field
-    that LeanGPT cannot express."""
-    unsupported = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                   "reorder_and_upcast_attn": False, "add_cross_attention": False}
-    for name, expected in unsupported.items():
-        if getattr(hf_config, name, expected) != expected:
-            raise ValueError(f"GPT-2 config field {name}={getattr(hf_config, name)!r} is not supported "
-                             f"(LeanGPT computes {name}={expected})")
-    if hf_config.activation_function not in _GPT2_ACTIVATIONS:
-        raise ValueError(f"GPT-2 config field activation_function={hf_config.activation_function!r} is not "
-                         f"supported; use one of {sorted(_GPT2_ACTIVATIONS)}")
-    if hf_config.embd_pdrop != hf_config.resid_pdrop:
-        raise ValueError(f"GPT-2 config fields embd_pdrop ({hf_config.embd_pdrop}) and resid_pdrop "
-                         f"({hf_config.resid_pdrop}) must be equal: LeanGPT uses hidden_dropout_prob for both")
-    return LeanGPTConfig(
-        vocab_size=hf_config.vocab_size, hidden_size=hf_config.n_embd, num_hidden_layers=hf_config.n_layer,
-        num_attention_heads=hf_config.n_head, intermediate_size=hf_config.n_inner or 4 * hf_config.n_embd,
-        hidden_act=_GPT2_ACTIVATIONS[hf_config.activation_function], hidden_dropout_prob=hf_config.resid_pdrop,
-        attention_probs_dropout_prob=hf_config.attn_pdrop, max_position_embeddings=hf_config.n_positions,
-        position_embedding_type="absolute", layer_norm_eps=hf_config.layer_norm_epsilon,
-        initializer_range=hf_config.initializer_range, tie_word_embeddings=hf_config.tie_word_embeddings,
-        bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
-        pad_token_id=hf_config.pad_token_id)
-
-
-class LeanGPTForCausalLM(LeanPreTrainedModel):
     config_class = LeanGPTConfig
 
     def __init__(self, config: LeanGPTConfig):
@@ -65,34 +40,53 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
         self.transformer.set_input_embeddings(value)
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                **unused) -> CausalLMOutput:
-        hidden = self.transformer(input_ids, attention_mask, causal=True)
+                past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = None,
+                position_ids: Optional[Tensor] = None, logits_to_keep: int = 0, return_dict: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None
+                ) -> CausalLMOutputWithPast:
+        """The arguments of transformers' causal LMs that this model supports; any other raises TypeError.
+
+        :param attention_mask: [batch, cached + new positions], 1 for tokens, 0 for padding.
+        :param past_key_values: a transformers ``Cache`` (e.g. ``DynamicCache``) with the keys and values of the
+            positions before ``input_ids``; it is extended in place and returned.
+        :param use_cache: return a cache (a new ``DynamicCache`` if none was given); default: whether one was given.
+        :param position_ids: [batch or 1, seq]; default: the positions after the cached ones. ``generate`` passes
+            them (counting only tokens, for left-padded prompts).
+        :param logits_to_keep: compute logits for the last this many positions only (0: all).
+        """
+        for name, value, supported in (("return_dict", return_dict, (None, True)),
+                                       ("output_attentions", output_attentions, (None, False)),
+                                       ("output_hidden_states", output_hidden_states, (None, False))):
+            if value not in supported:
+                raise ValueError(f"{name}={value!r} is not supported by {type(self).__name__}")
+        if logits_to_keep and labels is not None:
+            raise ValueError("logits_to_keep cannot be combined with labels: the loss needs every position's logits")
+        if past_key_values is not None and not isinstance(past_key_values, Cache):
+            raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got "
+                            f"{type(past_key_values).__name__}")
+        if use_cache is None:
+            use_cache = past_key_values is not None
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        cache = past_key_values if use_cache else None
+        hidden = self.transformer(input_ids, attention_mask, causal=True, position_ids=position_ids, cache=cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden, self.transformer.embeddings.word_embeddings.weight)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
     @classmethod
-    @torch.no_grad()
     def from_hf_gpt2(cls, hf_model: "transformers.GPT2LMHeadModel") -> "LeanGPTForCausalLM":
-        """A LeanGPT computing the same function as ``hf_model`` (a ``transformers.GPT2LMHeadModel``), in float32.
-
-        GPT-2 stores its projections as ``Conv1D`` with [in, out] weights; ours are [out, in]. The fused c_attn
-        output is ordered (q, k, v), each head-major, exactly like our ``qkv`` projection.
-        """
-        model = cls(_config_from_gpt2(hf_model.config))
-        source, target = hf_model.transformer, model.transformer
-        target.embeddings.word_embeddings.weight.copy_(source.wte.weight)
-        target.embeddings.position_embeddings.weight.copy_(source.wpe.weight)
-        for block, layer in zip(source.h, target.encoder.layers):
-            pairs = [(block.ln_1, layer.attention.pre_norm), (block.ln_2, layer.ffn.pre_norm),
-                     (block.attn.c_attn, layer.attention.qkv), (block.attn.c_proj, layer.attention.out_proj),
-                     (block.mlp.c_fc, layer.ffn.dense_in), (block.mlp.c_proj, layer.ffn.dense_out)]
-            for hf_module, lean_module in pairs:
-                weight = hf_module.weight if isinstance(hf_module, torch.nn.LayerNorm) else hf_module.weight.t()
-                lean_module.weight.copy_(weight)
-                lean_module.bias.copy_(hf_module.bias)
-        target.encoder.final_norm.weight.copy_(source.ln_f.weight)
-        target.encoder.final_norm.bias.copy_(source.ln_f.bias)
-        if model.lm_head.weight is not None:
-            model.lm_head.weight.copy_(hf_model.lm_head.weight)
+        """A LeanGPT computing the same function as ``hf_model`` (a ``transformers.GPT2LMHeadModel``), in float32;
+        ValueError naming the GPT-2 config field that LeanGPT cannot express."""
+        model = cls(config_from_gpt2(hf_model.config))
+        copy_gpt2_weights(hf_model, model, to_lean=True)
         return model
+
+    def to_hf_gpt2(self) -> "transformers.GPT2LMHeadModel":
+        """A ``transformers.GPT2LMHeadModel`` computing the same function as this model (float32 weights); ValueError
+        naming the first config field that GPT-2 cannot express (rotary positions, gated activations, ...)."""
+        hf_model = transformers.GPT2LMHeadModel(gpt2_config_from_lean(self.config))
+        copy_gpt2_weights(hf_model, self, to_lean=False)
+        return hf_model

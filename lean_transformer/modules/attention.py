@@ -1,5 +1,6 @@
 """Multi-head self-attention through ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels where
-available, so attention memory grows linearly with the sequence length)."""
+available, so attention memory grows linearly with the sequence length), or through ``chunked_attention`` where
+SDPA has no fused kernel (CPU with attention dropout); with an optional transformers KV cache for generation."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,30 +8,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.cache_utils import Cache
 
 from lean_transformer.config import LeanTransformerConfig
+from lean_transformer.modules.attention_mask import AttentionMask
 from lean_transformer.modules.checkpoint import checkpoint
+from lean_transformer.modules.chunked_attention import DEFAULT_CHUNK_SIZE, chunked_attention
 from lean_transformer.modules.linear import SharedMatrix, make_linear
 from lean_transformer.modules.rotary import apply_rotary
 
 
-def make_attention_mask(padding_mask: Optional[Tensor], seq_len: int, causal: bool) -> Optional[Tensor]:
-    """A boolean [batch, 1, seq, seq] mask (True = may attend) for SDPA, or None when ``is_causal`` suffices.
-
-    Every query may attend to itself, so rows of padding queries are never fully masked (a fully masked row
-    would make SDPA return NaN); those rows' outputs are meaningless and ignored by the losses anyway.
-    """
-    if padding_mask is None:
-        return None
-    allowed = padding_mask.bool()[:, None, None, :]
-    eye = torch.eye(seq_len, dtype=torch.bool, device=padding_mask.device)
-    if causal:
-        allowed = allowed & torch.ones(seq_len, seq_len, dtype=torch.bool, device=padding_mask.device).tril()
-    return allowed | eye
-
-
 class LeanSelfAttention(nn.Module):
-    """``dropout(post_norm?(W_o SDPA(rotary(W_qkv LayerNorm(x)))))``; the caller adds the residual."""
+    """``dropout(post_norm?(W_o attention(rotary(W_qkv LayerNorm(x)))))``; the caller adds the residual."""
 
     def __init__(self, config: LeanTransformerConfig, shared_qkv: Optional[SharedMatrix] = None,
                  shared_out: Optional[SharedMatrix] = None):
@@ -43,26 +32,47 @@ class LeanSelfAttention(nn.Module):
         self.attention_dropout = config.attention_probs_dropout_prob
         self.output_dropout = config.hidden_dropout_prob
         self.checkpoint_core = False  # set by LeanPreTrainedModel.set_optimizations(checkpoint_attention_core=...)
+        self.core_implementation = "auto"  # set_optimizations(attention_core=...): "auto", "sdpa" or "chunked"
+        self.chunk_size = DEFAULT_CHUNK_SIZE
         self.preserve_rng_state = True
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False,
-                rotary: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
-        """:param attention_mask: from ``make_attention_mask`` (None: every position is a token).
-        :param rotary: the (cos, sin) tables of ``rotary_cos_sin`` when positions are rotary."""
+    def uses_chunked_core(self, device: torch.device, dropout_p: float) -> bool:
+        """Whether attention runs in chunks of queries (``chunked_attention``) rather than through SDPA: "auto"
+        chooses it where SDPA would materialize the attention matrix, i.e. on CPU with attention dropout (see
+        ``modules/chunked_attention.py`` for what torch 2.13 runs fused)."""
+        if self.core_implementation == "auto":
+            return device.type == "cpu" and dropout_p > 0
+        return self.core_implementation == "chunked"
+
+    def forward(self, x: Tensor, attention_mask: Optional[AttentionMask] = None, causal: bool = False,
+                rotary: Optional[tuple[Tensor, Tensor]] = None, cache: Optional[Cache] = None,
+                layer_idx: int = 0) -> Tensor:
+        """:param attention_mask: from ``attention_mask_for`` (None: no mask needed).
+        :param rotary: (cos, sin) tables of ``rotary_tables``, [batch or 1, seq, head_dim], when positions are rotary.
+        :param cache: a transformers ``Cache`` holding earlier keys and values; this call appends its own
+            (rotated) keys and values under ``layer_idx``, the layer's depth."""
         batch, seq_len, hidden_size = x.shape
         qkv = self.qkv(self.pre_norm(x)).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         if rotary is not None:
-            cos, sin = (table.to(qkv.dtype) for table in rotary)
+            cos, sin = (table.to(qkv.dtype)[:, :, None, None] for table in rotary)
             # one new tensor for q, k and v, so that SDPA keeps one storage of 3 d-words, not the old qkv as well
-            qkv = torch.cat([apply_rotary(qkv[:, :, :2], cos[:, None, None], sin[:, None, None]), qkv[:, :, 2:]], 2)
+            qkv = torch.cat([apply_rotary(qkv[:, :, :2], cos, sin), qkv[:, :, 2:]], 2)
         query, key, value = qkv.transpose(1, 3).unbind(2)  # each [batch, heads, seq, head_dim]
+        if cache is not None:
+            key, value = cache.update(key, value, layer_idx)
 
         dropout_p = self.attention_dropout if self.training else 0.0
-        is_causal = causal and attention_mask is None
+        is_causal = causal and attention_mask is None and seq_len > 1
 
-        def core(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout_p,
-                                                  is_causal=is_causal)
+        if self.uses_chunked_core(x.device, dropout_p):
+            def core(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+                return chunked_attention(query, key, value, attention_mask, causal, dropout_p, self.chunk_size)
+        else:
+            mask = attention_mask.dense(x.device) if attention_mask is not None else None
+
+            def core(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+                return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                                      is_causal=is_causal)
 
         if self.checkpoint_core and torch.is_grad_enabled():
             attended = checkpoint(core, (query, key, value), preserve_rng_state=self.preserve_rng_state)

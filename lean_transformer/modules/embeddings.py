@@ -23,13 +23,18 @@ class LeanEmbeddings(nn.Module):
         self.dropout = config.hidden_dropout_prob
         self.max_positions = config.max_position_embeddings
 
-    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None) -> Tensor:
-        if input_ids.shape[1] > self.max_positions:
-            raise ValueError(f"input_ids has {input_ids.shape[1]} positions, more than "
-                             f"max_position_embeddings={self.max_positions}")
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None, past_length: int = 0) -> Tensor:
+        """:param position_ids: [batch or 1, seq] (None: past_length, past_length + 1, ...).
+        :param past_length: how many positions a KV cache already holds before these."""
+        if past_length + input_ids.shape[1] > self.max_positions:
+            raise ValueError(f"input_ids has {input_ids.shape[1]} positions after {past_length} cached ones, more "
+                             f"than max_position_embeddings={self.max_positions}")
         embeds = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
-            embeds = embeds + self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))
+            if position_ids is None:
+                position_ids = torch.arange(past_length, past_length + input_ids.shape[1], device=input_ids.device)
+            embeds = embeds + self.position_embeddings(position_ids)
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)

@@ -8,10 +8,15 @@ from torch import Tensor
 
 def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype
                    ) -> tuple[Tensor, Tensor]:
-    """cos and sin tables of shape [seq_len, head_dim], computed in float32 (cheap next to the matmuls, and no
-    buffers to keep in sync with checkpoints)."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    """cos and sin tables of shape [seq_len, head_dim] for positions 0 .. seq_len - 1."""
+    return rotary_tables(torch.arange(seq_len, device=device), head_dim, base, dtype)
+
+
+def rotary_tables(positions: Tensor, head_dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables of shape [*positions.shape, head_dim] for the given (integer) positions, computed in
+    float32 (cheap next to the matmuls, and no buffers to keep in sync with checkpoints)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -9,11 +9,14 @@ import torch
 from torch import Tensor, nn
 
 from lean_transformer.config import LeanTransformerConfig
+from transformers.cache_utils import Cache
+
 from lean_transformer.modules.attention import LeanSelfAttention
+from lean_transformer.modules.attention_mask import AttentionMask
 from lean_transformer.modules.checkpoint import checkpoint, reversible, reversible_couple
 from lean_transformer.modules.ffn import LeanFFN
 from lean_transformer.modules.linear import SharedLinear, make_shared_matrix
-from lean_transformer.modules.rotary import rotary_cos_sin
+from lean_transformer.modules.rotary import rotary_tables
 
 
 class SharedMatrices(nn.Module):
@@ -62,17 +65,22 @@ class LeanTransformer(nn.Module):
         inner = self.config.num_inner_groups
         return [(i // per_group) * inner + (i % per_group) % inner for i in range(self.config.num_hidden_layers)]
 
-    def sublayers(self, attention_mask: Optional[Tensor], causal: bool, seq_len: int, device: torch.device
+    def sublayers(self, attention_mask: Optional[AttentionMask], causal: bool, seq_len: int, device: torch.device,
+                  position_ids: Optional[Tensor] = None, cache: Optional[Cache] = None
                   ) -> list[Callable[[Tensor], Tensor]]:
-        """The residual branches in order of depth: attention, feed-forward, attention, ..."""
+        """The residual branches in order of depth: attention, feed-forward, attention, ...
+        :param position_ids: [batch or 1, seq_len] (None: 0 .. seq_len - 1); used by rotary positions.
+        :param cache: a KV cache, one entry per depth (shared layers keep one entry per use)."""
         rotary = None
         if self.config.position_embedding_type == "rotary":  # computed once per forward pass, shared by all layers
-            rotary = rotary_cos_sin(seq_len, self.config.head_dim, self.config.rotary_base, device, torch.float32)
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=device)[None]
+            rotary = rotary_tables(position_ids, self.config.head_dim, self.config.rotary_base, torch.float32)
         result = []
-        for index in self.layer_order():
+        for depth, index in enumerate(self.layer_order()):
             layer = self.layers[index]
             result.append(functools.partial(layer.attention, attention_mask=attention_mask, causal=causal,
-                                            rotary=rotary))
+                                            rotary=rotary, cache=cache, layer_idx=depth))
             result.append(layer.ffn)
         return result
 
@@ -97,15 +105,21 @@ class LeanTransformer(nn.Module):
             x = self._add(x, sublayer(x))
         return x
 
-    def forward(self, hidden: Tensor, attention_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Optional[AttentionMask] = None, causal: bool = False,
+                position_ids: Optional[Tensor] = None, cache: Optional[Cache] = None) -> Tensor:
         """:param hidden: embeddings [batch, seq, hidden_size].
-        :param attention_mask: from ``make_attention_mask``.
+        :param attention_mask: from ``attention_mask_for``.
+        :param position_ids, cache: see ``sublayers``.
         A reversible stack runs two streams that start as copies of ``hidden``; each sub-layer adds its output to
         the other stream (RevNet coupling), the result is their mean, and the streams keep ``hidden``'s dtype."""
+        grad_needed = torch.is_grad_enabled()
+        if cache is not None and grad_needed and (self.config.reversible or self.gradient_checkpointing):
+            raise ValueError("a KV cache (use_cache / past_key_values) cannot be combined with reversible=True or "
+                             "gradient_checkpointing while gradients are enabled: their recomputation would append "
+                             "to the cache twice; run under torch.no_grad()")
         if self.config.fp32_residual:
             hidden = hidden.float()
-        sublayers = self.sublayers(attention_mask, causal, hidden.shape[1], hidden.device)
-        grad_needed = torch.is_grad_enabled()
+        sublayers = self.sublayers(attention_mask, causal, hidden.shape[1], hidden.device, position_ids, cache)
         if self.config.reversible:
             if grad_needed:
                 x0, x1 = reversible(sublayers, hidden, hidden, self.trainable_tensors([self.layers]))
