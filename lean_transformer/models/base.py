@@ -11,6 +11,7 @@ from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.attention import LeanSelfAttention, make_attention_mask
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
+from lean_transformer.modules.head_groups import supports_head_groups
 from lean_transformer.modules.linear import LinearOp, SharedMatrix
 from lean_transformer.modules.transformer import LeanTransformer
 
@@ -49,7 +50,7 @@ class LeanPreTrainedModel(PreTrainedModel):
 
     def set_optimizations(self, *, gradient_checkpointing: Union[bool, int] = False,
                           checkpoint_attention_core: bool = False, ffn_custom_grad: bool = True,
-                          preserve_rng_state: bool = True) -> None:
+                          preserve_rng_state: bool = True, backward_chunks: int = 1) -> None:
         """Trade compute for memory; none of these options changes predictions or gradients.
 
         :param gradient_checkpointing: False; True to keep only each layer's input (one checkpoint per layer:
@@ -62,6 +63,11 @@ class LeanPreTrainedModel(PreTrainedModel):
             about 10 for a 4x-wide plain-autograd feed-forward).
         :param preserve_rng_state: replay the RNG in recomputations so that dropout masks match the forward pass.
             Turning it off is only faster, and wrong with dropout.
+        :param backward_chunks: N > 1 runs backward in N pieces whose gradients add up to the whole: the
+            feed-forward's hand-written backward over N chunks of tokens (any mode), and in a reversible stack also
+            the recomputation, with the attention in N groups of heads. Lowers the peak memory of backward; needs
+            ``ffn_custom_grad`` outside reversible mode, and dense attention projections, no sandwich norm and no
+            attention dropout in reversible mode (ValueError otherwise).
         Each call sets every option; omitted ones return to their defaults.
         """
         num_layers = self.config.num_hidden_layers
@@ -76,7 +82,9 @@ class LeanPreTrainedModel(PreTrainedModel):
         for name, value in (("checkpoint_attention_core", checkpoint_attention_core),
                             ("ffn_custom_grad", ffn_custom_grad), ("preserve_rng_state", preserve_rng_state)):
             _require_bool(name, value)
+        self._check_backward_chunks(backward_chunks, ffn_custom_grad)
         self.body.gradient_checkpointing = gradient_checkpointing
+        self.body.backward_chunks = backward_chunks if self.config.reversible else 1
         self.body.preserve_rng_state = preserve_rng_state
         for module in self.body.modules():
             if isinstance(module, LeanSelfAttention):
@@ -84,6 +92,22 @@ class LeanPreTrainedModel(PreTrainedModel):
                 module.preserve_rng_state = preserve_rng_state
             elif isinstance(module, LeanFFN):
                 module.custom_grad = ffn_custom_grad
+                module.backward_chunks = backward_chunks
+
+    def _check_backward_chunks(self, backward_chunks: int, ffn_custom_grad: bool) -> None:
+        if not isinstance(backward_chunks, int) or isinstance(backward_chunks, bool) or backward_chunks < 1:
+            raise ValueError(f"backward_chunks must be a positive int, got {backward_chunks!r}")
+        if backward_chunks == 1:
+            return
+        if not self.config.reversible:
+            if not ffn_custom_grad:
+                raise ValueError("backward_chunks > 1 outside reversible mode chunks the feed-forward's hand-written "
+                                 "backward: it needs ffn_custom_grad=True")
+            return
+        for module in self.body.modules():
+            if isinstance(module, LeanSelfAttention) and supports_head_groups(module) is not None:
+                raise ValueError(f"backward_chunks > 1 with reversible=True cannot split the attention into head "
+                                 f"groups: {supports_head_groups(module)}")
 
 
 class LeanTransformerModel(LeanPreTrainedModel):
