@@ -65,9 +65,17 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
         self.transformer.set_input_embeddings(value)
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                **unused) -> CausalLMOutput:
+                return_logits: bool = True, **unused) -> CausalLMOutput:
+        """:param labels: [batch, seq] token ids (-100: ignored); position t predicts labels[t + 1].
+        :param return_logits: False (needs labels) computes the loss from the hidden states a chunk of tokens at a
+            time (``modules/fused_loss.py``), so the full logits never exist, and returns ``logits=None``."""
         hidden = self.transformer(input_ids, attention_mask, causal=True)
-        logits = self.lm_head(hidden, self.transformer.embeddings.word_embeddings.weight)
+        embeddings = self.transformer.embeddings.word_embeddings.weight
+        if not return_logits:
+            if labels is None:
+                raise ValueError("return_logits=False needs labels: the loss is all such a call returns")
+            return CausalLMOutput(loss=self.lm_head.loss(hidden[:, :-1], embeddings, labels[:, 1:]), logits=None)
+        logits = self.lm_head(hidden, embeddings)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return CausalLMOutput(loss=loss, logits=logits)
 
