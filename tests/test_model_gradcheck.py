@@ -43,12 +43,14 @@ def seeded(function):
     dict(hidden_act="relu", share_large_matrices=True, adapter_dim=3),
 ])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_ffn_backward_gradcheck(gpt_config, architecture, dropout):
+@pytest.mark.parametrize("chunks", [1, 4])  # 4 chunks over 6 tokens: uneven ones
+def test_ffn_backward_gradcheck(gpt_config, architecture, dropout, chunks):
     model = double_model(gpt_config(**SMALL, **architecture, hidden_dropout_prob=dropout))
     ffn = model.transformer.encoder.layers[0].ffn
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     params = [t for part in ffn._parts() for t in part]
-    assert torch.autograd.gradcheck(seeded(lambda *args: _FFNFunction.apply(ffn, dropout, *args)), (x, *params), fast_mode=True)
+    assert torch.autograd.gradcheck(seeded(lambda *args: _FFNFunction.apply(ffn, dropout, chunks, *args)),
+                                    (x, *params), fast_mode=True)
 
 
 @pytest.mark.parametrize("kind", ["dense", "shared-with-adapter"])

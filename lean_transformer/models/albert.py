@@ -32,16 +32,24 @@ class LeanAlbertForPreTraining(LeanPreTrainedModel):
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                sentence_order_label: Optional[Tensor] = None) -> AlbertForPreTrainingOutput:
+                sentence_order_label: Optional[Tensor] = None, return_logits: bool = True
+                ) -> AlbertForPreTrainingOutput:
         """Any other argument raises TypeError.
         :param labels: [batch, seq] token ids at masked positions, -100 elsewhere.
-        :param sentence_order_label: [batch], 0 if the two segments are in order, 1 if swapped."""
+        :param sentence_order_label: [batch], 0 if the two segments are in order, 1 if swapped.
+        :param return_logits: False (needs labels) computes the masked-LM loss from the masked positions' hidden
+            states a chunk at a time (``modules/fused_loss.py``) and returns ``prediction_logits=None``."""
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: without them there is no masked-LM loss to compute")
         hidden = self.transformer(input_ids, attention_mask, token_type_ids, causal=False)
-        prediction_logits = self.mlm_head(hidden, self.transformer.embeddings.word_embeddings.weight)
+        embeddings = self.transformer.embeddings.word_embeddings.weight
+        prediction_logits = self.mlm_head(hidden, embeddings) if return_logits else None
         pooled = torch.tanh(self.pooler(hidden[:, 0]))
         sop_logits = self.sop_classifier(F.dropout(pooled, self.config.classifier_dropout_prob, self.training))
         loss = None
-        if labels is not None:
+        if labels is not None and not return_logits:
+            loss = self.mlm_head.loss(hidden, embeddings, labels)
+        elif labels is not None:
             loss = F.cross_entropy(prediction_logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         if sentence_order_label is not None:
             sop_loss = F.cross_entropy(sop_logits.float(), sentence_order_label.flatten())

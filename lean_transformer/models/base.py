@@ -13,6 +13,7 @@ from lean_transformer.modules.attention import LeanSelfAttention
 from lean_transformer.modules.attention_mask import attention_mask_for, padding_or_none
 from lean_transformer.modules.embeddings import LeanEmbeddings, LeanLMHead
 from lean_transformer.modules.ffn import LeanFFN
+from lean_transformer.modules.head_groups import supports_head_groups
 from lean_transformer.modules.linear import SharedMatrix
 from lean_transformer.modules.linear_op import LinearOp
 from lean_transformer.modules.transformer import LeanTransformer
@@ -52,7 +53,8 @@ class LeanPreTrainedModel(PreTrainedModel):
 
     def set_optimizations(self, *, gradient_checkpointing: Union[bool, int] = False,
                           checkpoint_attention_core: bool = False, ffn_custom_grad: bool = True,
-                          preserve_rng_state: bool = True, attention_core: str = "auto") -> None:
+                          preserve_rng_state: bool = True, attention_core: str = "auto", backward_chunks: int = 1
+                          ) -> None:
         """Trade compute for memory; none of these options changes predictions or gradients.
 
         :param gradient_checkpointing: False; True to keep only each layer's input (one checkpoint per layer:
@@ -68,6 +70,11 @@ class LeanPreTrainedModel(PreTrainedModel):
             exact, memory linear in the sequence length without a fused kernel, slower) or "auto" (chunked where SDPA
             would materialize the attention matrix: on CPU with attention dropout). Without dropout both give the
             same results within float rounding; with dropout they draw different masks.
+        :param backward_chunks: N > 1 runs backward in N pieces whose gradients add up to the whole: the
+            feed-forward's hand-written backward over N chunks of tokens (any mode), and in a reversible stack also
+            the recomputation, with the attention in N groups of heads. Lowers the peak memory of backward; needs
+            ``ffn_custom_grad`` outside reversible mode, and dense attention projections, no sandwich norm and no
+            attention dropout in reversible mode (ValueError otherwise).
         Each call sets every option; omitted ones return to their defaults.
         """
         num_layers = self.config.num_hidden_layers
@@ -84,7 +91,9 @@ class LeanPreTrainedModel(PreTrainedModel):
             _require_bool(name, value)
         if attention_core not in ("auto", "sdpa", "chunked"):
             raise ValueError(f"attention_core must be 'auto', 'sdpa' or 'chunked', got {attention_core!r}")
+        self._check_backward_chunks(backward_chunks, ffn_custom_grad)
         self.body.gradient_checkpointing = gradient_checkpointing
+        self.body.backward_chunks = backward_chunks if self.config.reversible else 1
         self.body.preserve_rng_state = preserve_rng_state
         for module in self.body.modules():
             if isinstance(module, LeanSelfAttention):
@@ -93,6 +102,22 @@ class LeanPreTrainedModel(PreTrainedModel):
                 module.preserve_rng_state = preserve_rng_state
             elif isinstance(module, LeanFFN):
                 module.custom_grad = ffn_custom_grad
+                module.backward_chunks = backward_chunks
+
+    def _check_backward_chunks(self, backward_chunks: int, ffn_custom_grad: bool) -> None:
+        if not isinstance(backward_chunks, int) or isinstance(backward_chunks, bool) or backward_chunks < 1:
+            raise ValueError(f"backward_chunks must be a positive int, got {backward_chunks!r}")
+        if backward_chunks == 1:
+            return
+        if not self.config.reversible:
+            if not ffn_custom_grad:
+                raise ValueError("backward_chunks > 1 outside reversible mode chunks the feed-forward's hand-written "
+                                 "backward: it needs ffn_custom_grad=True")
+            return
+        for module in self.body.modules():
+            if isinstance(module, LeanSelfAttention) and supports_head_groups(module) is not None:
+                raise ValueError(f"backward_chunks > 1 with reversible=True cannot split the attention into head "
+                                 f"groups: {supports_head_groups(module)}")
 
 
 class LeanTransformerModel(LeanPreTrainedModel):

@@ -41,9 +41,9 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
                 past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = None,
-                position_ids: Optional[Tensor] = None, logits_to_keep: int = 0, return_dict: Optional[bool] = None,
-                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None
-                ) -> CausalLMOutputWithPast:
+                position_ids: Optional[Tensor] = None, logits_to_keep: int = 0, return_logits: bool = True,
+                return_dict: Optional[bool] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None) -> CausalLMOutputWithPast:
         """The arguments of transformers' causal LMs that this model supports; any other raises TypeError.
 
         :param attention_mask: [batch, cached + new positions], 1 for tokens, 0 for padding.
@@ -53,6 +53,8 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
         :param position_ids: [batch or 1, seq]; default: the positions after the cached ones. ``generate`` passes
             them (counting only tokens, for left-padded prompts).
         :param logits_to_keep: compute logits for the last this many positions only (0: all).
+        :param return_logits: False (needs labels) computes the loss from the hidden states a chunk of tokens at a
+            time (``modules/fused_loss.py``), so the full logits never exist, and returns ``logits=None``.
         """
         for name, value, supported in (("return_dict", return_dict, (None, True)),
                                        ("output_attentions", output_attentions, (None, False)),
@@ -61,6 +63,8 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
                 raise ValueError(f"{name}={value!r} is not supported by {type(self).__name__}")
         if logits_to_keep and labels is not None:
             raise ValueError("logits_to_keep cannot be combined with labels: the loss needs every position's logits")
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: the loss is all such a call returns")
         if past_key_values is not None and not isinstance(past_key_values, Cache):
             raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got "
                             f"{type(past_key_values).__name__}")
@@ -70,9 +74,13 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
             past_key_values = DynamicCache(config=self.config)
         cache = past_key_values if use_cache else None
         hidden = self.transformer(input_ids, attention_mask, causal=True, position_ids=position_ids, cache=cache)
+        embeddings = self.transformer.embeddings.word_embeddings.weight
+        if not return_logits:
+            loss = self.lm_head.loss(hidden[:, :-1], embeddings, labels[:, 1:])
+            return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=cache)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden, self.transformer.embeddings.word_embeddings.weight)
+        logits = self.lm_head(hidden, embeddings)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 

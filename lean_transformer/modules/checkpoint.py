@@ -4,6 +4,12 @@ Both keep their inputs with ``save_for_backward`` (so ``saved_tensors_hooks`` se
 and take the parameters they use as explicit inputs, so gradients reach them through the graph: this works with
 ``loss.backward()`` and ``torch.autograd.grad`` alike, and with parameters shared between layers. The recomputation
 replays the forward's RNG state (dropout draws the same masks) and autocast state.
+
+In a reversible stack, a sub-layer that has ``backward_pieces(x)`` returning a list of ``(index, function)`` is
+recomputed and backpropagated one piece at a time (``set_optimizations(backward_chunks=N)``): piece i reads
+``x[index]`` and adds ``function(x[index])`` to ``output[index]``. Token chunks of the feed-forward (disjoint
+indices) and head groups of attention (each the whole input, outputs summed) are both of this form, so the peak
+memory of backward holds one piece's activations and gradients instead of the whole sub-layer's.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from torch import Tensor
 from lean_transformer.modules.replay import AutocastState, RNGState
 
 SubLayer = Callable[[Tensor], Tensor]
+Piece = tuple[tuple, Callable[[Tensor], Tensor]]
 
 
 def _grads_or_none(outputs: Sequence[Tensor], inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor]
@@ -57,6 +64,42 @@ def checkpoint(function: Callable[..., Tensor], inputs: Sequence[Tensor], params
     return _Checkpoint.apply(function, preserve_rng_state, len(inputs), *inputs, *params)
 
 
+def _add_grads(totals: list[Optional[Tensor]], grads: Sequence[Optional[Tensor]], keep: Tensor
+               ) -> list[Optional[Tensor]]:
+    """``totals + grads``, in place: a weight-sized temporary per parameter and piece would otherwise dominate the
+    peak of a chunked backward. A first gradient that shares storage with ``keep`` (the incoming gradient, which is
+    still needed) is copied before anything is added to it."""
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        if totals[i] is not None:
+            totals[i].add_(grad)
+        elif grad.untyped_storage().data_ptr() == keep.untyped_storage().data_ptr():
+            totals[i] = grad.clone()
+        else:
+            totals[i] = grad
+    return totals
+
+
+def _sublayer_vjp(sublayer: SubLayer, x: Tensor, grad_out: Tensor, params: Sequence[Tensor], residual: Tensor,
+                  grad_x: Tensor) -> list[Optional[Tensor]]:
+    """Recompute ``f = sublayer(x)`` and backpropagate ``grad_out`` through it, one piece at a time where the
+    sub-layer splits itself: subtracts f from ``residual`` and adds the input gradient to ``grad_x``, both in place
+    (so no whole-size output or input gradient is held besides them); returns the parameter gradients."""
+    pieces: Optional[list[Piece]] = getattr(sublayer, "backward_pieces", lambda _: None)(x)
+    totals: list[Optional[Tensor]] = [None] * len(params)
+    for index, function in pieces or [((...,), sublayer)]:
+        part = x[index].detach().requires_grad_()
+        with torch.enable_grad():
+            part_out = function(part)
+        residual[index] -= part_out.detach()
+        part_grad, *grads = _grads_or_none([part_out], [part, *params], [grad_out[index]])
+        del part_out
+        grad_x[index] += part_grad
+        totals = _add_grads(totals, grads, keep=grad_out)
+    return totals
+
+
 def reversible_couple(sublayers: Sequence[SubLayer], x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
     """The RevNet recurrence ``(a, b) -> (b, a + f(b))`` over ``sublayers``, by plain autograd (the reference)."""
     for sublayer in sublayers:
@@ -82,16 +125,19 @@ class _Reversible(torch.autograd.Function):
         grad0 = torch.zeros_like(y0) if grad0 is None else grad0
         grad1 = torch.zeros_like(y1) if grad1 is None else grad1
         param_grads: list[Optional[Tensor]] = [None] * len(ctx.params)
+        # y1 and grad0 become a and the new grad1 in place, once they are tensors this loop made (not the saved
+        # outputs or the incoming gradients, which may be aliased): a whole-size tensor less at the peak
+        y0_ours = y1_ours = grad0_ours = grad1_ours = False
         for sublayer, rng in zip(reversed(ctx.sublayers), reversed(ctx.rng_states)):
             # this step mapped (a, b) to (y0, y1) = (b, a + f(b)): recompute f(b), invert, then backprop through f
-            b = y0.detach().requires_grad_()
-            with ctx.autocast.restore(), torch.enable_grad(), rng.replay():
-                f_b = sublayer(b)
-            a = y1 - f_b.detach()
-            grad_b, *grads = _grads_or_none([f_b], [b, *ctx.params], [grad1])
-            param_grads = [g if acc is None else acc if g is None else acc + g for acc, g in zip(param_grads, grads)]
-            grad0, grad1 = grad1, grad0 + grad_b
-            y0, y1 = a.to(y0.dtype), b.detach()
+            b = y0.detach()
+            a = y1 if y1_ours else y1.clone()
+            grad_a = grad0 if grad0_ours else grad0.clone()
+            with ctx.autocast.restore(), rng.replay():
+                grads = _sublayer_vjp(sublayer, b, grad1, ctx.params, residual=a, grad_x=grad_a)
+            param_grads = _add_grads(param_grads, grads, keep=grad1)
+            grad0, grad1, grad0_ours, grad1_ours = grad1, grad_a, grad1_ours, True
+            y0, y1, y0_ours, y1_ours = a, b, True, y0_ours
         return None, None, grad0, grad1, *param_grads
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lean_transformer.config import LeanTransformerConfig
+from lean_transformer.modules.fused_loss import linear_cross_entropy
 
 
 class LeanEmbeddings(nn.Module):
@@ -63,3 +64,14 @@ class LeanLMHead(nn.Module):
         if self.transform is not None:
             hidden = self.transform(hidden)
         return F.linear(hidden, input_embeddings if self.weight is None else self.weight, self.bias)
+
+    def loss(self, hidden: Tensor, input_embeddings: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+        """``F.cross_entropy(self(hidden, input_embeddings).float(), labels)`` (mean over labelled tokens) without
+        the full logits: only the labelled tokens go through the head, their logits a chunk at a time
+        (``fused_loss.linear_cross_entropy``)."""
+        labelled = labels != ignore_index
+        hidden, labels = hidden[labelled], labels[labelled]
+        if self.transform is not None:
+            hidden = self.transform(hidden)
+        weight = input_embeddings if self.weight is None else self.weight
+        return linear_cross_entropy(hidden, weight, labels, self.bias, ignore_index=ignore_index)

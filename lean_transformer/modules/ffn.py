@@ -5,10 +5,16 @@ Plain autograd would keep the layer-norm output, the pre-activation, the activat
 norm from ``x``, the activation from ``h`` and the dropout mask by replaying the forward's RNG state (restoring the
 caller's afterwards). The two projections are differentiated through the ``LinearOp`` protocol, so no matmul is
 recomputed, whichever kind of linear layer the config chose.
+
+``backward_chunks`` (``set_optimizations``): the backward then runs over the tokens N chunks at a time, so the
+recomputed activation and the gradients of the inner (4d-wide) tensors exist for one chunk of tokens only; the
+feed-forward acts on each token alone, so the chunks' gradients concatenate (inputs) and add up (parameters) to the
+unchunked ones. In a reversible stack ``backward_pieces`` chunks the recomputed forward as well.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +26,7 @@ from lean_transformer.modules.linear import SharedMatrix, make_linear
 from lean_transformer.modules.replay import AutocastState, RNGState, dropout_mask
 
 Params = tuple[Tensor, ...]
+Piece = tuple[tuple, Callable[[Tensor], Tensor]]  # (index into the input and output, function of that part)
 
 
 def _detached(params: Params) -> Params:
@@ -48,6 +55,7 @@ class LeanFFN(nn.Module):
         self.activation = get_activation(config.hidden_act)
         self.dropout = config.hidden_dropout_prob
         self.custom_grad = True  # set by LeanPreTrainedModel.set_optimizations(ffn_custom_grad=...)
+        self.backward_chunks = 1  # set by LeanPreTrainedModel.set_optimizations(backward_chunks=...)
 
     def _parts(self) -> list[Params]:
         """The parameter groups in the order (pre-norm, dense_in, dense_out, post-norm); post-norm may be empty."""
@@ -77,17 +85,41 @@ class LeanFFN(nn.Module):
         return hidden, projected, out
 
     def forward(self, x: Tensor) -> Tensor:
-        dropout_p = self.dropout if self.training else 0.0
+        return self._forward(x, self.dropout if self.training else 0.0, self.backward_chunks)
+
+    def _forward(self, x: Tensor, dropout_p: float, chunks: int) -> Tensor:
         flat = tuple(t for part in self._parts() for t in part)
         if self.custom_grad and torch.is_grad_enabled() and any(t.requires_grad for t in (x, *flat)):
-            return _FFNFunction.apply(self, dropout_p, x, *flat)
+            return _FFNFunction.apply(self, dropout_p, chunks, x, *flat)
         return self.compute(x, self.split_params(flat), dropout_p)[-1]
+
+    def backward_pieces(self, x: Tensor) -> Optional[list[Piece]]:
+        """The forward pass as ``backward_chunks`` pieces over the tokens (dim 1 of x), or None for one chunk; piece
+        i computes the output rows ``index`` from the input rows ``index``. Run under the forward's replayed RNG
+        state: the dropout mask is drawn once for the whole output (exactly as in forward), when the first piece
+        runs."""
+        if self.backward_chunks == 1:
+            return None
+        dropout_p = self.dropout if self.training else 0.0
+        mask: list[Tensor] = []
+
+        def piece(index: tuple, part: Tensor) -> Tensor:
+            out = self._forward(part, 0.0, 1)
+            if dropout_p == 0:
+                return out
+            if not mask:
+                mask.append(dropout_mask((*x.shape[:-1], out.shape[-1]), dropout_p, out.dtype, out.device))
+            return out * mask[0][index]
+
+        bounds = torch.linspace(0, x.shape[1], self.backward_chunks + 1).round().long().tolist()
+        indices = [(slice(None), slice(start, end)) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+        return [(index, functools.partial(piece, index)) for index in indices]
 
 
 class _FFNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ffn: LeanFFN, dropout_p: float, x: Tensor, *flat: Tensor) -> Tensor:
-        ctx.ffn, ctx.dropout_p = ffn, dropout_p
+    def forward(ctx, ffn: LeanFFN, dropout_p: float, chunks: int, x: Tensor, *flat: Tensor) -> Tensor:
+        ctx.ffn, ctx.dropout_p, ctx.chunks = ffn, dropout_p, chunks
         ctx.autocast = AutocastState.capture()
         ctx.rng = RNGState.capture(x) if dropout_p > 0 else None
         hidden, projected, out = ffn.compute(x, ffn.split_params(flat), dropout_p)
@@ -100,29 +132,55 @@ class _FFNFunction(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         ffn: LeanFFN = ctx.ffn
         x, hidden, projected, *flat = ctx.saved_tensors
-        pre_norm, dense_in, dense_out, post_norm = ffn.split_params(flat)
-        grads_post: list[Optional[Tensor]] = []
+        groups = ffn.split_params(flat)
         with ctx.autocast.restore():
             grad = grad_out
             if ctx.dropout_p > 0:
                 with ctx.rng.replay():
                     grad = grad * dropout_mask(grad_out.shape, ctx.dropout_p, ctx.out_dtype, grad_out.device)
-            if post_norm:
-                with torch.enable_grad():
-                    inputs = (projected.detach().requires_grad_(), *_detached(post_norm))
-                    normed = ffn._norm(inputs[0], inputs[1:])
-                grad, *grads_post = _grad(normed, inputs, grad)
+            rows = [_rows(t) if t is not None else None for t in (x, hidden, projected, grad)]
+            needs_x = ctx.needs_input_grad[3]
+            grad_x = torch.empty(rows[0].shape, dtype=x.dtype, device=x.device) if needs_x else None
+            totals: list[Optional[Tensor]] = [None] * len(flat)
+            bounds = torch.linspace(0, rows[0].shape[0], ctx.chunks + 1).round().long().tolist()
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end > start:
+                    chunk = [t[start:end] if t is not None else None for t in rows]
+                    chunk_grad_x, grads = _backward_rows(ffn, groups, needs_x, *chunk)
+                    if grad_x is not None:
+                        grad_x[start:end] = chunk_grad_x
+                    totals = [g if acc is None else acc if g is None else acc + g for acc, g in zip(totals, grads)]
+        grad_x = grad_x.view(x.shape) if grad_x is not None else None
+        return None, None, None, grad_x, *totals
 
-            with torch.enable_grad():
-                hidden_leaf = hidden.detach().requires_grad_()
-                activated = ffn.activation(hidden_leaf)
-            grad_act, grads_out = ffn.dense_out.op_backward(activated.detach(), grad.to(activated.dtype), dense_out)
-            (grad_hidden,) = _grad(activated, (hidden_leaf,), grad_act)
 
-            with torch.enable_grad():
-                inputs = (x.detach().requires_grad_(x.requires_grad), *_detached(pre_norm))
-                normed = ffn._norm(inputs[0], inputs[1:])
-            grad_normed, grads_in = ffn.dense_in.op_backward(normed.detach(), grad_hidden.to(hidden.dtype), dense_in)
-            grad_x, *grads_pre = _grad(normed, inputs, grad_normed)
-        grad_x = grad_x.to(x.dtype) if grad_x is not None else None
-        return None, None, grad_x, *grads_pre, *grads_in, *grads_out, *grads_post
+def _rows(t: Tensor) -> Tensor:
+    """[..., n] -> [tokens, n]."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _backward_rows(ffn: LeanFFN, groups: list[Params], needs_x: bool, x: Tensor, hidden: Tensor,
+                   projected: Optional[Tensor],
+                   grad: Tensor) -> tuple[Optional[Tensor], list[Optional[Tensor]]]:
+    """The feed-forward's backward for some tokens (rows); parameter gradients in ``_parts()`` order."""
+    pre_norm, dense_in, dense_out, post_norm = groups
+    grads_post: list[Optional[Tensor]] = []
+    if post_norm:
+        with torch.enable_grad():
+            inputs = (projected.detach().requires_grad_(), *_detached(post_norm))
+            normed = ffn._norm(inputs[0], inputs[1:])
+        grad, *grads_post = _grad(normed, inputs, grad)
+
+    with torch.enable_grad():
+        hidden_leaf = hidden.detach().requires_grad_()
+        activated = ffn.activation(hidden_leaf)
+    grad_act, grads_out = ffn.dense_out.op_backward(activated.detach(), grad.to(activated.dtype), dense_out)
+    (grad_hidden,) = _grad(activated, (hidden_leaf,), grad_act)
+    del activated, grad_act
+
+    with torch.enable_grad():
+        inputs = (x.detach().requires_grad_(needs_x), *_detached(pre_norm))
+        normed = ffn._norm(inputs[0], inputs[1:])
+    grad_normed, grads_in = ffn.dense_in.op_backward(normed.detach(), grad_hidden.to(hidden.dtype), dense_in)
+    grad_x, *grads_pre = _grad(normed, inputs, grad_normed)
+    return grad_x, [*grads_pre, *grads_in, *grads_out, *grads_post]

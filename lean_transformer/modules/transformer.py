@@ -7,14 +7,14 @@ from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
-
-from lean_transformer.config import LeanTransformerConfig
 from transformers.cache_utils import Cache
 
+from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.attention import LeanSelfAttention
 from lean_transformer.modules.attention_mask import AttentionMask
 from lean_transformer.modules.checkpoint import checkpoint, reversible, reversible_couple
 from lean_transformer.modules.ffn import LeanFFN
+from lean_transformer.modules.head_groups import head_group_pieces
 from lean_transformer.modules.linear import SharedLinear, make_shared_matrix
 from lean_transformer.modules.rotary import rotary_tables
 
@@ -40,6 +40,23 @@ class LeanTransformerLayer(nn.Module):
         self.ffn = LeanFFN(config, shared and shared.ffn_in, shared and shared.ffn_out)
 
 
+class AttentionBranch:
+    """The attention sub-layer at one depth, with this forward pass's mask and rotary tables bound; in a reversible
+    backward with ``backward_chunks`` > 1 it splits into head groups (``head_groups.py``)."""
+
+    def __init__(self, attention: LeanSelfAttention, chunks: int, **kwargs):
+        self.attention, self.chunks, self.kwargs = attention, chunks, kwargs
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.attention(x, **self.kwargs)
+
+    def backward_pieces(self, x: Tensor) -> Optional[list]:
+        if self.chunks == 1:
+            return None
+        kwargs = {key: value for key, value in self.kwargs.items() if key not in ("cache", "layer_idx")}
+        return head_group_pieces(self.attention, x, self.chunks, **kwargs)  # a backward never runs with a KV cache
+
+
 class LeanTransformer(nn.Module):
     """``num_hidden_layers`` layers drawn from ``num_hidden_groups * num_inner_groups`` distinct ones."""
 
@@ -58,6 +75,7 @@ class LeanTransformer(nn.Module):
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing: Union[bool, int] = False
         self.preserve_rng_state = True
+        self.backward_chunks = 1  # attention head groups in a reversible backward; the FFN keeps its own count
 
     def layer_order(self) -> list[int]:
         """Which distinct layer runs at each depth: groups of consecutive layers cycle through their inner layers."""
@@ -79,8 +97,8 @@ class LeanTransformer(nn.Module):
         result = []
         for depth, index in enumerate(self.layer_order()):
             layer = self.layers[index]
-            result.append(functools.partial(layer.attention, attention_mask=attention_mask, causal=causal,
-                                            rotary=rotary, cache=cache, layer_idx=depth))
+            result.append(AttentionBranch(layer.attention, self.backward_chunks, attention_mask=attention_mask,
+                                          causal=causal, rotary=rotary, cache=cache, layer_idx=depth))
             result.append(layer.ffn)
         return result
 
