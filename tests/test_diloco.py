@@ -60,6 +60,32 @@ def test_bad_outer_settings_name_the_flag(kwargs, field):
 
 
 @pytest.mark.swarm
+def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
+    import hivemind
+    from lean_transformer.swarm.diloco import DiLoCoRounds, PseudoGradientAverager
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    weight = torch.nn.Parameter(torch.zeros(3))
+    outer = OuterNesterov([weight])
+    averager = PseudoGradientAverager(dht, "test_diloco_alone", [weight.shape], matchmaking_time=0.5,
+                                      allreduce_timeout=2.0)  # min_group_size 2: alone, every round misses
+    try:
+        rounds = DiLoCoRounds(outer, averager, local_steps=2)
+        results = []
+        for step in range(4):
+            with torch.no_grad():
+                weight.sub_(1.0)
+            results.append(rounds.after_inner_step(samples=8))
+        assert results == [None] * 4 and rounds.rounds == 0
+        assert rounds.samples_since_anchor == 32 and rounds.steps_since_round == 0
+        torch.testing.assert_close(outer.pseudo_gradients()[0], torch.full((3,), 4.0), rtol=0, atol=0)
+        torch.testing.assert_close(weight.data, torch.full((3,), -4.0), rtol=0, atol=0)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.swarm
 def test_two_peers_average_pseudo_gradients_by_samples_and_step_identically(report):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     first = subprocess.Popen([sys.executable, __file__, "a"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -87,7 +113,7 @@ def test_two_peers_average_pseudo_gradients_by_samples_and_step_identically(repo
 
 def peer(name: str, address: str | None) -> None:
     import hivemind
-    from lean_transformer.swarm.diloco import PseudoGradientAverager
+    from lean_transformer.swarm.diloco import DiLoCoRounds, PseudoGradientAverager
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                        initial_peers=[address] if address else None)
@@ -97,20 +123,15 @@ def peer(name: str, address: str | None) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
                                       allreduce_timeout=30.0, target_group_size=2)
+    rounds = DiLoCoRounds(outer, averager, local_steps=1)
     samples, shifts = PEERS[name]
     group_sizes = []
     for shift in shifts:
         with torch.no_grad():
             weight.sub_(shift)
-        result = None
-        for _attempt in range(5):  # bounded: a round may miss while the other peer is still starting
-            result = averager.average(outer.pseudo_gradients(), samples)
-            if result is not None:
-                break
-        assert result is not None, "no averaging round within 5 attempts"
-        averaged, group_size = result
+        group_size = rounds.after_inner_step(samples)  # hivemind retries matchmaking until the round's timeout
+        assert group_size is not None, "the outer round failed"
         group_sizes.append(group_size)
-        outer.step(averaged)
     averager.shutdown()
     dht.shutdown()
     print(json.dumps(dict(weight=weight.tolist(), group_sizes=group_sizes)), flush=True)

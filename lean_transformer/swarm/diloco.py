@@ -111,3 +111,33 @@ class PseudoGradientAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+class DiLoCoRounds:
+    """Counts a peer's inner steps and runs an outer round every ``local_steps`` of them.
+
+    Call ``after_inner_step(samples)`` after each inner optimizer step. On the ``local_steps``-th it averages the
+    pseudo-gradient (weighted by the samples since the anchor) and applies the outer step. A missed round (no group,
+    a failed all-reduce) changes nothing: the anchor stays, so this peer's progress is folded into its next round's
+    pseudo-gradient and weight. Returns the group size of a completed round, else None.
+    """
+
+    def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, local_steps: int):
+        if local_steps < 1:
+            raise ValueError(f"local_steps (--local_steps) must be >= 1 for DiLoCo, got {local_steps}")
+        self.outer, self.averager, self.local_steps = outer, averager, local_steps
+        self.steps_since_round = self.samples_since_anchor = self.rounds = 0
+
+    def after_inner_step(self, samples: int) -> Optional[int]:
+        self.steps_since_round += 1
+        self.samples_since_anchor += samples
+        if self.steps_since_round < self.local_steps:
+            return None
+        self.steps_since_round = 0
+        result = self.averager.average(self.outer.pseudo_gradients(), self.samples_since_anchor)
+        if result is None:
+            return None
+        averaged, group_size = result
+        self.outer.step(averaged)
+        self.samples_since_anchor, self.rounds = 0, self.rounds + 1
+        return group_size
