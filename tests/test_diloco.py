@@ -88,17 +88,17 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 @pytest.mark.swarm
 @pytest.mark.parametrize("compression", ["none", "blockwise8bit"])
-def test_two_peers_average_pseudo_gradients_by_samples_and_step_identically(compression, report):
+def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, report):
     """Uncompressed, the result is exact; block-wise 8-bit codes carry each value to within 1/127 of its block's
     absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    first = subprocess.Popen([sys.executable, __file__, "a", compression], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+    first = subprocess.Popen([sys.executable, __file__, "a", compression], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         address = first.stdout.readline().strip()
         assert address.startswith("/ip4/"), first.stderr.read()[-3000:] if first.poll() is not None else address
-        second = subprocess.run([sys.executable, __file__, "b", compression, address], capture_output=True, text=True, env=env,
-                                timeout=120)
+        second = subprocess.run([sys.executable, __file__, "b", compression, address], capture_output=True,
+                                text=True, env=env, timeout=120)
         out_a, err_a = first.communicate(timeout=120)
     finally:
         if first.poll() is None:
