@@ -1,0 +1,149 @@
+"""DiLoCo's outer loop (lean_transformer.swarm.diloco): the outer step against a hand-computed Nesterov update, and two
+real hivemind peers (separate processes on 127.0.0.1) averaging pseudo-gradients weighted by samples, then stepping
+to identical parameters."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lean_transformer.swarm.diloco import OuterNesterov
+
+REPO = Path(__file__).resolve().parent.parent
+LR, MOMENTUM = 0.7, 0.9
+# per peer: samples, and its parameter shift (a constant per element) in each of two rounds
+PEERS = {"a": (1, [0.5, -1.0]), "b": (3, [0.25, 2.0])}
+
+
+def hand_nesterov(anchor: float, deltas: list) -> float:
+    """SGD with Nesterov momentum (torch's convention: m <- mu m + g; step g + mu m), by hand on one number."""
+    momentum = 0.0
+    for delta in deltas:
+        momentum = MOMENTUM * momentum + delta
+        anchor -= LR * (delta + MOMENTUM * momentum)
+    return anchor
+
+
+def test_outer_step_matches_a_hand_computed_nesterov_update():
+    weight = torch.nn.Parameter(torch.full((2, 3), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    deltas = [0.3, -0.2, 0.05]
+    for delta in deltas:
+        with torch.no_grad():
+            weight.sub_(delta)  # "inner steps" that moved the weight by -delta
+        (pseudo,) = outer.pseudo_gradients()
+        torch.testing.assert_close(pseudo, torch.full((2, 3), delta), rtol=1e-4, atol=1e-5)
+        outer.step([pseudo])
+    torch.testing.assert_close(weight.data, torch.full((2, 3), hand_nesterov(1.0, deltas)), rtol=1e-4, atol=1e-5)
+
+
+def test_state_tensors_round_trip_gives_a_newcomer_the_same_next_step():
+    old, new = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.full((4,), 9.0))
+    outer_old, outer_new = OuterNesterov([old]), OuterNesterov([new])
+    outer_old.step([torch.ones(4)])
+    outer_new.load_state_tensors(outer_old.state_tensors())
+    torch.testing.assert_close(new.data, old.data, rtol=0, atol=0)
+    outer_old.step([torch.full((4,), 0.5)])
+    outer_new.step([torch.full((4,), 0.5)])
+    torch.testing.assert_close(new.data, old.data, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(lr=0.0), "--outer_lr"), (dict(momentum=1.0), "--outer_momentum")])
+def test_bad_outer_settings_name_the_flag(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        OuterNesterov([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
+@pytest.mark.swarm
+def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
+    import hivemind
+    from lean_transformer.swarm.diloco import DiLoCoRounds, PseudoGradientAverager
+    from lean_transformer.swarm.optimizer import make_compression
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    weight = torch.nn.Parameter(torch.zeros(3))
+    outer = OuterNesterov([weight])
+    averager = PseudoGradientAverager(dht, "test_diloco_alone", [weight.shape], matchmaking_time=0.5,
+                                      allreduce_timeout=2.0)  # min_group_size 2: alone, every round misses
+    try:
+        rounds = DiLoCoRounds(outer, averager, local_steps=2)
+        results = []
+        for step in range(4):
+            with torch.no_grad():
+                weight.sub_(1.0)
+            results.append(rounds.after_inner_step(samples=8))
+        assert results == [None] * 4 and rounds.rounds == 0
+        assert rounds.samples_since_anchor == 32 and rounds.steps_since_round == 0
+        torch.testing.assert_close(outer.pseudo_gradients()[0], torch.full((3,), 4.0), rtol=0, atol=0)
+        torch.testing.assert_close(weight.data, torch.full((3,), -4.0), rtol=0, atol=0)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("compression", ["none", "blockwise8bit"])
+def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, report):
+    """Uncompressed, the result is exact; block-wise 8-bit codes carry each value to within 1/127 of its block's
+    absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    first = subprocess.Popen([sys.executable, __file__, "a", compression], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        address = first.stdout.readline().strip()
+        assert address.startswith("/ip4/"), first.stderr.read()[-3000:] if first.poll() is not None else address
+        second = subprocess.run([sys.executable, __file__, "b", compression, address], capture_output=True,
+                                text=True, env=env, timeout=120)
+        out_a, err_a = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 0 and first.returncode == 0, second.stderr[-3000:] + err_a[-3000:]
+    results = {"a": json.loads(out_a.strip().splitlines()[-1]), "b": json.loads(second.stdout.strip().splitlines()[-1])}
+
+    total = sum(samples for samples, _ in PEERS.values())
+    means = [sum(samples * shifts[r] for samples, shifts in PEERS.values()) / total for r in range(2)]
+    expected = hand_nesterov(1.0, means)
+    for name, result in results.items():
+        assert result["group_sizes"] == [2, 2], result
+        rtol, atol = (1e-4, 1e-5) if compression == "none" else (2e-2, 0.0)
+        torch.testing.assert_close(torch.tensor(result["weight"]), torch.full((3,), expected), rtol=rtol, atol=atol)
+    report(f"2 peers (1 and 3 samples), 2 outer rounds, {compression}: a at {results['a']['weight'][0]:.6f}, "
+           f"b at {results['b']['weight'][0]:.6f}, by hand {expected:.6f}")
+
+
+def peer(name: str, compression: str, address: str | None) -> None:
+    import hivemind
+    from lean_transformer.swarm.diloco import DiLoCoRounds, PseudoGradientAverager
+    from lean_transformer.swarm.optimizer import make_compression
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       initial_peers=[address] if address else None)
+    if address is None:
+        print(dht.get_visible_maddrs()[0], flush=True)
+    weight = torch.nn.Parameter(torch.full((3,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
+                                      allreduce_timeout=30.0, target_group_size=2,
+                                      compression=make_compression(compression))
+    rounds = DiLoCoRounds(outer, averager, local_steps=1)
+    samples, shifts = PEERS[name]
+    group_sizes = []
+    for shift in shifts:
+        with torch.no_grad():
+            weight.sub_(shift)
+        group_size = rounds.after_inner_step(samples)  # hivemind retries matchmaking until the round's timeout
+        assert group_size is not None, "the outer round failed"
+        group_sizes.append(group_size)
+    averager.shutdown()
+    dht.shutdown()
+    print(json.dumps(dict(weight=weight.tolist(), group_sizes=group_sizes)), flush=True)
+
+
+if __name__ == "__main__":
+    peer(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
