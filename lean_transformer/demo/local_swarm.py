@@ -248,6 +248,7 @@ class LocalSwarm:
     peers: list[Peer] = field(default_factory=list)
     tracker: ProcessTracker = field(default_factory=ProcessTracker)
     problems: list[str] = field(default_factory=list)  # peers that crashed or did not stop cleanly
+    on_tick: Optional[Callable[["LocalSwarm", float], None]] = None  # called with the seconds trained, every 0.5 s
 
     @property
     def aux(self) -> Peer:
@@ -336,9 +337,23 @@ class LocalSwarm:
             if elapsed >= self.duration:
                 print(f"The {_minutes(self.duration)} min are over: stopping the peers", flush=True)
                 return
+            if self.on_tick is not None:
+                self.on_tick(self, elapsed)
             if time.monotonic() >= next_view:
                 self._print_view(elapsed)
                 next_view += self.refresh
+
+    def restart(self, peer: Peer) -> Peer:
+        """SIGKILL ``peer``'s whole process group (as if its machine died) and start it again with the same command
+        line, environment and log file (appended to), so that it rejoins the swarm as a restarted volunteer does.
+        The kill is on purpose, so it is not reported as a problem; the new process is watched like any peer."""
+        self.tracker.scan()  # remember its hivemind processes, so that clean_up finds any that left its group
+        peer.kill_group()
+        peer.reported_exit = True
+        again = Peer(peer.name, peer.argv, peer.log, peer.env)
+        self.peers[self.peers.index(peer)] = again
+        again.start()
+        return again
 
     def _print_view(self, elapsed: float) -> None:
         clock = f"[{_minutes(elapsed)} / {_minutes(self.duration)}]"
@@ -485,7 +500,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"Local swarm: 1 aux peer and {args.num_trainers} trainer(s) train the tiny LeanGPT on the embedded corpus "
           f"(entropy floor {floor:.4f} nats/token) for {args.duration:g} s; Ctrl+C stops it", flush=True)
     swarm = LocalSwarm(args.output_dir, args.num_trainers, args.duration, args.refresh, args.wandb)
-    stop = StopSignals()
+    return run(swarm, StopSignals(), floor)
+
+
+def run(swarm: LocalSwarm, stop: StopSignals, floor: float) -> int:
+    """Start, watch and stop ``swarm``, then print its summary; the command's exit code (non-zero if a peer
+    crashed or did not stop cleanly, if there is no checkpoint, or 128 + the signal that stopped it)."""
     started_at = time.monotonic()
     try:
         if swarm.start(stop.event):
@@ -504,9 +524,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  checkpoint: {path} ({source}; LeanGPTForCausalLM.from_pretrained or --resume_from)")
     plot = swarm.metrics_path.with_suffix(".png")
     print(f"  plot: {plot if plot.exists() else 'none'}; metrics: {swarm.metrics_path}; "
-          f"logs: {args.output_dir / 'logs'}")
-    if args.wandb:
-        print(f"  wandb: an offline run in {args.output_dir / 'wandb'} (upload it with `wandb sync`)")
+          f"logs: {swarm.output_dir / 'logs'}")
+    if swarm.wandb:
+        print(f"  wandb: an offline run in {swarm.output_dir / 'wandb'} (upload it with `wandb sync`)")
     if swarm.problems:
         print(f"  problems: {'; '.join(swarm.problems)} (see the logs)")
     sys.stdout.flush()
