@@ -8,9 +8,9 @@ Rows, each adding to the one before (4 x 2048 tokens per micro-batch, vocab 5030
 - bf16 weights (``--model_dtype bfloat16``): weights, gradients and accumulators in bfloat16;
 - + grad offload: gradients leave the device during backward (``HostGradients``), no device accumulators;
 - + checkpointing: ``gradient_checkpointing=True`` (one checkpoint per layer);
-- + chunked loss: logits and cross-entropy 1024 tokens at a time, each chunk recomputed in backward. This is a shape
-  model written here (hidden states -> per-chunk checkpointed ``F.linear`` + ``cross_entropy``), not the model
-  library's chunked loss, which lives on another branch.
+- + chunked loss: ``model(..., labels=..., return_logits=False)``, the model library's linear + cross-entropy a chunk
+  of tokens at a time (``modules/fused_loss.py``; liger-kernel's fused kernel where it is installed on CUDA), so the
+  full logits never exist.
 
 ESTIMATED without CUDA: the model runs on fake tensors (``FakeTensorMode``) on the CPU device with the GPU's dtypes,
 under ``torch.distributed._tools.mem_tracker.MemTracker``, whose peak counts every live tensor (parameters,
@@ -36,14 +36,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 import transformers
-from torch.utils.checkpoint import checkpoint
 
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
 
 GiB = 2 ** 30
-VOCAB, BATCH, SEQ, LOSS_CHUNK = 50304, 4, 2048, 1024
+VOCAB, BATCH, SEQ = 50304, 4, 2048
 GPU_GPT = json.loads((Path(__file__).resolve().parents[1] / "tasks" / "configs" / "gpu_gpt.json").read_text())
 SIZES = {  # name: hidden, layers, heads (1.3B is tasks/configs/gpu_gpt.json)
     "125M": (768, 12, 12),
@@ -70,7 +68,7 @@ OPTIONS = [
     Option("bf16 weights", accumulators=True),
     Option("+ grad offload", offload=True),
     Option("+ checkpointing", offload=True, checkpointing=True),
-    Option("+ chunked loss (shape model)", offload=True, checkpointing=True, chunked_loss=True),
+    Option("+ chunked loss", offload=True, checkpointing=True, chunked_loss=True),
 ]
 
 
@@ -94,32 +92,12 @@ def build(cfg: LeanGPTConfig, option: Option, device: str) -> LeanGPTForCausalLM
     return model.train()
 
 
-def chunked_loss(model: LeanGPTForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the vocabulary LOSS_CHUNK tokens at a time; only one chunk's logits are ever alive."""
-    head = model.lm_head
-    hidden = model.transformer(input_ids, causal=True)
-    hidden = (head.transform(hidden) if head.transform is not None else hidden)[:, :-1].flatten(0, 1)
-    labels = input_ids[:, 1:].flatten()
-    weight = model.transformer.embeddings.word_embeddings.weight if head.weight is None else head.weight
-
-    def chunk_loss(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(chunk, weight, head.bias).float()  # not head(): MemTracker allows one call per module
-        return F.cross_entropy(logits, chunk_labels, reduction="sum")
-
-    total = sum(checkpoint(chunk_loss, hidden[start:start + LOSS_CHUNK], labels[start:start + LOSS_CHUNK],
-                           use_reentrant=False)
-                for start in range(0, hidden.shape[0], LOSS_CHUNK))
-    return total / labels.numel()
-
-
 def loss_function(model: LeanGPTForCausalLM, option: Option, input_ids: torch.Tensor) -> Callable[[], torch.Tensor]:
     autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=option.dtype == torch.float32)
 
     def compute() -> torch.Tensor:
         with autocast:
-            if option.chunked_loss:
-                return chunked_loss(model, input_ids)
-            return model(input_ids=input_ids, labels=input_ids).loss
+            return model(input_ids=input_ids, labels=input_ids, return_logits=not option.chunked_loss).loss
     return compute
 
 
@@ -243,7 +221,7 @@ def beyond_weights(size: str = "1.3B") -> None:
     print("| --- | --- |")
     for option in OPTIONS[3:]:
         peak, weights, _ = estimate(config(*SIZES[size]), option)
-        print(f"| {'chunked (shape model)' if option.chunked_loss else 'full logits'} | "
+        print(f"| {'chunked' if option.chunked_loss else 'full logits'} | "
               f"{(peak - weights) / GiB:.2f} |", flush=True)
 
 

@@ -1,4 +1,5 @@
 """Block-sparse layouts and BlockSparseLinear, checked against dense matmuls with masked weights."""
+import copy
 from fractions import Fraction
 
 import pytest
@@ -284,7 +285,9 @@ def test_register_layout_needs_an_identifier():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_matches_cpu():
+def test_cuda_is_as_exact_as_cpu():
+    """CUDA and CPU sum in different orders, so their float32 results differ by rounding (3.6e-5 seen on an H100);
+    both are compared with a float64 reference: CUDA's error must stay within a few times the CPU's."""
     torch.manual_seed(0)
     layer = randomized(BlockSparseLinear(256, 1024, "pixelfly(block_size=32)", lowrank_dim=4))
     x, grad_y = torch.randn(4, 33, 256), torch.randn(4, 33, 1024)
@@ -293,6 +296,10 @@ def test_cuda_matches_cpu():
         grad_x, grads = layer.op_backward(x, grad_y, layer.op_params())
         return [layer(x), grad_x, *grads]
 
-    expected = outputs(layer, x, grad_y)
-    for got, want in zip(outputs(layer.cuda(), x.cuda(), grad_y.cuda()), expected):
-        torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+    cpu = outputs(layer, x, grad_y)
+    cuda = outputs(copy.deepcopy(layer).cuda(), x.cuda(), grad_y.cuda())
+    reference = outputs(copy.deepcopy(layer).double(), x.double(), grad_y.double())
+    for on_cpu, on_cuda, exact in zip(cpu, cuda, reference):
+        cpu_error = (on_cpu.double() - exact).abs().max().item()
+        cuda_error = (on_cuda.cpu().double() - exact).abs().max().item()
+        assert cuda_error <= 4 * cpu_error + 1e-6, (cuda_error, cpu_error)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -107,6 +108,14 @@ def test_cuda_gradients_arrive_on_the_host_and_never_all_sit_on_the_device(gpt_c
     for total, buffer in zip(expected, grads.buffers):
         torch.testing.assert_close(buffer, total, rtol=1e-6, atol=1e-8)
     assert all(param.grad is None for param in model.parameters())
+    # detached, nothing refers to the model any more: its memory is freed (a benchmark's rows once leaked it)
+    grads.remove_hooks()
+    assert not grads._thread.is_alive()
+    model_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    before_free = torch.cuda.memory_allocated()
+    del model, grads
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= before_free - model_bytes
 
 
 def test_loss_scale_halves_on_overflow_and_doubles_after_clean_steps():

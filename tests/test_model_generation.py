@@ -52,6 +52,22 @@ def test_generates_what_gpt2_generates(gpt2_pair, mode, left_padded):
     assert len(set(outputs[0][:, 7:].flatten().tolist())) > 5  # varied text: the comparison could fail
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=False, num_beams=3)])
+def test_generates_on_cuda_what_gpt2_generates(gpt2_pair, mode):
+    """Left-padded prompts on CUDA (SDPA with a mask while prefilling, the cache while decoding): the same tokens as
+    GPT-2 on CUDA."""
+    hf, lean = (model.cuda() for model in gpt2_pair)
+    try:
+        inputs = {name: tensor.cuda() for name, tensor in prompts(left_padded=True).items()}
+        expected, got = (model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, **mode) for model in (hf, lean))
+        assert torch.equal(got, expected)
+        assert len(set(expected[:, 7:].flatten().tolist())) > 5
+    finally:
+        hf.cpu(), lean.cpu()
+
+
 @pytest.mark.parametrize("architecture", [
     dict(),  # rotary
     dict(position_embedding_type="absolute", hidden_act="relu"),

@@ -76,7 +76,7 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
         hidden = self.transformer(input_ids, attention_mask, causal=True, position_ids=position_ids, cache=cache)
         embeddings = self.transformer.embeddings.word_embeddings.weight
         if not return_logits:
-            loss = self.lm_head.loss(hidden[:, :-1], embeddings, labels[:, 1:])
+            loss = self.lm_head.loss(hidden[:, :-1], embeddings, labels[:, 1:], only_labelled=False)
             return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=cache)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

@@ -65,12 +65,16 @@ class LeanLMHead(nn.Module):
             hidden = self.transform(hidden)
         return F.linear(hidden, input_embeddings if self.weight is None else self.weight, self.bias)
 
-    def loss(self, hidden: Tensor, input_embeddings: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    def loss(self, hidden: Tensor, input_embeddings: Tensor, labels: Tensor, ignore_index: int = -100,
+             only_labelled: bool = True) -> Tensor:
         """``F.cross_entropy(self(hidden, input_embeddings).float(), labels)`` (mean over labelled tokens) without
-        the full logits: only the labelled tokens go through the head, their logits a chunk at a time
-        (``fused_loss.linear_cross_entropy``)."""
-        labelled = labels != ignore_index
-        hidden, labels = hidden[labelled], labels[labelled]
+        the full logits: the logits are computed a chunk at a time (``fused_loss.linear_cross_entropy``).
+
+        :param only_labelled: first select the labelled tokens (worth it where few are, as in masked LM; it waits
+            for the device to count them). False keeps every token's shape static (causal LM, fake tensors)."""
+        if only_labelled:
+            labelled = labels != ignore_index
+            hidden, labels = hidden[labelled], labels[labelled]
         if self.transform is not None:
             hidden = self.transform(hidden)
         weight = input_embeddings if self.weight is None else self.weight

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.activations import get_activation
 from lean_transformer.modules.linear import SharedMatrix, make_linear
+from lean_transformer.modules.linear_op import even_bounds
 from lean_transformer.modules.replay import AutocastState, RNGState, dropout_mask
 
 Params = tuple[Tensor, ...]
@@ -111,7 +112,7 @@ class LeanFFN(nn.Module):
                 mask.append(dropout_mask((*x.shape[:-1], out.shape[-1]), dropout_p, out.dtype, out.device))
             return out * mask[0][index]
 
-        bounds = torch.linspace(0, x.shape[1], self.backward_chunks + 1).round().long().tolist()
+        bounds = even_bounds(x.shape[1], self.backward_chunks)
         indices = [(slice(None), slice(start, end)) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
         return [(index, functools.partial(piece, index)) for index in indices]
 
@@ -142,7 +143,7 @@ class _FFNFunction(torch.autograd.Function):
             needs_x = ctx.needs_input_grad[3]
             grad_x = torch.empty(rows[0].shape, dtype=x.dtype, device=x.device) if needs_x else None
             totals: list[Optional[Tensor]] = [None] * len(flat)
-            bounds = torch.linspace(0, rows[0].shape[0], ctx.chunks + 1).round().long().tolist()
+            bounds = even_bounds(rows[0].shape[0], ctx.chunks)
             for start, end in zip(bounds[:-1], bounds[1:]):
                 if end > start:
                     chunk = [t[start:end] if t is not None else None for t in rows]

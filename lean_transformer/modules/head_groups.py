@@ -23,6 +23,7 @@ from torch import Tensor
 from lean_transformer.modules.attention import LeanSelfAttention
 from lean_transformer.modules.attention_mask import AttentionMask
 from lean_transformer.modules.linear import DenseLinear
+from lean_transformer.modules.linear_op import even_bounds
 from lean_transformer.modules.rotary import apply_rotary
 
 Piece = tuple[tuple, Callable[[Tensor], Tensor]]
@@ -76,5 +77,5 @@ def head_group_pieces(attention: LeanSelfAttention, x: Tensor, chunks: int,
             mask.append(F.dropout(torch.ones_like(out), dropout_p, training=True))
         return out * mask[0]
 
-    bounds = torch.linspace(0, heads, min(chunks, heads) + 1).round().long().tolist()
+    bounds = even_bounds(heads, min(chunks, heads))
     return [((...,), functools.partial(piece, first, last)) for first, last in zip(bounds[:-1], bounds[1:])]

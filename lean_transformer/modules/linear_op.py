@@ -67,3 +67,9 @@ class LinearOp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.op_forward(x, self.op_params())
+
+
+def even_bounds(total: int, pieces: int) -> list[int]:
+    """``pieces + 1`` boundaries splitting ``range(total)`` into near-equal parts (plain ints: no tensor, so shapes
+    stay static under fake tensors and compilation)."""
+    return [index * total // pieces for index in range(pieces + 1)]

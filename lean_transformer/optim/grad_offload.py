@@ -124,7 +124,10 @@ class HostGradients:
 
     def _host_adds(self) -> None:
         while True:
-            index, staged, slot, copied, scale = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:  # remove_hooks(): the thread ends, so it no longer keeps the parameters alive
+                return
+            index, staged, slot, copied, scale = job
             try:
                 copied.synchronize()
                 self._accumulate(index, staged, scale)
@@ -169,8 +172,12 @@ class HostGradients:
         self._found_non_finite.zero_()
 
     def remove_hooks(self) -> None:
-        """Detach from the model: gradients stay in ``param.grad`` again."""
+        """Detach from the model: gradients stay in ``param.grad`` again, and the host thread (which refers to the
+        parameters) ends, so a shut-down averager does not keep the model's memory."""
         self.wait()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.is_cuda and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=WAIT_TIMEOUT)
