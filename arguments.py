@@ -204,6 +204,9 @@ class TrainingArguments:
                 "(split the layers into N equal segments and keep only each segment's input; 1..num_hidden_layers)."})
     checkpoint_attention_core: bool = field(default=False, metadata={
         "help": "Also recompute the attention core (saves memory on long sequences)."})
+    backward_chunks: int = field(default=1, metadata={
+        "help": "Run backward in N pieces (the feed-forward's backward over N chunks of tokens; in reversible models "
+                "also the recomputation, attention in N head groups): less memory, same gradients."})
     ffn_custom_grad: bool = field(default=True, metadata={
         "help": "Use the hand-written, memory-saving backward pass of the feedforward layers."})
     preserve_rng_state: bool = field(default=True, metadata={
@@ -237,7 +240,7 @@ class TrainingArguments:
 
     def __post_init__(self):
         for name in ("per_device_batch_size", "gradient_accumulation_steps", "total_steps", "max_sequence_length",
-                     "pad_to_multiple_of", "keep_backups"):
+                     "pad_to_multiple_of", "keep_backups", "backward_chunks"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "sequence_length_warmup_steps", "backup_every_epochs", "weight_decay",
                      "min_8bit_size"):

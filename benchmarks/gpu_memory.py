@@ -217,11 +217,11 @@ def beyond_weights(size: str = "1.3B") -> None:
     """Forward + backward memory beyond weights (+ gradients, here none on the device), bf16, checkpointing."""
     print(f"\n{size}, bf16, {BATCH} x {SEQ}, checkpointing, grad offload: ESTIMATED peak minus weights "
           f"(target <= 1.5 GiB)\n")
-    print("| loss | forward + backward beyond weights (GiB) |")
+    print("| option | forward + backward beyond weights (GiB) |")
     print("| --- | --- |")
     for option in OPTIONS[3:]:
         peak, weights, _ = estimate(config(*SIZES[size]), option)
-        print(f"| {'chunked' if option.chunked_loss else 'full logits'} | "
+        print(f"| {option.name} | "
               f"{(peak - weights) / GiB:.2f} |", flush=True)
 
 

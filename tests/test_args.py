@@ -69,6 +69,7 @@ BAD = {
     "sequence warmup above max": (["--initial_sequence_length", "512", "--max_sequence_length", "128"],
                                   "--initial_sequence_length"),
     "bad checkpointing": (["--gradient_checkpointing", "sometimes"], "--gradient_checkpointing"),
+    "zero backward chunks": (["--backward_chunks", "0"], "--backward_chunks: must be positive"),
     "unknown compression": (["--grad_compression", "zip"], "--grad_compression"),
     "not a number": (["--learning_rate", "fast"], "--learning_rate"),
 }

@@ -62,6 +62,7 @@ class TrainingSettings(Protocol):
     model_dtype: str  # auto, bfloat16, float16 or float32
     offload_gradients: str  # auto, true or false
     checkpoint_attention_core: bool
+    backward_chunks: int
     ffn_custom_grad: bool
     preserve_rng_state: bool
     output_dir: str

@@ -93,7 +93,7 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
         model = task.build_model().to(device, dtype)  # hivemind keeps float32 master weights on the host
         model.set_optimizations(gradient_checkpointing=training.checkpointing_option(),
                                 checkpoint_attention_core=training.checkpoint_attention_core,
-                                ffn_custom_grad=training.ffn_custom_grad,
+                                backward_chunks=training.backward_chunks, ffn_custom_grad=training.ffn_custom_grad,
                                 preserve_rng_state=training.preserve_rng_state)
         optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
                                     host_gradients=host_gradients)
@@ -150,8 +150,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
         for _ in range(accumulation):
             batch = {key: value.to(device) for key, value in batches.next_batch(batch_size, sequence_length).items()}
             progress.count_tokens(batch["input_ids"].numel())
-            with autocast:
-                loss = model(**batch).loss
+            with autocast:  # the loss a chunk of tokens at a time: the full logits never exist
+                loss = model(**batch, return_logits=False).loss
             scaled_loss = loss / accumulation
             if loss_scale is not None:
                 host_grads.grad_scale = 1.0 / loss_scale.scale
