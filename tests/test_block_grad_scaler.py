@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from benchmarks.grad_scaling import GAINS, DeepNet  # the benchmark's deep net: 8 blocks, a 2^48 gradient spread
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.optim.block_grad_scaler import BlockGradScaler
 
@@ -49,48 +49,6 @@ def test_equal_scales_reproduce_grad_scaler(gpt_config, options, architecture):
     assert block_scaler.skipped_blocks == 0
 
 
-class _GradGain(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by ``gain`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, gain):
-        ctx.gain = gain
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.gain, None
-
-
-class GainBlock(nn.Module):
-    """A residual MLP block whose inner gradients are ``gain`` times those of the plain block (forward unchanged,
-    the residual stream's gradient unchanged): a stand-in for the drift of gradient magnitudes across the depth of
-    deep networks. Adam with an epsilon below every gradient is invariant to it, so fp32 training is unaffected."""
-
-    def __init__(self, width: int, gain: float):
-        super().__init__()
-        self.norm, self.dense_in = nn.LayerNorm(width), nn.Linear(width, 4 * width)
-        self.dense_out = nn.Linear(4 * width, width)
-        self.gain = gain
-
-    def forward(self, x):
-        x = _GradGain.apply(x, 1 / self.gain)
-        return _GradGain.apply(self.dense_out(F.relu(self.dense_in(self.norm(x)))), self.gain)
-
-
-class DeepNet(nn.Module):
-    def __init__(self, width: int, gains: list[float]):
-        super().__init__()
-        self.blocks = nn.ModuleList(GainBlock(width, gain) for gain in gains)
-        self.head = nn.Linear(width, width)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)  # an fp32 residual stream
-        return self.head(x)
-
-
-GAINS = [2.0 ** -32] * 5 + [1.0, 2.0 ** 12, 2.0 ** 16]  # a 2^48 spread; fp16 spans 2^40 (with subnormals)
 STEPS, WARM_UP = 250, 100
 
 

@@ -75,6 +75,10 @@ def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path, r
     assert read_epoch(checkpoint) == int(checkpoint.name.split("-")[1]) >= int(epoch)
     model = LeanGPTForCausalLM.from_pretrained(checkpoint)
     assert all(torch.isfinite(param).all() for param in model.parameters())
+    written = re.findall(r"^    model:  (.*)$", out, re.MULTILINE)
+    corpus = re.findall(r"^    corpus: (.*)$", out, re.MULTILINE)
+    assert len(written) == len(corpus) == 3 and all(corpus), out[-2000:]
+    assert [f"model:  {text}" for text in written] == local_swarm.writing_sample(checkpoint)[:3]  # seeded
     assert_valid_png(tmp_path / "demo" / "metrics.png")
     report(f"local swarm, 20 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
            f"{rounds} averaging rounds; checkpoint {checkpoint.name} loads; PNG valid; nothing left running")

@@ -440,6 +440,36 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 
+@dataclass(frozen=True)
+class ByteCodec:
+    """The demo's tokens: UTF-8 bytes are 0..255 (the trainers' default byte tokenizer); the end-of-text id comes
+    from the model's config, which the task wrote from that tokenizer."""
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def writing_sample(checkpoint: Path, lines: int = 3, width: int = 80, corpus_seed: int = 0) -> list[str]:
+    """What the trained model writes (sampled, seeded, each line a new document) and, beside it, the corpus's own
+    text: the eye sees at once how much of the chain's structure the swarm has learned."""
+    from transformers.utils import logging as transformers_logging
+
+    from lean_transformer.models.generation import sample_text
+    from lean_transformer.models.gpt import LeanGPTForCausalLM
+
+    transformers_logging.disable_progress_bar()  # the demo's summary, not a weight-loading bar
+    model = LeanGPTForCausalLM.from_pretrained(checkpoint)
+    written = sample_text(model, ByteCodec(model.config.eos_token_id), [""] * lines, max_new_tokens=width, seed=0)
+    corpus = MarkovCorpus.generate(corpus_seed).documents(seed=corpus_seed + 1)
+    own = [next(corpus)[:width] for _ in range(lines)]
+    return [f"model:  {' '.join(text.split())}" for text in written] + \
+        [f"corpus: {' '.join(text.split())}" for text in own]
+
+
 def entropy_floor(corpus_seed: int = 0) -> float:
     """The loss floor (nats per byte-level token) of the embedded corpus the trainers train on."""
     return MarkovCorpus.generate(corpus_seed).entropy_per_byte
@@ -522,6 +552,9 @@ def run(swarm: LocalSwarm, stop: StopSignals, floor: float) -> int:
     if checkpoint is not None:
         epoch, path, source = checkpoint
         print(f"  checkpoint: {path} ({source}; LeanGPTForCausalLM.from_pretrained or --resume_from)")
+        print("  what the model writes, and the corpus's own text:")
+        for line in writing_sample(path):
+            print(f"    {line}")
     plot = swarm.metrics_path.with_suffix(".png")
     print(f"  plot: {plot if plot.exists() else 'none'}; metrics: {swarm.metrics_path}; "
           f"logs: {swarm.output_dir / 'logs'}")
