@@ -37,7 +37,8 @@ WORKDIR /app
 # Dependencies first, in their own layer, so that editing the source does not reinstall them.
 COPY pyproject.toml ./
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /etc/pip-constraints.txt \
- && python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+ && python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print(*project['dependencies'], *project['optional-dependencies']['cuda'], sep='\n')" \
         > /tmp/requirements.txt \
  && pip install --requirement /tmp/requirements.txt \
  && rm /tmp/requirements.txt
