@@ -109,6 +109,17 @@ def model_step(model, inputs: dict, **kwargs):
     return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_loss_and_gradients(model, input_ids: torch.Tensor, fused: tuple, plain: tuple) -> None:
+    """The chunked loss's (output, gradients) equal the plain loss's; without labels the model refuses to run."""
+    (result, grads), (reference, ref_grads) = fused, plain
+    torch.testing.assert_close(result.loss, reference.loss, **TOL)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="return_logits=False needs labels"):
+        model(input_ids, return_logits=False)
+
+
 @pytest.mark.parametrize("architecture", [dict(), dict(tie_word_embeddings=False), dict(embedding_size=16)])
 def test_gpt_return_logits_false_matches(gpt_config, architecture):
     config = gpt_config(vocab_size=512, max_position_embeddings=128, **architecture)
@@ -124,12 +135,7 @@ def test_gpt_return_logits_false_matches(gpt_config, architecture):
     assert result.logits is None
     assert plain.numel == input_ids.numel() * config.vocab_size  # the counter sees full logits where they exist
     assert 0 < fused.numel <= input_ids.numel() * config.vocab_size / 8
-    torch.testing.assert_close(result.loss, reference.loss, **TOL)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
-    with pytest.raises(ValueError, match="return_logits=False needs labels"):
-        model(input_ids, return_logits=False)
+    assert_same_loss_and_gradients(model, input_ids, (result, grads), (reference, ref_grads))
 
 
 def test_albert_return_logits_false_matches(albert_config):
@@ -143,12 +149,7 @@ def test_albert_return_logits_false_matches(albert_config):
     reference, ref_grads = model_step(model, inputs)
     result, grads = model_step(model, inputs, return_logits=False)
     assert result.prediction_logits is None and result.sop_logits is not None
-    torch.testing.assert_close(result.loss, reference.loss, **TOL)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
-    with pytest.raises(ValueError, match="return_logits=False needs labels"):
-        model(input_ids, return_logits=False)
+    assert_same_loss_and_gradients(model, input_ids, (result, grads), (reference, ref_grads))
 
 
 @pytest.mark.cuda
