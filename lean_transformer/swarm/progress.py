@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-
 from typing import Optional
 
 import hivemind
