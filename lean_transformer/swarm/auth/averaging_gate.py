@@ -30,6 +30,7 @@ from hivemind.dht import DHTNode
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, crypto_pb2
 from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
@@ -37,6 +38,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from lean_transformer.swarm.auth.tokens import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
                                                 token_expiration)
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
+from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
 
 logger = get_logger(__name__)
 
@@ -175,8 +177,10 @@ class _GatedAverager:
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if not await self._gate.admits(context.remote_id, self.prefix):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        if not await self._gate.admits(context.remote_id, self.prefix):  # read the part, or the refusal is lost
+            refusal = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            async for message in answer_then_drain(as_aiter(refusal), stream):
+                yield message
             return
         async for message in super().rpc_aggregate_part(stream, context):
             yield message

@@ -15,6 +15,10 @@ that the swarm code uses explicitly.
   receiver), metadata leaks from one peer to the next, served states can tear while the server steps, and nothing
   is validated, so a misfitting state makes a newcomer retry forever. Reproduced by ``tests/test_state_download.py``.
   Drop when hivemind validates downloads and reports cut streams (not in 1.1.12).
+- :mod:`.stream_answers`: when a handler of a streamed request answers before reading it all (an averager refusing
+  a tensor part), hivemind closes the stream with the caller's data unread, p2pd resets it and the answer is lost:
+  the caller sees an empty stream or a broken pipe. Reproduced by ``tests/test_stream_answers.py`` (and, as a rare
+  failure, by ``tests/test_auth_averaging.py``). Drop when hivemind reads a request to its end before closing.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).

@@ -36,6 +36,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
 
 from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
+from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 
 _live_tasks: Set[asyncio.Task] = set()
 _current_step: ContextVar[Optional[StepControl]] = ContextVar("current_step", default=None)  # one per _step task
@@ -77,13 +78,14 @@ class CancelSafe:
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
 
-class GradientAverager(CancelSafe, grad_averager.GradientAverager):
-    """hivemind's GradientAverager (same RPC names), safe to cancel."""
+class GradientAverager(CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
+    """hivemind's GradientAverager (same RPC names), safe to cancel, its answers delivered (:mod:`.stream_answers`)."""
 
 
-class TrainingStateAverager(CancelSafe, ValidatedStateSharing, state_averager.TrainingStateAverager):
-    """hivemind's TrainingStateAverager (same RPC names), safe to cancel, sharing consistent states and loading only
-    states that fit (:mod:`.state_download`)."""
+class TrainingStateAverager(CancelSafe, AnswersDelivered, ValidatedStateSharing,
+                            state_averager.TrainingStateAverager):
+    """hivemind's TrainingStateAverager (same RPC names), safe to cancel, its answers delivered
+    (:mod:`.stream_answers`), sharing consistent states and loading only states that fit (:mod:`.state_download`)."""
 
 
 class _OwnAveragers:

@@ -1,0 +1,93 @@
+"""lean_transformer.swarm.hivemind_fixes.stream_answers: an early answer to a streamed request reaches its caller.
+
+Run as a script, this file is one variant of the scenario, in its own process with two real P2P daemons on 127.0.0.1:
+a handler answers a streamed request at once without reading it (as an averager refusing a tensor part does) while
+the caller is still sending ``PART_BYTES`` of parts; the caller reads its answer only after it has sent everything.
+Variant ``hivemind``: the handler returns right after answering. Variant ``lean_transformer``: the handler's answers
+go through :func:`answer_then_drain`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CALLS = 6
+PARTS, PART_BYTES = 4, 2_000_000  # 8 MB in flight when the answer is sent
+READ_DELAY = 0.5  # seconds between the caller's last part and its first read
+
+
+async def _scenario(variant: str) -> dict:
+    from hivemind.p2p import P2P
+    from hivemind.proto import averaging_pb2, runtime_pb2
+    from hivemind.utils.asyncio import anext, as_aiter
+
+    from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
+
+    async def refuse(stream, context):
+        refusal = as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION))
+        answers = refusal if variant == "hivemind" else answer_then_drain(refusal, stream)
+        async for answer in answers:
+            yield answer
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+    try:
+        await server.add_protobuf_handler("part", refuse, averaging_pb2.AveragingData, stream_input=True,
+                                          stream_output=True)
+        part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group",
+                                           tensor_part=runtime_pb2.Tensor(buffer=b"\0" * PART_BYTES))
+        outcomes = []
+        for _ in range(CALLS):
+            answers = await client._iterate_protobuf_stream_handler(
+                server.peer_id, "part", as_aiter(*[part] * PARTS), averaging_pb2.AveragingData)
+            await asyncio.sleep(READ_DELAY)
+            try:
+                answer = await asyncio.wait_for(anext(answers), 10)
+                outcomes.append(averaging_pb2.MessageCode.Name(answer.code))
+            except StopAsyncIteration:
+                outcomes.append("empty stream")
+            except ConnectionError as e:
+                outcomes.append(type(e).__name__)
+        return dict(outcomes=outcomes)
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+def _run_side_by_side(*variants: str) -> list:
+    """Each variant's outcomes, the variants run at the same time, each in its own process."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    processes = [subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for variant in variants]
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
+        assert process.returncode == 0, stderr[-3000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1])["outcomes"])
+    return results
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_refusal_reaches_a_caller_that_is_still_sending(report):
+    upstream, fixed = _run_side_by_side("hivemind", "lean_transformer")
+    lost = [outcome for outcome in upstream if outcome != "PROTOCOL_VIOLATION"]
+    # when hivemind delivers these answers itself, this fails: drop stream_answers (see its docstring)
+    assert len(lost) >= CALLS // 2, f"hivemind 1.1.12 lost only {len(lost)} of {CALLS} answers: {upstream}"
+    assert fixed == ["PROTOCOL_VIOLATION"] * CALLS, fixed
+    report(f"a refusal sent while {PARTS * PART_BYTES / 1e6:g} MB of request were in flight: hivemind's handler "
+           f"lost {len(lost)} of {CALLS} ({sorted(set(lost))}); with answer_then_drain, {CALLS} of {CALLS} arrived")
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(_scenario(sys.argv[1]))))
