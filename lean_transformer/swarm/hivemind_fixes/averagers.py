@@ -13,8 +13,10 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
 - **A cancelled round averages anyway.** ``StepControl.cancel`` cancels the round's trigger and signals the averager
   before it marks the round itself cancelled; an averager that looks in between takes the cancelled trigger for a
   go-ahead, retries matchmaking and runs the all-reduce, with the default weight 1 and whatever its buffers hold. Its
-  group's result is then wrong, and so are its own buffers. Seen as inexact averages in the averaging tests. Here a
-  round that is cancelled by the time its all-reduce begins serves its group with weight 0, on copies of its tensors.
+  group's result is then wrong, and so are its own buffers. Seen as inexact averages in the averaging tests, and, on a
+  loaded machine, as a cancelled round that took the partner of the peer's next round. Here the averager marks the
+  round cancelled as soon as the signal arrives, so it stops looking for a group at once; and a round that is
+  cancelled by the time its all-reduce begins serves its group with weight 0, on copies of its tensors.
 
 :class:`CancelSafe` does both.
 
@@ -34,6 +36,7 @@ import torch
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
+from hivemind.utils.mpfuture import MPFuture
 
 from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
@@ -50,6 +53,13 @@ def _task_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: An
     return task
 
 
+async def _cancelled_once_signalled(step: StepControl) -> None:
+    """``StepControl.wait_for_cancel`` that also marks the round cancelled (in this process at once, and for its
+    owner) when the signal arrives, before hivemind's loop can take a cancelled trigger for a go-ahead."""
+    await StepControl.wait_for_cancel(step)
+    MPFuture.cancel(step)
+
+
 class CancelSafe:
     """Mixed in front of a hivemind averager (its methods below run in the averager's process): from its first
     round on, the tasks of its event loop stay referenced until they finish, and a round cancelled before its
@@ -64,6 +74,7 @@ class CancelSafe:
         if loop.get_task_factory() is not _task_factory:
             loop.set_task_factory(_task_factory)
         _current_step.set(step)
+        step.wait_for_cancel = functools.partial(_cancelled_once_signalled, step)  # shadows the method
         try:
             await super()._step(step=step, **kwargs)
         except InvalidStateError:
