@@ -81,13 +81,13 @@ class SwarmBlockScaling:
         """After the local step's last backward: unscale, zero the blocks that overflowed, update the scales."""
         scaler = self.scaler
         self._mul_grads(1.0 / (scaler.scales * self.loss_scale.scale), 1.0 / self.loss_scale.scale)
-        for index, group in enumerate(scaler.groups):  # BlockGradScaler.unscale_'s check, on our unscaling
-            grads = [param.grad for param in group if param.grad is not None]
-            if grads and not bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all()):
-                scaler.found_inf[index] += 1
-        overflowed = (scaler.found_inf > 0).tolist()
-        others = [param.grad for param in scaler.other_params if param.grad is not None]
-        others_finite = not others or bool(torch.stack([torch.isfinite(grad).all() for grad in others]).all())
+        # BlockGradScaler.unscale_'s check, on our unscaling; one device sync for all the blocks and the rest
+        device = scaler.found_inf.device
+        finite = torch.stack([_all_finite(group, device) for group in scaler.groups]
+                             + [_all_finite(scaler.other_params, device)])
+        scaler.found_inf += (~finite[:-1]).float()
+        flags = torch.cat([scaler.found_inf > 0, finite[-1:]]).tolist()
+        overflowed, others_finite = flags[:-1], flags[-1]
         self.loss_scale.update(overflow=not others_finite)
         if not others_finite:  # the stream overflowed before it reached the blocks: not theirs to back off
             scaler.found_inf.zero_()
@@ -108,3 +108,10 @@ class SwarmBlockScaling:
         others = [param.grad for param in self.scaler.other_params if param.grad is not None]
         if others:
             torch._foreach_mul_(others, other_factor)
+
+
+def _all_finite(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    grads = [param.grad for param in params if param.grad is not None]
+    if not grads:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack([torch.isfinite(grad).all() for grad in grads]).all().to(device)
