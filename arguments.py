@@ -192,13 +192,21 @@ class TrainingArguments:
     fp16: bool = field(default=False, metadata={
         "help": "Mixed precision with float16 and hivemind's gradient scaler (GPU)."})
     bf16: bool = field(default=False, metadata={"help": "Mixed precision with bfloat16."})
+    block_grad_scaling: bool = field(default=False, metadata={
+        "help": "With --fp16: one gradient scale per residual block (DALL-E's per-resblock scaling) instead of one "
+                "for the whole model; a block that overflows drops out of that local step (its gradient counts as "
+                "zero in the swarm's average) and halves its scale, the other blocks train on. Needs float32 weights "
+                "and no host gradients (--model_dtype and --offload_gradients auto choose them). Every peer of a "
+                "run must use the same value."})
     model_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata={
-        "help": "The dtype of the weights on the device (auto: bfloat16 on a GPU that supports it, else float32). "
+        "help": "The dtype of the weights on the device (auto: bfloat16 on a GPU that supports it, else and with "
+                "--block_grad_scaling float32). "
                 "The optimizer keeps float32 master weights in host memory either way; float16 gets loss scaling. "
                 "Anything but float32 needs --offload_gradients."})
     offload_gradients: Literal["auto", "true", "false"] = field(default="auto", metadata={
         "help": "Move each gradient to float32 host buffers as backward produces it, so the device never holds a "
-                "whole set (auto: on a GPU). Needs --offload_optimizer, without --delay_optimizer_step."})
+                "whole set (auto: on a GPU, without --block_grad_scaling). Needs --offload_optimizer, without "
+                "--delay_optimizer_step."})
     gradient_checkpointing: str = field(default="false", metadata={
         "help": "Recompute activations in backward: false; true (keep only each layer's input); or an integer N "
                 "(split the layers into N equal segments and keep only each segment's input; 1..num_hidden_layers)."})
@@ -252,6 +260,13 @@ class TrainingArguments:
         _require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
                  f"must be positive, got {self.max_grad_norm}")
         _require(not (self.fp16 and self.bf16), "fp16", "--fp16 and --bf16 are mutually exclusive")
+        _require(not self.block_grad_scaling or self.fp16, "block_grad_scaling",
+                 "needs --fp16 (it replaces the float16 loss scale)")
+        _require(not self.block_grad_scaling or self.model_dtype in ("auto", "float32"), "block_grad_scaling",
+                 f"needs float32 weights on the device, got --model_dtype {self.model_dtype}")
+        _require(not self.block_grad_scaling or self.offload_gradients != "true", "block_grad_scaling",
+                 "not available with --offload_gradients true (host gradients are unscaled with one scale as they "
+                 "leave the device)")
         _require(self.initial_sequence_length is None or 0 < self.initial_sequence_length <= self.max_sequence_length,
                  "initial_sequence_length", f"must be in [1, max_sequence_length], got {self.initial_sequence_length}")
         _require(self.max_epochs is None or self.max_epochs > 0, "max_epochs",

@@ -386,7 +386,8 @@ def run_diverged(argv: List[str]) -> None:
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("precision", [[], ["--fp16"], ["--fp16", "--block_grad_scaling"]],
+                         ids=["fp32", "fp16", "fp16-block-scaling"])
 def test_a_diverged_trainer_stops_with_one_line_on_every_precision(precision, tmp_path: Path, report):
     """Non-finite losses in a row end in a backup restore, or (none yet) a clear exit: with --fp16 too, where loss
     scaling used to hide them from the guard and the peer looped forever."""

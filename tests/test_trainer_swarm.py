@@ -8,11 +8,12 @@ One scenario (run once for the module, ~2 minutes) feeds the tests below:
   - "resume": once P1 has backed up epoch 2, trainer P4 starts a fresh run with --resume_from that backup (newer than
     its empty swarm); once it trains, a late trainer P3 joins it with --resume_from P1's epoch-1 backup (older than
     the swarm), averages gradients with it, and both are stopped with SIGTERM.
-Then four peers train alone: two diverge on purpose (learning rate 1e30), one with a backup to restore and one
-without, and two train with mixed precision (fp16; MLM with bf16).
+Then five peers train alone: two diverge on purpose (learning rate 1e30), one with a backup to restore and one
+without, and three train with mixed precision (fp16; MLM with bf16; fp16 with per-block gradient scales).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -193,14 +194,20 @@ def lone_peers(scenario: Scenario) -> dict[str, PeerProcess]:
     """Peers in swarms of their own, all at once: two whose learning rate (1e30) breaks the parameters at the first
     step (one with a backup of the solo run's last epoch in its output directory, one without backups), and two
     that train with mixed precision (one of them on the MLM task with gradient accumulation, sequence-length warmup
-    and gradient checkpointing)."""
+    and gradient checkpointing), and one with fp16 and per-block gradient scales, accumulating 2 micro-batches per
+    local step in the model's .grad buffers (--reuse_grad_buffers)."""
     root = scenario.root / "lone"
     shutil.copytree(backup(scenario.root / "p0", EPOCHS), root / "restores" / "backups" / f"epoch-{EPOCHS:06d}")
+    fp32_residual = root / "fp32_residual.json"
+    fp32_residual.write_text(json.dumps({**json.loads(Path("tasks/configs/tiny_gpt.json").read_text()),
+                                         "fp32_residual": True}))
     diverge = ["--learning_rate", "1e30"]
     healthy = ["--learning_rate", "0.02", "--warmup_steps", "1", "--target_batch_size", "64"]
     cases = {"restores": (EPOCHS + 2, diverge),
              "no_backup": (EPOCHS + 2, [*diverge, "--backup_every_epochs", "0"]),
              "fp16": (5, [*healthy, "--fp16"]),
+             "fp16_blocks": (5, [*healthy, "--fp16", "--block_grad_scaling", "--reuse_grad_buffers",
+                                 "--gradient_accumulation_steps", "2", "--model_config_path", str(fp32_residual)]),
              "mlm_bf16": (5, [*healthy, "--bf16", "--task", "mlm", "--gradient_accumulation_steps", "2",
                               "--initial_sequence_length", "32", "--sequence_length_warmup_steps", "3",
                               "--gradient_checkpointing", "true"])}
@@ -230,13 +237,15 @@ def test_broken_parameters_without_a_backup_stop_the_peer_with_a_clear_error(lon
     assert not any(line.startswith("Traceback") for line in lines[errors[0]:]), peer.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["fp16", "mlm_bf16"])
+@pytest.mark.parametrize("name", ["fp16", "mlm_bf16", "fp16_blocks"])
 def test_mixed_precision_training(lone_peers, name):
     peer = lone_peers[name]
     assert peer.process.returncode == 0, peer.stderr[-2000:]
     losses = epoch_losses(peer.stderr)
     assert sorted(losses) == [1, 2, 3, 4, 5]
     assert losses[5] < losses[1] - 0.2, losses
+    if name == "fp16_blocks":  # each epoch line reports the blocks' overflows and the range of their scales
+        assert len(re.findall(r"Reached epoch \d+: .* block overflow\(s\), block scales 2\^", peer.stderr)) == 5
 
 
 def test_short_epochs_get_one_line_of_advice():

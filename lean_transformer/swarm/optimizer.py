@@ -60,7 +60,8 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
     """Wrap the task's LAMB and LR schedule in a hivemind.Optimizer that averages with the run's peers.
 
     ``private_key`` owns the progress records (the same key as the metrics records). With --fp16, gradients are
-    accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those.
+    accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those (not with
+    --block_grad_scaling, which unscales every local step: then as --reuse_grad_buffers says).
     ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
     token is published first (its averaging partners look it up) and the class gets gated averagers. With
     ``host_gradients``, the model's gradients leave the device during backward into the gradient averager's host
@@ -93,7 +94,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
         offload_optimizer=collaboration.offload_optimizer,
         delay_optimizer_step=collaboration.delay_optimizer_step,
         delay_grad_averaging=collaboration.delay_grad_averaging,
-        reuse_grad_buffers=collaboration.reuse_grad_buffers or training.fp16,
+        reuse_grad_buffers=collaboration.reuse_grad_buffers or (training.fp16 and not training.block_grad_scaling),
         client_mode=network.client_mode,
         auxiliary=auxiliary,
         grad_compression=make_compression(collaboration.grad_compression, collaboration.size_adaptive_threshold),

@@ -59,6 +59,7 @@ class TrainingSettings(Protocol):
     gradient_accumulation_steps: int
     fp16: bool
     bf16: bool
+    block_grad_scaling: bool  # with fp16: a gradient scale per residual block instead of one (swarm/block_scaling.py)
     model_dtype: str  # auto, bfloat16, float16 or float32
     offload_gradients: str  # auto, true or false
     checkpoint_attention_core: bool

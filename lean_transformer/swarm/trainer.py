@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from lean_transformer.optim.loss_scale import DynamicLossScale
 from lean_transformer.swarm.agreement import SwarmAgreement
 from lean_transformer.swarm.backups import LocalBackups
+from lean_transformer.swarm.block_scaling import SwarmBlockScaling
 from lean_transformer.swarm.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
 from lean_transformer.swarm.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.hub import resolve_checkpoint
@@ -49,6 +50,7 @@ class EpochWork:
     mini_steps: int = 0
     samples: int = 0
     skipped: int = 0
+    skipped_blocks: int = 0  # --block_grad_scaling: blocks dropped from local steps for overflowing
 
     @property
     def mean_loss(self) -> float:
@@ -67,7 +69,9 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" and not collaboration.offload_optimizer:
         raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
-    dtype, host_gradients = model_dtype(training.model_dtype, device), offload_gradients(training, device)
+    dtype, host_gradients = model_dtype(training, device), offload_gradients(training, device)
+    if training.block_grad_scaling:
+        check_block_grad_scaling(training, dtype, host_gradients)
     if host_gradients:
         try:
             check_host_gradient_options(collaboration.offload_optimizer, collaboration.delay_optimizer_step,
@@ -95,13 +99,14 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
                                 checkpoint_attention_core=training.checkpoint_attention_core,
                                 backward_chunks=training.backward_chunks, ffn_custom_grad=training.ffn_custom_grad,
                                 preserve_rng_state=training.preserve_rng_state)
+        block_scaling = make_block_scaling(model) if training.block_grad_scaling else None
         optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
                                     host_gradients=host_gradients)
         shutdown.on_overdue = lambda: cancel_averaging_in_flight(optimizer)
         try:
             join_swarm(model, optimizer, checkpoint)
             training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
-                          network, collaboration, training, agreement)
+                          network, collaboration, training, agreement, block_scaling)
         finally:
             logger.info("Leaving the swarm")
             optimizer.shutdown()
@@ -124,7 +129,8 @@ def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint
 
 def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
-                  collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement) -> None:
+                  collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
+                  block_scaling: Optional[SwarmBlockScaling] = None) -> None:
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -132,7 +138,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     host_grads = getattr(optimizer.grad_averager, "host_grads", None)
     float16 = training.fp16 or next(model.parameters()).dtype == torch.float16
     loss_scale = DynamicLossScale() if float16 and host_grads is not None else None
-    scaler = hivemind.GradScaler(device.type) if training.fp16 and host_grads is None else None
+    global_scale = training.fp16 and host_grads is None and block_scaling is None
+    scaler = hivemind.GradScaler(device.type) if global_scale else None
     reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
@@ -147,6 +154,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
         # forward and backward over the micro-batches of one local step
         sequence_length = task.sequence_length(optimizer.local_epoch)
         losses = []
+        if block_scaling is not None:
+            block_scaling.before_backward()
         for _ in range(accumulation):
             batch = {key: value.to(device) for key, value in batches.next_batch(batch_size, sequence_length).items()}
             progress.count_tokens(batch["input_ids"].numel())
@@ -156,13 +165,21 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             if loss_scale is not None:
                 host_grads.grad_scale = 1.0 / loss_scale.scale
                 scaled_loss = scaled_loss * loss_scale.scale
+            if block_scaling is not None:
+                scaled_loss = block_scaling.scale_loss(scaled_loss)
             (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
             losses.append(loss.item())
 
         # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned). With fp16, a
         # finite loss whose scaled gradients overflow is loss scaling at work: hivemind's GradScaler skips that step
         finite_loss = all(map(math.isfinite, losses))
-        finite = finite_loss and gradients_are_finite(model) and (host_grads is None or not host_grads.non_finite())
+        if block_scaling is not None:  # overflowed blocks are zeroed in .grad: the step goes on without them
+            outcome = block_scaling.after_backward()
+            finite, usable = finite_loss and outcome.finite, finite_loss and outcome.others_finite
+            work.skipped_blocks += outcome.overflowed_blocks if usable else 0
+        else:
+            finite = finite_loss and gradients_are_finite(model) and (host_grads is None or not host_grads.non_finite())
+            usable = finite_loss and (finite or scaler is not None)
         if loss_scale is not None:
             loss_scale.update(overflow=finite_loss and not finite)
         non_finite_in_a_row = 0 if finite else non_finite_in_a_row + 1
@@ -172,7 +189,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
                                                      f"loss or gradients")
             non_finite_in_a_row, epoch = 0, optimizer.local_epoch
             continue
-        if not finite_loss or (not finite and scaler is None):
+        if not usable:
             discard_local_gradients(optimizer, reuse_grad_buffers)
             work.skipped += accumulation
             logger.warning(f"Skipped {accumulation} micro-batch(es) with non-finite loss or gradients (not counted)")
@@ -184,7 +201,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             scaler.update()
         if not reuse_grad_buffers:
             optimizer.zero_grad()
-        if finite:
+        if finite or block_scaling is not None:  # a block's overflow drops that block, not the step
             work.loss_sum += sum(losses)
             work.mini_steps += accumulation
             work.samples += batch_size * accumulation
@@ -193,7 +210,9 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
 
         if optimizer.local_epoch != epoch:
             logger.info(f"Reached epoch {optimizer.local_epoch}: mean loss {work.mean_loss:.4f} over "
-                        f"{work.mini_steps} mini-steps ({work.samples} samples, {work.skipped} skipped)")
+                        f"{work.mini_steps} mini-steps ({work.samples} samples, {work.skipped} skipped)"
+                        + (f"; {work.skipped_blocks} block overflow(s), block scales "
+                           f"{format_scales(block_scaling.scales)}" if block_scaling is not None else ""))
             metrics = LocalMetrics(epoch=optimizer.local_epoch,
                                    samples_per_second=float(optimizer.tracker.performance_ema.samples_per_second),
                                    samples_accumulated=work.samples, loss_sum=work.loss_sum,
@@ -232,17 +251,50 @@ def short_epoch_warning(target_batch_size: int, matchmaking_time: float, samples
             f"{enough} or more (or a shorter --matchmaking_time)")
 
 
-def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``--model_dtype``: auto is bfloat16 on a GPU that supports it, else float32."""
-    if name == "auto":
+def model_dtype(training: TrainingSettings, device: torch.device) -> torch.dtype:
+    """``--model_dtype``: auto is bfloat16 on a GPU that supports it, else (and with --block_grad_scaling) float32."""
+    if training.model_dtype == "auto":
         bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16_gpu else torch.float32
-    return getattr(torch, name)
+        return torch.bfloat16 if bf16_gpu and not training.block_grad_scaling else torch.float32
+    return getattr(torch, training.model_dtype)
 
 
 def offload_gradients(training: TrainingSettings, device: torch.device) -> bool:
-    """``--offload_gradients``: auto is on for a GPU (gradients leave it during backward), off on the CPU."""
-    return device.type == "cuda" if training.offload_gradients == "auto" else training.offload_gradients == "true"
+    """``--offload_gradients``: auto is on for a GPU (gradients leave it during backward), off on the CPU and with
+    --block_grad_scaling."""
+    if training.offload_gradients == "auto":
+        return device.type == "cuda" and not training.block_grad_scaling
+    return training.offload_gradients == "true"
+
+
+def check_block_grad_scaling(training: TrainingSettings, dtype: torch.dtype, host_gradients: bool) -> None:
+    """``--block_grad_scaling`` scales the .grad buffers of float32 weights under float16 autocast."""
+    if not training.fp16:
+        raise ValueError("--block_grad_scaling: needs --fp16 (it replaces the float16 loss scale)")
+    if host_gradients:
+        raise ValueError("--block_grad_scaling: not available with --offload_gradients true (host gradients are "
+                         "unscaled with one scale as they leave the device); pass --offload_gradients false")
+    if dtype != torch.float32:
+        raise ValueError(f"--block_grad_scaling: needs float32 weights on the device (--model_dtype float32), got "
+                         f"--model_dtype {training.model_dtype}")
+
+
+def make_block_scaling(model: PreTrainedModel) -> SwarmBlockScaling:
+    try:
+        block_scaling = SwarmBlockScaling.for_lean_model(model)
+    except ValueError as e:
+        raise ValueError(f"--block_grad_scaling: {e}") from None
+    if not model.config.fp32_residual:
+        logger.warning("--block_grad_scaling: the model's residual stream is float16 under autocast "
+                       "(fp32_residual=false), so the unscaled gradients between blocks may underflow; "
+                       "fp32_residual=true in the model config keeps them in float32")
+    return block_scaling
+
+
+def format_scales(scales: list[float]) -> str:
+    """The range of the block scales as powers of two, e.g. 2^13..2^16."""
+    low, high = math.log2(min(scales)), math.log2(max(scales))
+    return f"2^{low:g}" if low == high else f"2^{low:g}..2^{high:g}"
 
 
 def gradients_are_finite(model: torch.nn.Module) -> bool:
