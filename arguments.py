@@ -196,8 +196,8 @@ class TrainingArguments:
         "help": "With --fp16: one gradient scale per residual block (DALL-E's per-resblock scaling) instead of one "
                 "for the whole model; a block that overflows drops out of that local step (its gradient counts as "
                 "zero in the swarm's average) and halves its scale, the other blocks train on. Needs float32 weights "
-                "and no host gradients (--model_dtype and --offload_gradients auto choose them). Every peer of a "
-                "run must use the same value."})
+                "and no host gradients (--model_dtype and --offload_gradients auto choose them). Peers with and "
+                "without it average together (each sends unscaled gradients)."})
     model_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata={
         "help": "The dtype of the weights on the device (auto: bfloat16 on a GPU that supports it, else and with "
                 "--block_grad_scaling float32). "

@@ -81,7 +81,7 @@ class Task(ABC):
             task=self.name, tokenizer_path=self.tokenizer.fingerprint(),
             **{name: getattr(args, name) for name in (
                 "learning_rate", "warmup_steps", "total_steps", "lr_schedule", "weight_decay", "adam_beta1",
-                "adam_beta2", "adam_epsilon", "max_grad_norm", "clamp_value", "min_8bit_size", "block_grad_scaling")},
+                "adam_beta2", "adam_epsilon", "max_grad_norm", "clamp_value", "min_8bit_size")},
             **{name: getattr(collaboration, name) for name in (
                 "target_batch_size", "grad_compression", "state_compression", "size_adaptive_threshold")})
         return settings

@@ -35,8 +35,6 @@ def mismatches(tmp_path: Path) -> dict[str, tuple[dict, str]]:
         "target batch": (dict(target_batch_size=32), "--target_batch_size: this peer has 32, the swarm has 16"),
         "compression": (dict(grad_compression="float16"),
                         '--grad_compression: this peer has "float16", the swarm has "size_adaptive"'),
-        "block scaling": (dict(fp16=True, block_grad_scaling=True),
-                          "--block_grad_scaling: this peer has true, the swarm has false"),
     }
 
 
