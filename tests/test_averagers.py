@@ -39,8 +39,13 @@ def run_cases(case: str) -> dict:
                  for variant in ("hivemind", "lean_transformer")}
     results = {}
     for variant, process in processes.items():
-        stdout, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0 and stdout.strip(), f"{variant}:\n{stderr[-3000:]}"
+        try:
+            stdout, stderr = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # hivemind's own averager, left broken by the race, may hang in shutdown
+            process.kill()
+            stdout, stderr = process.communicate()
+        # the result is printed before shutdown; ours must also exit cleanly
+        assert stdout.strip() and (variant == "hivemind" or process.returncode == 0), f"{variant}:\n{stderr[-3000:]}"
         results[variant] = dict(json.loads(stdout.strip().splitlines()[-1]), destroyed=DESTROYED in stderr,
                                 zombie_result=ZOMBIE_RESULT in stderr)
     return results
@@ -136,9 +141,9 @@ def main(variant: str, case: str) -> None:
     for name, peer in zip("ab", peers):
         with peer.get_tensors() as (tensor,):
             result[name] = tensor.tolist()
+    print(json.dumps(result), flush=True)
     for each in (*peers, *dhts):
         each.shutdown()
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":
