@@ -95,6 +95,16 @@ def test_hf_tokenizer_from_a_local_directory(hf_tokenizer_dir):
         HFTokenizer(str(hf_tokenizer_dir / "missing"))
 
 
+def test_hf_tokenizer_saves_as_it_was_loaded(hf_tokenizer_dir, tmp_path):
+    """What goes into every checkpoint with --tokenizer_path: the same tokenizer, loadable on its own."""
+    ours = HFTokenizer(str(hf_tokenizer_dir))
+    ours.save_pretrained(str(tmp_path))
+    loaded = HFTokenizer(str(tmp_path))
+    assert loaded.fingerprint() == ours.fingerprint()
+    for text in ("le liludu lu.", "unknown words here", ""):
+        assert loaded.encode(text) == ours.encode(text)
+
+
 def documents_of_numbered_sentences():
     """Documents whose sentences say where they are: 'd3s0 w w. d3s1 w w w. ...'."""
     rng = np.random.default_rng(0)

@@ -233,7 +233,8 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
     checkpoint = None
     if training.resume_from is not None:
         checkpoint = resolve_checkpoint(training.resume_from, Path(aux.checkpoint_dir) / "downloaded")
-    validation_batches = task.validation_batches(aux.eval_batches) if aux.eval_batches else []
+    evaluates = aux.eval_batches > 0 and aux.checkpoint_every_epochs > 0
+    validation_batches = task.validation_batches(aux.eval_batches) if evaluates else []
 
     private_key = peer_private_key(network)
     validators = make_validators(network.run_id, private_key)
