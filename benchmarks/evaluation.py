@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
