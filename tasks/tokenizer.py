@@ -73,8 +73,8 @@ class ByteTokenizer:
 
     def to_hf(self) -> "PreTrainedTokenizerFast":
         """The same tokenizer as a Hugging Face fast tokenizer: a byte-level BPE without merges (each byte one
-        token, with GPT-2's byte-to-character map) whose ids are the byte values; special tokens in the text are
-        split into bytes too, as here."""
+        token, with GPT-2's byte-to-character map and word splitting) whose ids are the byte values; special tokens
+        in the text are split into bytes too, as here."""
         from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
@@ -82,7 +82,7 @@ class ByteTokenizer:
 
         vocabulary = {character: byte for byte, character in bytes_to_unicode().items()}
         tokenizer = RustTokenizer(models.BPE(vocab=vocabulary, merges=[]))
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens(list(self.SPECIAL_TOKENS.values()))
         return PreTrainedTokenizerFast(tokenizer_object=tokenizer, split_special_tokens=True, **self.SPECIAL_TOKENS)
