@@ -151,6 +151,10 @@ class TaskArguments:
         "help": "Documents held in the shuffle buffer; each peer shuffles with a seed derived from its identity."})
     corpus_seed: int = field(default=0, metadata={
         "help": "Seed of the embedded corpus's Markov chain; every peer must use the same one."})
+    validation_fraction: float = field(default=0.01, metadata={
+        "help": "Fraction of the documents held out for validation (chosen by a hash of each document's text): "
+                "trainers never read them, the aux peer evaluates checkpoints on them. Every peer must use the same "
+                "one."})
 
     def __post_init__(self):
         from tasks import TASKS  # the registry; imported here so that `arguments` stays cheap to import
@@ -161,6 +165,8 @@ class TaskArguments:
             _require(path is None or os.path.exists(path), name, f"{path} does not exist")
         _require(self.shuffle_buffer_size > 0, "shuffle_buffer_size",
                  f"must be positive, got {self.shuffle_buffer_size}")
+        _require(0 <= self.validation_fraction < 1, "validation_fraction",
+                 f"must be in [0, 1), got {self.validation_fraction}")
 
 
 @dataclass
@@ -353,6 +359,15 @@ class AuxPeerArguments:
                 "`huggingface-cli login`). A failed upload is logged and retried with a later checkpoint."})
     hub_upload_interval: float = field(default=3600.0, metadata={
         "help": "Minimum seconds between two Hub uploads."})
+    hub_public: bool = field(default=False, metadata={
+        "help": "Create the Hub repo public (default: private; an existing repo keeps its visibility)."})
+    upload_training_state: bool = field(default=False, metadata={
+        "help": "Also upload the optimizer state, LR schedule and epoch (training_state.pt), so that --resume_from "
+                "the Hub repo works; by default only the model, its config and the tokenizer are uploaded."})
+    eval_batches: int = field(default=4, metadata={
+        "help": "Held-out batches (--per_device_batch_size x --max_sequence_length, see --validation_fraction) "
+                "each checkpoint is evaluated on; the validation loss is logged beside the training loss. 0: no "
+                "evaluation. Runs on the aux peer's CPU, one forward pass per batch."})
     assist_in_averaging: bool = field(default=False, metadata={
         "help": "Take part in all-reduce without gradients of its own (hivemind's auxiliary mode), so that "
                 "client-mode trainers have a full peer to average through. Needs incoming connections."})
@@ -364,7 +379,7 @@ class AuxPeerArguments:
 
         for name in ("refresh_period", "assist_refresh_period", "history_window", "keep_checkpoints"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
-        for name in ("checkpoint_every_epochs", "hub_upload_interval"):
+        for name in ("checkpoint_every_epochs", "hub_upload_interval", "eval_batches"):
             _require(getattr(self, name) >= 0, name, f"must be non-negative, got {getattr(self, name)}")
         _require(self.hub_repo_id is None or looks_like_repo_id(self.hub_repo_id), "hub_repo_id",
                  f"{self.hub_repo_id!r} is not a Hub repo id (owner/name)")

@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""The swarm's auxiliary peer: metrics (wandb, JSONL, PNG plot), checkpoints, Hub upload, averaging help, resuming.
+"""The swarm's auxiliary peer: metrics (wandb, JSONL, PNG plot), checkpoints (model + tokenizer + training state),
+their validation loss on held-out data, Hub upload (private, without the training state, by default), averaging
+help, resuming.
 
 Stable entry point:  python run_aux_peer.py --run_id my_run --identity_path aux.key --host_maddrs /ip4/0.0.0.0/tcp/31337
   (prints the --initial_peers line for trainers; the same key and port give the same address after a restart)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from arguments import CollaborationArguments, TaskArguments, TrainingArguments
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+VALIDATION_SEED = 0  # orders the held-out documents (and seeds MLM masking on them)
 __all__ = ["Batch", "Batcher", "CONFIGS_DIR", "Task"]
 
 
@@ -69,8 +70,19 @@ class Task(ABC):
         """Turn a stream of documents into batches (``seed`` drives masking and other randomness)."""
 
     def batches(self, seed: int) -> Batcher:
-        """This peer's batches; ``seed`` (derived from the peer's identity) orders its data."""
-        return self.batcher(self.text_source.documents(seed), seed)
+        """This peer's batches of training documents; ``seed`` (derived from the peer's identity) orders its data."""
+        return self.batcher(self.text_source.documents(seed, split="train"), seed)
+
+    def validation_batches(self, count: int) -> list[Batch]:
+        """``count`` batches of held-out documents (--per_device_batch_size x --max_sequence_length), the same on
+        every call and every machine: the aux peer evaluates each checkpoint on them."""
+        batcher = self.batcher(self.text_source.documents(VALIDATION_SEED, split="validation"), VALIDATION_SEED)
+        args = self.training_args
+        return [batcher.next_batch(args.per_device_batch_size, args.max_sequence_length) for _ in range(count)]
+
+    def save_tokenizer(self, directory: str) -> None:
+        """Write the tokenizer into a checkpoint directory (Hugging Face's format)."""
+        self.tokenizer.save_pretrained(directory)
 
     def swarm_settings(self, collaboration: CollaborationArguments) -> dict[str, Any]:
         """What every peer of a run must agree on (see lean_transformer.swarm.agreement), named by flag."""
@@ -79,6 +91,7 @@ class Task(ABC):
                     if name not in ("transformers_version",)}
         settings.update(
             task=self.name, tokenizer_path=self.tokenizer.fingerprint(),
+            validation_fraction=self.task_args.validation_fraction,
             **{name: getattr(args, name) for name in (
                 "learning_rate", "warmup_steps", "total_steps", "lr_schedule", "weight_decay", "adam_beta1",
                 "adam_beta2", "adam_epsilon", "max_grad_norm", "clamp_value", "min_8bit_size")},

@@ -1,13 +1,18 @@
 """Tokenizers of the tasks: the built-in byte-level one (no files, no internet), or a Hugging Face tokenizer saved in
-a local directory. Both give word boundaries, which whole-word masking needs."""
+a local directory. Both give word boundaries, which whole-word masking needs, and both save themselves in Hugging
+Face's format into every checkpoint, so that ``AutoTokenizer.from_pretrained(checkpoint)`` loads the tokenizer the
+model was trained with."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 _WHITESPACE = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
 
@@ -34,12 +39,17 @@ class Tokenizer(Protocol):
     def fingerprint(self) -> str:
         """Equal for tokenizers that map text to the same ids (peers of a run must agree on it)."""
 
+    def save_pretrained(self, directory: str) -> None:
+        """Write the tokenizer in Hugging Face's format (loadable with ``AutoTokenizer.from_pretrained``)."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; five special tokens follow. Words are maximal runs of non-whitespace bytes."""
 
     pad_token_id, eos_token_id, mask_token_id, cls_token_id, sep_token_id = range(256, 261)
     num_random_tokens = 256
+    SPECIAL_TOKENS = dict(pad_token="<pad>", eos_token="</s>", mask_token="<mask>", cls_token="<cls>",
+                          sep_token="<sep>")  # ids 256..260, in this order
 
     def __len__(self) -> int:
         return 261
@@ -60,6 +70,25 @@ class ByteTokenizer:
 
     def fingerprint(self) -> str:
         return f"bytes:{len(self)}"
+
+    def to_hf(self) -> "PreTrainedTokenizerFast":
+        """The same tokenizer as a Hugging Face fast tokenizer: a byte-level BPE without merges (each byte one
+        token, with GPT-2's byte-to-character map and word splitting) whose ids are the byte values; special tokens
+        in the text are split into bytes too, as here."""
+        from tokenizers import Tokenizer as RustTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocabulary = {character: byte for byte, character in bytes_to_unicode().items()}
+        tokenizer = RustTokenizer(models.BPE(vocab=vocabulary, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(list(self.SPECIAL_TOKENS.values()))
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, split_special_tokens=True, **self.SPECIAL_TOKENS)
+
+    def save_pretrained(self, directory: str) -> None:
+        self.to_hf().save_pretrained(directory)
 
 
 class HFTokenizer:
@@ -97,6 +126,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def save_pretrained(self, directory: str) -> None:
+        self.tokenizer.save_pretrained(directory)
 
     def fingerprint(self) -> str:
         vocabulary = json.dumps(sorted(self.tokenizer.get_vocab().items())).encode()

@@ -33,6 +33,14 @@ def assert_valid_png(path: Path) -> None:
     assert image.std() > 0, "the plot is blank"
 
 
+def wait_for_wandb_history(wandb_dir: Path, rows: int, timeout: float = 30) -> List[dict]:
+    """``read_wandb_history`` once it holds ``rows`` rows: wandb's service process may still be writing the file
+    when ``finish()`` returns in the logging process (wandb 0.31: the file was empty at that moment in 1 of 5-8
+    runs, complete a moment later)."""
+    return wait_until(lambda: len(history := read_wandb_history(wandb_dir)) >= rows and history, timeout,
+                      f"wandb to write {rows} rows to its offline run file")
+
+
 def read_wandb_history(wandb_dir: Path) -> List[dict]:
     """The ``wandb.log`` rows stored in the (single) offline run under ``wandb_dir``, decoded from the run's
     ``.wandb`` file (a log of protobuf records in 32 KiB blocks, each chunk with a 7-byte header)."""

@@ -18,6 +18,7 @@ def test_defaults():
     assert network.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
     assert collaboration.grad_compression == "size_adaptive" and collaboration.offload_optimizer
     assert task.task == "causal_lm" and task.dataset == "embedded" and task.tokenizer_path is None
+    assert task.validation_fraction == 0.01
     assert training.stop_epoch == training.total_steps and training.checkpointing_option() is False
 
 
@@ -77,6 +78,7 @@ BAD = {
     "zero backward chunks": (["--backward_chunks", "0"], "--backward_chunks: must be positive"),
     "unknown compression": (["--grad_compression", "zip"], "--grad_compression"),
     "not a number": (["--learning_rate", "fast"], "--learning_rate"),
+    "validation fraction of 1": (["--validation_fraction", "1"], "--validation_fraction: must be in [0, 1), got 1.0"),
 }
 
 

@@ -29,9 +29,13 @@ def test_help_shows_every_aux_option():
 def test_aux_options_are_parsed(tmp_path: Path):
     *_, training, aux = parse_arguments(AUX, [
         "--run_id", "r", "--refresh_period", "2.5", "--checkpoint_every_epochs", "3", "--keep_checkpoints", "4",
-        "--assist_in_averaging", "--hub_repo_id", "me/lean", "--resume_from", str(tmp_path), "--learning_rate", "0.01"])
+        "--assist_in_averaging", "--hub_repo_id", "me/lean", "--resume_from", str(tmp_path), "--learning_rate", "0.01",
+        "--eval_batches", "2"])
     assert (aux.refresh_period, aux.checkpoint_every_epochs, aux.keep_checkpoints) == (2.5, 3, 4)
-    assert aux.assist_in_averaging and aux.hub_repo_id == "me/lean"
+    assert aux.assist_in_averaging and aux.hub_repo_id == "me/lean" and aux.eval_batches == 2
+    assert not aux.hub_public and not aux.upload_training_state  # private, weights only: by default
+    *_, aux = parse_arguments(AUX, ["--run_id", "r", "--hub_public", "--upload_training_state"])
+    assert aux.hub_public and aux.upload_training_state
     assert training.resume_from == str(tmp_path) and training.learning_rate == 0.01
     *_, training, _ = parse_arguments(AUX, ["--run_id", "r", "--resume_from", "someone/checkpoints"])
     assert training.resume_from == "someone/checkpoints"  # a Hub repo, downloaded when the peer starts
@@ -42,6 +46,7 @@ def test_aux_options_are_parsed(tmp_path: Path):
     (["--checkpoint_every_epochs", "-1"], "--checkpoint_every_epochs: must be non-negative, got -1"),
     (["--resume_from", "no/such/dir"], "--resume_from: no/such/dir is neither a directory nor a Hub repo id"),
     (["--hub_repo_id", "not a repo"], "--hub_repo_id: 'not a repo' is not a Hub repo id"),
+    (["--eval_batches", "-1"], "--eval_batches: must be non-negative, got -1"),
 ])
 def test_bad_option_exits_with_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -56,8 +61,19 @@ def test_bad_option_exits_with_one_line(args, message, capsys):
                                                      "incoming connections"),
     (["--resume_from", "someone/missing-checkpoint"], 1, "--resume_from: someone/missing-checkpoint is not a local "
                                                          "directory and could not be downloaded as a Hub repo"),
+    (["--resume_from", "WEIGHTS_ONLY"], 1, "holds a model without its training state (training_state.pt: optimizer, "
+                                           "LR schedule, epoch), so a swarm cannot resume from it; an aux peer "
+                                           "uploads that state to the Hub only with --upload_training_state"),
+    (["--validation_fraction", "0"], 1, "--validation_fraction: is 0, so there are no held-out documents to "
+                                        "evaluate on (pass --eval_batches 0 to evaluate nothing)"),
 ])
 def test_bad_input_gives_one_line(args, code, message, tmp_path: Path):
+    if "WEIGHTS_ONLY" in args:  # what a default Hub upload holds: the model and its tokenizer, no training state
+        from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
+
+        LeanGPTForCausalLM(LeanGPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32)).save_pretrained(tmp_path / "weights")
+        args = [str(tmp_path / "weights") if arg == "WEIGHTS_ONLY" else arg for arg in args]
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "WANDB_MODE": "disabled",
            "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
     result = subprocess.run(

@@ -16,7 +16,7 @@ from lean_transformer.swarm.aggregation import EpochCollector, SwarmStats, aggre
 from lean_transformer.swarm.plot import redraw_plot
 from lean_transformer.swarm.run_history import RunHistory, read_rows
 
-from aux_utils import assert_valid_png, read_wandb_history
+from aux_utils import assert_valid_png, wait_for_wandb_history
 
 
 @dataclass
@@ -131,7 +131,7 @@ def test_wandb_offline_run_holds_the_rows(tmp_path: Path, monkeypatch):
     for row in rows:
         logger.log(row)
     logger.finish()
-    logged = read_wandb_history(tmp_path)
+    logged = wait_for_wandb_history(tmp_path, rows=3)
     assert [entry["_step"] for entry in logged] == [0, 1, 2]
     for entry, row in zip(logged, rows):
         assert entry["loss"] == pytest.approx(row.loss, rel=1e-6)

@@ -18,13 +18,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from matplotlib.image import imread
+from transformers import AutoTokenizer
+
+from arguments import AuxTrainingArguments, TaskArguments
 from aux_utils import PeerProcess, assert_valid_png, closed_port, read_wandb_history, stop_all, wait_until
 from grad_peer import check_rounds
 from swarm_utils import epoch_reports
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
 from lean_transformer.demo.local_swarm import command_line
+from lean_transformer.swarm.evaluation import evaluate
 from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+from tasks.causal_lm import CausalLMTask
+from tasks.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -46,6 +53,15 @@ def start_trainer(name: str, root: Path, run_id: str, initial_peers: List[str], 
 
 def read_jsonl(path: Path) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def training_rows(path: Path) -> List[dict]:
+    """The rows of the trainers' statistics (the others are evaluations of checkpoints: epoch, validation_loss)."""
+    return [row for row in read_jsonl(path) if "validation_loss" not in row]
+
+
+def evaluation_rows(path: Path) -> List[dict]:
+    return [row for row in read_jsonl(path) if "validation_loss" in row]
 
 
 def tree_digest(path: Path) -> Dict[str, str]:
@@ -100,7 +116,7 @@ def swarm_run(tmp_path_factory) -> SwarmRun:
         peers += trainers
 
         def ready():
-            rows = read_jsonl(root / "metrics" / "swarm.jsonl")
+            rows = training_rows(root / "metrics" / "swarm.jsonl")
             checkpoints = CheckpointDir(root / "checkpoints", keep_last=2).checkpoints()
             return sum(row["alive_peers"] == 2 for row in rows) >= 4 and len(checkpoints) == 2
 
@@ -142,7 +158,7 @@ def test_failed_hub_uploads_are_logged_and_the_peer_goes_on(swarm_run: SwarmRun)
 
 def test_metrics_match_what_the_trainers_published(swarm_run: SwarmRun):
     published = [published_records(trainer) for trainer in swarm_run.trainers]
-    rows = read_jsonl(swarm_run.metrics_path)
+    rows = training_rows(swarm_run.metrics_path)
     assert [row["epoch"] for row in rows] == sorted({row["epoch"] for row in rows}), "an epoch was logged twice"
     checked_with_both = 0
     for row in rows:
@@ -162,8 +178,9 @@ def test_metrics_match_what_the_trainers_published(swarm_run: SwarmRun):
 
 
 def test_wandb_offline_run_and_jsonl_hold_the_metrics(swarm_run: SwarmRun):
-    rows = read_jsonl(swarm_run.metrics_path)
-    logged = {entry["_step"]: entry for entry in read_wandb_history(swarm_run.root)}
+    rows = training_rows(swarm_run.metrics_path)
+    history = read_wandb_history(swarm_run.root)
+    logged = {entry["epoch"]: entry for entry in history if "alive_peers" in entry}
     first_run_rows = [row for row in rows if row["epoch"] in logged]
     assert len(first_run_rows) == len(logged) >= 4  # the first aux peer logged every row to both
     for row in first_run_rows:
@@ -172,10 +189,36 @@ def test_wandb_offline_run_and_jsonl_hold_the_metrics(swarm_run: SwarmRun):
             assert entry[key] == pytest.approx(row[key], rel=1e-6)
         for key in ("alive_peers", "samples_in_epoch", "mini_steps"):
             assert entry[key] == row[key]
+    validation = [(entry["epoch"], entry["validation_loss"]) for entry in history if "validation_loss" in entry]
+    assert validation and validation == [(row["epoch"], pytest.approx(row["validation_loss"], rel=1e-6))
+                                         for row in evaluation_rows(swarm_run.metrics_path)]
 
 
-def test_plot_is_a_valid_png(swarm_run: SwarmRun):
-    assert_valid_png(swarm_run.metrics_path.with_suffix(".png"))
+def test_plot_is_a_valid_png_with_the_validation_loss(swarm_run: SwarmRun):
+    path = swarm_run.metrics_path.with_suffix(".png")
+    assert_valid_png(path)
+    red = torch.tensor([214, 39, 40]) / 255  # matplotlib's tab:red, the validation loss's markers and legend
+    pixels = torch.from_numpy(imread(path)[..., :3])
+    assert int(((pixels - red).abs().max(dim=-1).values < 0.05).sum()) >= 30, "no validation loss on the plot"
+
+
+def test_each_checkpoint_is_evaluated_on_held_out_data(swarm_run: SwarmRun):
+    """The aux peer logs, for every checkpoint it saved, the validation loss that its model gives on the held-out
+    batches (rebuilt here from the same flags), and the checkpoint carries the tokenizer."""
+    saved = [int(epoch) for epoch in re.findall(r"Saved the swarm's state at epoch (\d+)", swarm_run.aux.stderr)]
+    evaluations = {row["epoch"]: row["validation_loss"] for row in evaluation_rows(swarm_run.metrics_path)}
+    assert len(saved) >= 2 and sorted(evaluations) == saved
+    assert all(0 < loss < 6 for loss in evaluations.values()), evaluations  # finite, below chance (ln 261 = 5.56)
+    task = CausalLMTask(TaskArguments(), AuxTrainingArguments(per_device_batch_size=4, max_sequence_length=32))
+    batches = task.validation_batches(4)  # --eval_batches' default
+    checkpoints = CheckpointDir(swarm_run.checkpoint_dir, keep_last=2).checkpoints()
+    for epoch, path in checkpoints:
+        model = LeanGPTForCausalLM.from_pretrained(path)
+        assert evaluate(model, batches) == pytest.approx(evaluations[epoch], rel=1e-5, abs=1e-6)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert tokenizer.encode("la lu.") == ByteTokenizer().encode("la lu.")
+    backups = list((swarm_run.root / "trainer1" / "backups").glob("epoch-*"))
+    assert backups and all((path / "tokenizer.json").is_file() for path in backups)
 
 
 def test_checkpoints_hold_the_swarm_state_of_their_epoch(swarm_run: SwarmRun):

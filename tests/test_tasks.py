@@ -95,6 +95,16 @@ def test_hf_tokenizer_from_a_local_directory(hf_tokenizer_dir):
         HFTokenizer(str(hf_tokenizer_dir / "missing"))
 
 
+def test_hf_tokenizer_saves_as_it_was_loaded(hf_tokenizer_dir, tmp_path):
+    """What goes into every checkpoint with --tokenizer_path: the same tokenizer, loadable on its own."""
+    ours = HFTokenizer(str(hf_tokenizer_dir))
+    ours.save_pretrained(str(tmp_path))
+    loaded = HFTokenizer(str(tmp_path))
+    assert loaded.fingerprint() == ours.fingerprint()
+    for text in ("le liludu lu.", "unknown words here", ""):
+        assert loaded.encode(text) == ours.encode(text)
+
+
 def documents_of_numbered_sentences():
     """Documents whose sentences say where they are: 'd3s0 w w. d3s1 w w w. ...'."""
     rng = np.random.default_rng(0)
@@ -238,7 +248,7 @@ def test_file_source_reads_paragraphs_shuffled_per_peer(tmp_path):
         (tmp_path / f"part{i}.txt").write_text("\n\n".join(f"file {i} paragraph {j}\ncontinued" for j in range(20)))
     source = make_text_source(TaskArguments(dataset=str(tmp_path / "*.txt"), shuffle_buffer_size=16))
     assert isinstance(source, FileSource) and len(source.files) == 3
-    first, second = ([document for _, document in zip(range(300), source.documents(seed))] for seed in (1, 2))
+    first, second = ([document for _, document in zip(range(300), source.all_documents(seed))] for seed in (1, 2))
     expected = {f"file {i} paragraph {j} continued" for i in range(3) for j in range(20)}
     for documents in (first, second):  # five passes over the 60 paragraphs, mixed across pass boundaries
         counts = Counter(documents)
@@ -256,7 +266,7 @@ def test_hugging_face_source_streams_a_local_dataset(tmp_path):
     (tmp_path / "train.jsonl").write_text("\n".join(f'{{"text": "document {i}", "id": {i}}}' for i in range(50)))
     source = make_text_source(TaskArguments(dataset=f"hf:{tmp_path}", shuffle_buffer_size=8))
     assert isinstance(source, HuggingFaceSource)
-    documents = [document for _, document in zip(range(100), source.documents(seed=3))]
+    documents = [document for _, document in zip(range(100), source.all_documents(seed=3))]
     assert set(documents) == {f"document {i}" for i in range(50)}  # two passes
     assert documents[:50] != [f"document {i}" for i in range(50)]
     with pytest.raises(ValueError, match="--dataset_text_field"):

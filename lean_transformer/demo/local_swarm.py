@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from lean_transformer.demo.markov import MarkovCorpus
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.cli import OneLineErrorParser
-from lean_transformer.swarm.run_history import read_rows
+from lean_transformer.swarm.run_history import read_evaluations, read_rows
 from lean_transformer.swarm.shutdown import descendant_pids
 
 PEER_MODULES = ("run_aux_peer", "run_trainer")  # the application's entry points; started, never imported
@@ -413,15 +413,19 @@ class LocalSwarm:
 
     def summary(self, floor: float) -> list[str]:
         rows = list(read_rows(self.metrics_path)) if self.metrics_path.exists() else []
+        evaluations = list(read_evaluations(self.metrics_path)) if self.metrics_path.exists() else []
         finished = [row for row in rows if math.isfinite(row.loss)]
         lines = []
         if finished:
             last = finished[-1]
             lines.append(f"final loss {last.loss:.4f} nats/token at swarm epoch {last.epoch}; the corpus's entropy "
                          f"floor is {floor:.4f} (gap {last.loss - floor:.4f})")
+            if evaluations:
+                lines.append(f"validation loss {evaluations[-1].validation_loss:.4f} nats/token on held-out documents "
+                             f"(the checkpoint of epoch {evaluations[-1].epoch})")
             from lean_transformer.swarm.plot import redraw_plot
 
-            redraw_plot(rows, self.metrics_path.with_suffix(".png"), title="local swarm")
+            redraw_plot(rows, self.metrics_path.with_suffix(".png"), title="local swarm", evaluations=evaluations)
         else:
             lines.append(f"no swarm epoch was completed, so there is no loss to show (entropy floor {floor:.4f})")
         reports = [report for trainer in self.trainers for report in trainer.log.epoch_reports.values()]
@@ -440,22 +444,11 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 
-@dataclass(frozen=True)
-class ByteCodec:
-    """The demo's tokens: UTF-8 bytes are 0..255 (the trainers' default byte tokenizer); the end-of-text id comes
-    from the model's config, which the task wrote from that tokenizer."""
-    eos_token_id: int
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
 def writing_sample(checkpoint: Path, lines: int = 3, width: int = 80, corpus_seed: int = 0) -> list[str]:
     """What the trained model writes (sampled, seeded, each line a new document) and, beside it, the corpus's own
-    text: the eye sees at once how much of the chain's structure the swarm has learned."""
+    text: the eye sees at once how much of the chain's structure the swarm has learned. The model and its tokenizer
+    both load from the checkpoint, as a user would load them."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     from lean_transformer.models.generation import sample_text
@@ -463,7 +456,8 @@ def writing_sample(checkpoint: Path, lines: int = 3, width: int = 80, corpus_see
 
     transformers_logging.disable_progress_bar()  # the demo's summary, not a weight-loading bar
     model = LeanGPTForCausalLM.from_pretrained(checkpoint)
-    written = sample_text(model, ByteCodec(model.config.eos_token_id), [""] * lines, max_new_tokens=width, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    written = sample_text(model, tokenizer, [""] * lines, max_new_tokens=width, seed=0)
     corpus = MarkovCorpus.generate(corpus_seed).documents(seed=corpus_seed + 1)
     own = [next(corpus)[:width] for _ in range(lines)]
     return [f"model:  {' '.join(text.split())}" for text in written] + \

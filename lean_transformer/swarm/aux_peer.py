@@ -1,7 +1,8 @@
 """The auxiliary peer: a long-lived member of the swarm that needs no GPU.
 
 It records the swarm's progress (wandb, a JSONL file and a PNG plot), keeps checkpoints that outlive every volunteer
-(optionally mirrored to the Hugging Face Hub), can seed a new swarm from a checkpoint, and with
+(model, tokenizer and training state; optionally mirrored to the Hugging Face Hub), evaluates each checkpoint on
+held-out data (its validation loss is logged beside the training loss), can seed a new swarm from a checkpoint, and with
 ``--assist_in_averaging`` takes part in all-reduce without gradients of its own. Read top to bottom:
 :func:`run_aux_peer` builds everything, :class:`AuxPeer` is the loop.
 """
@@ -13,7 +14,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import hivemind
 from transformers import PreTrainedModel
@@ -22,6 +23,7 @@ from lean_transformer.swarm.aggregation import EpochCollector, SwarmStats
 from lean_transformer.swarm.agreement import SwarmAgreement
 from lean_transformer.swarm.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.dht import build_dht, initial_peers_line, peer_private_key
+from lean_transformer.swarm.evaluation import Evaluation, evaluate
 from lean_transformer.swarm.hub import HubUploader, resolve_checkpoint
 from lean_transformer.swarm.metrics import fetch_metrics, make_validators
 from lean_transformer.swarm.optimizer import build_optimizer
@@ -31,7 +33,7 @@ from lean_transformer.swarm.shutdown import GracefulShutdown
 from lean_transformer.swarm.training_state import load_training_state, save_training_state
 
 if TYPE_CHECKING:
-    from lean_transformer.swarm.settings import (AuxSettings, CollaborationSettings, NetworkSettings,
+    from lean_transformer.swarm.settings import (AuxSettings, Batch, CollaborationSettings, NetworkSettings,
                                                  TrainingSettings, TrainingTask)
 
 logger = logging.getLogger(__name__)
@@ -91,12 +93,15 @@ class AuxiliaryOptimizer(hivemind.Optimizer):
 
 
 class AuxPeer:
-    """The loop: every refresh, aggregate the trainers' metrics and log them; every N epochs, checkpoint."""
+    """The loop: every refresh, aggregate the trainers' metrics and log them; every N epochs, checkpoint (with the
+    tokenizer, written by ``save_tokenizer``) and evaluate the checkpoint on ``validation_batches``."""
 
     def __init__(self, dht: hivemind.DHT, model: PreTrainedModel, optimizer: AuxiliaryOptimizer,
                  network: NetworkSettings, aux: AuxSettings, config: dict, shutdown: GracefulShutdown,
-                 agreement: SwarmAgreement):
+                 agreement: SwarmAgreement, save_tokenizer: Callable[[Path], None],
+                 validation_batches: Sequence[Batch] = ()):
         self.dht, self.model, self.optimizer, self.agreement = dht, model, optimizer, agreement
+        self.save_tokenizer, self.validation_batches = save_tokenizer, validation_batches
         self.run_id, self.aux, self.shutdown = network.run_id, aux, shutdown
         self.history = RunHistory(aux.metrics_path, max_rows=aux.history_window)
         self.plot_path = Path(aux.metrics_path).with_suffix(".png")
@@ -105,7 +110,8 @@ class AuxPeer:
         self.checkpoints = CheckpointDir(aux.checkpoint_dir, keep_last=aux.keep_checkpoints)
         latest = self.checkpoints.latest()
         self.last_checkpoint_epoch = max(optimizer.local_epoch, latest[0] if latest else 0)
-        self.hub = HubUploader(aux.hub_repo_id, aux.hub_upload_interval) if aux.hub_repo_id else None
+        self.hub = HubUploader(aux.hub_repo_id, aux.hub_upload_interval, public=aux.hub_public,
+                               include_training_state=aux.upload_training_state) if aux.hub_repo_id else None
         self.wandb = None
         if aux.wandb_project:
             from lean_transformer.swarm.wandb_log import WandbLogger
@@ -140,16 +146,17 @@ class AuxPeer:
             if self.wandb is not None:
                 self.wandb.log(stats)
         if completed:
-            redraw_plot(self.history.rows, self.plot_path, title=self.run_id)
+            self.redraw_plot()
 
         swarm_epoch = max([self.optimizer.tracker.global_epoch, *(record.epoch for record in records.values())])
-        logger.info(status_line(swarm_epoch, len(records), self.history.rows[-1] if self.history.rows else None))
+        logger.info(status_line(swarm_epoch, len(records), self.history.rows[-1] if self.history.rows else None,
+                                self.history.evaluations[-1] if self.history.evaluations else None))
         every = self.aux.checkpoint_every_epochs
         if every and swarm_epoch // every > self.last_checkpoint_epoch // every:
             self.checkpoint()
 
     def checkpoint(self) -> None:
-        """Download the swarm's state and write it as a checkpoint (then maybe upload it)."""
+        """Download the swarm's state, write it as a checkpoint, evaluate it (then maybe upload it)."""
         with self.lock, self.optimizer.snapshot_from_peers() as epoch:
             if epoch is None or epoch <= self.last_checkpoint_epoch:
                 logger.warning(f"No peer shared a state newer than epoch {self.last_checkpoint_epoch}; will try to "
@@ -157,15 +164,37 @@ class AuxPeer:
                 return
             logger.info(f"Writing the checkpoint of epoch {epoch}")
             try:
-                path = self.checkpoints.save(epoch, lambda directory: save_training_state(directory, self.model,
-                                                                                          self.optimizer))
+                path = self.checkpoints.save(epoch, self._write_checkpoint)
             except OSError as error:  # e.g. a full disk: the previous checkpoints are intact, keep the peer up
                 logger.error(f"Could not write the checkpoint of epoch {epoch}: {error}")
                 return
+            # the model holds the checkpoint's parameters until the snapshot block ends
+            validation_loss = evaluate(self.model, self.validation_batches) if self.validation_batches else None
         self.last_checkpoint_epoch = epoch
         logger.info(f"Saved the swarm's state at epoch {epoch} to {path}")
+        if validation_loss is not None:
+            self.log_evaluation(Evaluation(epoch, validation_loss, time.time()))
         if self.hub is not None:
             self.hub.maybe_upload(path, epoch)
+
+    def _write_checkpoint(self, directory: Path) -> None:
+        save_training_state(directory, self.model, self.optimizer)
+        self.save_tokenizer(directory)
+
+    def log_evaluation(self, evaluation: Evaluation) -> None:
+        if not math.isfinite(evaluation.validation_loss):
+            logger.warning(f"The checkpoint of epoch {evaluation.epoch} has a non-finite validation loss "
+                           f"({evaluation.validation_loss}); not logged")
+            return
+        logger.info(f"Validation loss of the epoch {evaluation.epoch} checkpoint: {evaluation.validation_loss:.4f} "
+                    f"({len(self.validation_batches)} held-out batches)")
+        self.history.append(evaluation)
+        if self.wandb is not None:
+            self.wandb.log(evaluation)
+        self.redraw_plot()
+
+    def redraw_plot(self) -> None:
+        redraw_plot(self.history.rows, self.plot_path, title=self.run_id, evaluations=self.history.evaluations)
 
     def _assist(self) -> None:
         """Join every averaging round without gradients of our own (hivemind's auxiliary mode)."""
@@ -178,12 +207,15 @@ class AuxPeer:
             self.shutdown.requested.wait(self.aux.assist_refresh_period)
 
 
-def status_line(swarm_epoch: int, alive_peers: int, last: Optional[SwarmStats]) -> str:
+def status_line(swarm_epoch: int, alive_peers: int, last: Optional[SwarmStats],
+                last_evaluation: Optional[Evaluation] = None) -> str:
     line = f"swarm epoch {swarm_epoch} | {alive_peers} peer{'s' if alive_peers != 1 else ''} reporting"
     if last is not None:
         loss = f"{last.loss:.4f}" if math.isfinite(last.loss) else "n/a"
         line += (f" | epoch {last.epoch}: loss {loss}, {last.samples_per_second:.1f} samples/s, "
                  f"{last.samples_in_epoch} samples, {last.alive_peers} peers")
+    if last_evaluation is not None:
+        line += f" | validation loss {last_evaluation.validation_loss:.4f} (epoch {last_evaluation.epoch})"
     return line
 
 
@@ -201,6 +233,8 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
     checkpoint = None
     if training.resume_from is not None:
         checkpoint = resolve_checkpoint(training.resume_from, Path(aux.checkpoint_dir) / "downloaded")
+    evaluates = aux.eval_batches > 0 and aux.checkpoint_every_epochs > 0
+    validation_batches = task.validation_batches(aux.eval_batches) if evaluates else []
 
     private_key = peer_private_key(network)
     validators = make_validators(network.run_id, private_key)
@@ -220,7 +254,9 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
                             f"from it")
             if not network.client_mode:  # printed once ready, so trainers started on this line find the state
                 print(initial_peers_line(dht), flush=True)
-            AuxPeer(dht, model, optimizer, network, aux, run_config or {}, shutdown, agreement).run()
+            AuxPeer(dht, model, optimizer, network, aux, run_config or {}, shutdown, agreement,
+                    save_tokenizer=lambda directory: task.save_tokenizer(str(directory)),
+                    validation_batches=validation_batches).run()
         finally:
             logger.info("Leaving the swarm")
             optimizer.shutdown()

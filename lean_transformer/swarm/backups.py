@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 import torch
@@ -34,9 +34,10 @@ class LocalBackups:
     finite but already useless), and when none is left the peer stops with a clear error instead of looping.
     """
 
-    def __init__(self, directory: os.PathLike, every_epochs: int, keep: int):
+    def __init__(self, directory: os.PathLike, every_epochs: int, keep: int,
+                 save_tokenizer: Optional[Callable[[Path], None]] = None):
         self.checkpoints = CheckpointDir(directory, keep_last=keep)
-        self.every_epochs = every_epochs
+        self.every_epochs, self.save_tokenizer = every_epochs, save_tokenizer
         self.restores_in_a_row, self.broken_at_epoch = 0, -1
 
     @property
@@ -49,8 +50,12 @@ class LocalBackups:
         if not parameters_are_finite(model):
             logger.warning("Not backing up non-finite parameters")
             return None
-        path = self.checkpoints.save(optimizer.local_epoch,
-                                     lambda tmp: save_training_state(tmp, model, optimizer, wait_for_averaging))
+        def write(directory: Path) -> None:
+            save_training_state(directory, model, optimizer, wait_for_averaging)
+            if self.save_tokenizer is not None:
+                self.save_tokenizer(directory)
+
+        path = self.checkpoints.save(optimizer.local_epoch, write)
         logger.info(f"Backed up epoch {optimizer.local_epoch} to {path}")
         return path
 

@@ -1,5 +1,9 @@
 """Optional Hugging Face Hub mirror of the aux peer's checkpoints. The Hub is a convenience: a failed upload is
-logged and retried with a later checkpoint, it never stops the peer."""
+logged and retried with a later checkpoint, it never stops the peer.
+
+By default the repo is created private and holds what a user needs to run the model (weights, config, tokenizer),
+not the optimizer state: ``--hub_public`` and ``--upload_training_state`` change that. ``--resume_from`` a repo
+needs the training state."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +12,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +28,33 @@ def is_hub_repo_id(text: str) -> bool:
     return looks_like_repo_id(text) and not os.path.exists(text)
 
 
+def upload_arguments(repo_id: str, checkpoint_dir: os.PathLike, epoch: int, public: bool = False,
+                     include_training_state: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword arguments of ``HfApi.create_repo`` and ``HfApi.upload_folder`` that mirror one checkpoint: a
+    private repo unless ``public`` (an existing repo keeps its visibility), the training state left out unless
+    ``include_training_state``, and every other file of the repo replaced (it mirrors exactly one checkpoint)."""
+    from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+
+    create = dict(repo_id=repo_id, private=not public, exist_ok=True)
+    upload = dict(repo_id=repo_id, folder_path=Path(checkpoint_dir), commit_message=f"Swarm checkpoint at epoch {epoch}",
+                  delete_patterns=["*"], ignore_patterns=None if include_training_state else [TRAINING_STATE_FILE])
+    return create, upload
+
+
 class HubUploader:
     """Uploads a checkpoint directory to the root of a Hub model repo in a background thread, at most once per
     ``interval`` seconds and one upload at a time, so a slow or failing upload never delays metrics or averaging.
 
-    The repo then holds the newest uploaded checkpoint (``from_pretrained(repo_id)`` works; the repo's git history
-    keeps the older ones).
+    The repo then holds the newest uploaded checkpoint (``from_pretrained(repo_id)`` works, for the model and for
+    ``AutoTokenizer``; the repo's git history keeps the older ones). See :func:`upload_arguments` for what goes up.
     """
 
-    def __init__(self, repo_id: str, interval: float, token: Optional[str] = None):
+    def __init__(self, repo_id: str, interval: float, token: Optional[str] = None, public: bool = False,
+                 include_training_state: bool = False):
         if interval < 0:
             raise ValueError(f"hub upload interval must be >= 0 seconds, got {interval}")
         self.repo_id, self.interval, self.token = repo_id, interval, token
+        self.public, self.include_training_state = public, include_training_state
         self._last_start = -float("inf")
         self._thread: Optional[threading.Thread] = None
 
@@ -57,15 +76,12 @@ class HubUploader:
     def _upload(self, checkpoint_dir: Path, epoch: int) -> None:
         from huggingface_hub import HfApi
 
+        create, upload = upload_arguments(self.repo_id, checkpoint_dir, epoch, self.public,
+                                          self.include_training_state)
         try:
             api = HfApi(token=self.token)
-            api.create_repo(self.repo_id, exist_ok=True)
-            api.upload_folder(
-                repo_id=self.repo_id,
-                folder_path=checkpoint_dir,
-                commit_message=f"Swarm checkpoint at epoch {epoch}",
-                delete_patterns=["*"],  # the repo mirrors exactly one checkpoint
-            )
+            api.create_repo(**create)
+            api.upload_folder(**upload)
             logger.info(f"Uploaded the epoch {epoch} checkpoint to https://huggingface.co/{self.repo_id}")
         except Exception as error:  # network, auth, quota, a pruned directory...: log, keep the peer running
             logger.warning(f"Hub upload of epoch {epoch} to {self.repo_id} failed: {type(error).__name__}: {error}")
@@ -82,6 +98,7 @@ def resolve_checkpoint(source: str, download_dir: os.PathLike, token: Optional[s
     """
     from lean_transformer.swarm.training_state import TRAINING_STATE_FILE, find_checkpoint
 
+    origin = source
     if is_hub_repo_id(source):
         from huggingface_hub import snapshot_download
 
@@ -95,6 +112,10 @@ def resolve_checkpoint(source: str, download_dir: os.PathLike, token: Optional[s
     if not os.path.isdir(source):
         raise FileNotFoundError(f"--resume_from: {source} is neither a directory nor a Hub repo id (owner/name)")
     checkpoint = find_checkpoint(source)
+    if checkpoint is None and os.path.isfile(os.path.join(source, "config.json")):
+        raise FileNotFoundError(f"--resume_from: {origin} holds a model without its training state "
+                                f"({TRAINING_STATE_FILE}: optimizer, LR schedule, epoch), so a swarm cannot resume "
+                                f"from it; an aux peer uploads that state to the Hub only with --upload_training_state")
     if checkpoint is None:
         raise FileNotFoundError(f"--resume_from: no checkpoint (a directory with {TRAINING_STATE_FILE}) in {source}")
     return checkpoint

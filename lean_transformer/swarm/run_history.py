@@ -1,4 +1,8 @@
-"""The swarm's per-epoch statistics on disk (an append-only JSONL file) and in memory (a bounded window for plots)."""
+"""The swarm's per-epoch statistics on disk (an append-only JSONL file) and in memory (a bounded window for plots).
+
+The file holds two kinds of rows: the trainers' statistics of an epoch (``SwarmStats``: loss, samples/s, peers) and
+the validation loss of a checkpoint (``Evaluation``: epoch, validation_loss, time); a row with ``validation_loss`` is
+an evaluation."""
 from __future__ import annotations
 
 import json
@@ -6,15 +10,16 @@ import logging
 import os
 from collections import deque
 from pathlib import Path
-from typing import Deque, Iterable, Optional
+from typing import Deque, Iterable, Iterator, Optional, Union
 
 from lean_transformer.swarm.aggregation import SwarmStats
+from lean_transformer.swarm.evaluation import Evaluation
 
 logger = logging.getLogger(__name__)
 
 
 class RunHistory:
-    """Appends one JSON line per epoch and keeps the last ``max_rows`` rows in memory.
+    """Appends one JSON line per epoch (and per evaluation) and keeps the last ``max_rows`` of each in memory.
 
     A restarted peer reopens the same file: earlier rows come back into the plot window and their epochs are not
     logged twice. A line cut short by a crash is skipped when reading and never glued to the next row.
@@ -25,31 +30,47 @@ class RunHistory:
             raise ValueError(f"max_rows must be positive, got {max_rows}")
         self.path = Path(path)
         self.rows: Deque[SwarmStats] = deque(maxlen=max_rows)
+        self.evaluations: Deque[Evaluation] = deque(maxlen=max_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            self.rows.extend(read_rows(self.path))
+            for row in read_history(self.path):
+                (self.evaluations if isinstance(row, Evaluation) else self.rows).append(row)
             _terminate_last_line(self.path)
 
     @property
     def last_epoch(self) -> Optional[int]:
         return self.rows[-1].epoch if self.rows else None
 
-    def append(self, stats: SwarmStats) -> None:
+    def append(self, row: Union[SwarmStats, Evaluation]) -> None:
         with self.path.open("a", encoding="utf-8") as file:
-            file.write(json.dumps(stats.to_dict()) + "\n")
-        self.rows.append(stats)
+            file.write(json.dumps(row.to_dict()) + "\n")
+        (self.evaluations if isinstance(row, Evaluation) else self.rows).append(row)
 
 
-def read_rows(path: os.PathLike) -> Iterable[SwarmStats]:
-    """Yield the valid rows of a history file, skipping (and reporting) lines that do not parse."""
+def read_history(path: os.PathLike) -> Iterator[Union[SwarmStats, Evaluation]]:
+    """Yield the valid rows of a history file (both kinds, in file order), skipping (and reporting) lines that do
+    not parse."""
     with open(path, encoding="utf-8") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
             try:
-                yield SwarmStats.from_dict(json.loads(line))
+                row = json.loads(line)
+                parsed = Evaluation.from_dict(row) if "validation_loss" in row else SwarmStats.from_dict(row)
             except (ValueError, KeyError, TypeError) as error:
                 logger.warning(f"{path}:{line_number}: skipping an unreadable row ({error})")
+                continue
+            yield parsed
+
+
+def read_rows(path: os.PathLike) -> Iterable[SwarmStats]:
+    """The swarm statistics rows of a history file."""
+    return (row for row in read_history(path) if isinstance(row, SwarmStats))
+
+
+def read_evaluations(path: os.PathLike) -> Iterable[Evaluation]:
+    """The evaluation rows of a history file."""
+    return (row for row in read_history(path) if isinstance(row, Evaluation))
 
 
 def _terminate_last_line(path: Path) -> None:

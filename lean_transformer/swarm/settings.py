@@ -90,6 +90,9 @@ class AuxSettings(Protocol):
     keep_checkpoints: int
     hub_repo_id: Optional[str]
     hub_upload_interval: float
+    hub_public: bool
+    upload_training_state: bool
+    eval_batches: int
     wandb_project: Optional[str]
     wandb_dir: Optional[str]
     assist_in_averaging: bool
@@ -110,7 +113,13 @@ class TrainingTask(Protocol):
         """A freshly initialized model, the same on every peer."""
 
     def batches(self, seed: int) -> Batcher:
-        """This peer's stream of batches; ``seed`` differs between peers."""
+        """This peer's stream of training batches; ``seed`` differs between peers."""
+
+    def validation_batches(self, count: int) -> list[Batch]:
+        """``count`` batches of held-out data that no trainer's ``batches`` ever yields, the same on every call."""
+
+    def save_tokenizer(self, directory: str) -> None:
+        """Write the tokenizer into a checkpoint directory, loadable with ``AutoTokenizer.from_pretrained``."""
 
     def sequence_length(self, epoch: int) -> int:
         """The sequence length to train on at a swarm epoch."""

@@ -142,7 +142,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     scaler = hivemind.GradScaler(device.type) if global_scale else None
     reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
-    backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
+    backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups,
+                           save_tokenizer=lambda directory: task.save_tokenizer(str(directory)))
     progress = ProgressLine(training.progress_every, device)
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own

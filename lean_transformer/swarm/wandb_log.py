@@ -4,9 +4,10 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from lean_transformer.swarm.aggregation import SwarmStats
+from lean_transformer.swarm.evaluation import Evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,9 @@ def has_wandb_credentials() -> bool:
 
 
 class WandbLogger:
-    """One wandb run for the aux peer: one step per global epoch.
+    """One wandb run for the aux peer: a row per global epoch (training loss, samples/s, peers) and a row per
+    evaluated checkpoint (``validation_loss``), all charted against ``epoch`` (a checkpoint's epoch may be older than
+    the last logged row, so wandb's own step, which only grows, counts rows instead).
 
     The mode is ``WANDB_MODE`` if set (e.g. ``disabled``), else online when credentials exist, else offline
     (``wandb sync`` uploads an offline run later). If an online start fails (no internet), it falls back to offline
@@ -41,11 +44,12 @@ class WandbLogger:
                 raise
             logger.warning(f"wandb could not start online ({error}); logging offline instead")
             self.run = wandb.init(mode="offline", **init_kwargs)
+        self.run.define_metric("epoch")
+        self.run.define_metric("*", step_metric="epoch")
         logger.info(f"wandb run in {self.run.dir} (mode: {self.run.settings.mode})")
 
-    def log(self, stats: SwarmStats) -> None:
-        row = {key: value for key, value in stats.to_dict().items() if value is not None and key != "time"}
-        self.run.log(row, step=stats.epoch)
+    def log(self, row: Union[SwarmStats, Evaluation]) -> None:
+        self.run.log({key: value for key, value in row.to_dict().items() if value is not None and key != "time"})
 
     def finish(self) -> None:
         self.run.finish()
