@@ -95,7 +95,9 @@ def _chunks(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tens
         chunk, chunk_labels = hidden[start:start + rows], labels[start:start + rows]
         chunk_valid = valid[start:start + rows]
         logits = F.linear(chunk, weight, bias)
-        logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        dtype = logits.dtype
+        logits32 = logits.to(torch.promote_types(dtype, torch.float32))
+        del logits  # only the upcast copy is used from here on (in place where it can be)
         lse = torch.logsumexp(logits32, dim=-1)
         targets = chunk_labels.masked_fill(~chunk_valid, 0)
         target_logits = logits32.gather(1, targets[:, None])[:, 0]
@@ -106,8 +108,8 @@ def _chunks(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tens
         # dtype, as autograd would hand the gradient of ``logits.float()`` back
         grad = logits32.sub_(lse[:, None]).exp_()
         grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0
-        grad = (grad * torch.where(chunk_valid, scale, 0.0)[:, None]).to(logits.dtype)
-        del logits, logits32
+        grad = grad.mul_(torch.where(chunk_valid, scale, 0.0)[:, None]).to(dtype)
+        del logits32
         if grad_hidden is not None:
             grad_hidden[start:start + rows] = grad @ weight.to(grad.dtype)  # weight already is, except for fp64
         if grad_weight is not None:  # summed over chunks in fp32: low-precision partial sums would each be rounded
