@@ -10,7 +10,12 @@ Rows, each adding to the one before (4 x 2048 tokens per micro-batch, vocab 5030
 - + checkpointing: ``gradient_checkpointing=True`` (one checkpoint per layer);
 - + chunked loss: ``model(..., labels=..., return_logits=False)``, the model library's linear + cross-entropy a chunk
   of tokens at a time (``modules/fused_loss.py``; liger-kernel's fused kernel where it is installed on CUDA), so the
-  full logits never exist.
+  full logits never exist;
+- + backward chunks: ``set_optimizations(backward_chunks=4)`` (``--backward_chunks 4``), the feed-forward's backward
+  over 4 chunks of tokens.
+
+With grad offload, the tied embedding's output-head gradient leaves as soon as the loss's backward makes it
+(``modules/early_grad.py``, as ``HostGradients`` takes it), not at the end of backward.
 
 ESTIMATED without CUDA: the model runs on fake tensors (``FakeTensorMode``) on the CPU device with the GPU's dtypes,
 under ``torch.distributed._tools.mem_tracker.MemTracker``, whose peak counts every live tensor (parameters,
@@ -21,7 +26,7 @@ CPU kernels may keep other temporaries than CUDA's (attention: CPU flash kernel 
 rows are MEASURED (``torch.cuda.max_memory_allocated`` over a whole trainer step: a 1-peer hivemind.Optimizer with
 8-bit LAMB offloaded, as the trainer builds it) and printed beside the estimate with their ratio.
 
-Usage: python benchmarks/gpu_memory.py [--sizes 125M 350M 1.3B 2.7B] [--skip-largest] [--skip-host]
+Usage: python benchmarks/gpu_memory.py [--sizes 125M 350M 1.3B 2.7B] [--options 0 1 ...] [--skip-largest] [--skip-host]
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ import torch
 import transformers
 
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
+from lean_transformer.modules.early_grad import set_receiver
 
 GiB = 2 ** 30
 VOCAB, BATCH, SEQ = 50304, 4, 2048
@@ -60,6 +66,7 @@ class Option:
     offload: bool = False  # HostGradients: each gradient leaves the device at its hook
     checkpointing: bool = False
     chunked_loss: bool = False
+    backward_chunks: int = 1
 
 
 OPTIONS = [
@@ -69,6 +76,7 @@ OPTIONS = [
     Option("+ grad offload", offload=True),
     Option("+ checkpointing", offload=True, checkpointing=True),
     Option("+ chunked loss", offload=True, checkpointing=True, chunked_loss=True),
+    Option("+ backward_chunks=4", offload=True, checkpointing=True, chunked_loss=True, backward_chunks=4),
 ]
 
 
@@ -88,7 +96,7 @@ def build(cfg: LeanGPTConfig, option: Option, device: str) -> LeanGPTForCausalLM
             model = LeanGPTForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.set_optimizations(gradient_checkpointing=option.checkpointing)
+    model.set_optimizations(gradient_checkpointing=option.checkpointing, backward_chunks=option.backward_chunks)
     return model.train()
 
 
@@ -119,8 +127,9 @@ def estimate(cfg: LeanGPTConfig, option: Option) -> tuple[int, int, int]:
         model = build(cfg, option, "cpu")
         params = list(model.parameters())
         if option.offload:
-            for param in params:
+            for param in params:  # as HostGradients: the gradient leaves the device at its hook, or before it
                 param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+                set_receiver(param, lambda grad: None)
         input_ids = torch.randint(0, VOCAB, (BATCH, SEQ))
         compute = loss_function(model, option, input_ids)
         tracker = MemTracker()
@@ -184,7 +193,7 @@ def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optiona
         torch.cuda.empty_cache()
 
 
-def options_table(sizes: list[str]) -> None:
+def options_table(sizes: list[str], options: list[int]) -> None:
     cuda = torch.cuda.is_available()
     where = f"MEASURED on {torch.cuda.get_device_name()} beside the ESTIMATE" if cuda else "ESTIMATED (no CUDA)"
     print(f"\nTrainer-step peak GPU memory, GiB, {BATCH} x {SEQ} tokens per micro-batch; {where}\n")
@@ -195,7 +204,7 @@ def options_table(sizes: list[str]) -> None:
     for size in sizes:
         cfg = config(*SIZES[size])
         baseline = None
-        for option in OPTIONS:
+        for option in (OPTIONS[i] for i in options):
             started = time.perf_counter()
             peak, weights, count = estimate(cfg, option)
             baseline = baseline or peak
@@ -213,13 +222,13 @@ def options_table(sizes: list[str]) -> None:
         print(f"| {size} | target for the last row | | {TARGETS.get(size, '')} | |" + (" | | |" if cuda else ""))
 
 
-def beyond_weights(size: str = "1.3B") -> None:
+def beyond_weights(options: list[int], size: str = "1.3B") -> None:
     """Forward + backward memory beyond weights (+ gradients, here none on the device), bf16, checkpointing."""
     print(f"\n{size}, bf16, {BATCH} x {SEQ}, checkpointing, grad offload: ESTIMATED peak minus weights "
           f"(target <= 1.5 GiB)\n")
     print("| option | forward + backward beyond weights (GiB) |")
     print("| --- | --- |")
-    for option in OPTIONS[3:]:
+    for option in (OPTIONS[i] for i in options if i >= 3):
         peak, weights, _ = estimate(config(*SIZES[size]), option)
         print(f"| {option.name} | "
               f"{(peak - weights) / GiB:.2f} |", flush=True)
@@ -291,11 +300,14 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--skip-largest", action="store_true", help="skip the 24 GiB search (slowest part)")
     parser.add_argument("--skip-host", action="store_true", help="skip the host bytes count (starts hivemind)")
+    parser.add_argument("--options", nargs="+", type=int, default=list(range(len(OPTIONS))),
+                        choices=range(len(OPTIONS)), help="rows to run, by index (0: baseline; default: all; "
+                        "'vs baseline' is then against the first row run)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    options_table(args.sizes)
-    beyond_weights()
+    options_table(args.sizes, args.options)
+    beyond_weights(args.options)
     if not args.skip_largest:
         largest_in()
     if not args.skip_host:

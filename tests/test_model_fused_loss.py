@@ -165,3 +165,28 @@ def test_liger_path_matches_ours_on_cuda():
     torch.testing.assert_close(liger[0], ours[0], **TOL)
     for got, want in zip(liger[1], ours[1]):
         torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_backward_scales_and_converts_blockwise_to_the_same_values(dtype):
+    """Backward hands the stored float32 gradients back as ``(grad * grad_loss).to(dtype)``, converting a block at a
+    time (no whole-size float32 temporary): the very same values, across block boundaries and a ragged last block."""
+    stored = torch.randn(37, 11) * 100
+    scale = torch.tensor(0.37)
+    got = fused_loss.scaled_to(stored, scale, dtype, block=50)
+    assert got.dtype == dtype and got.shape == stored.shape
+    assert torch.equal(got, (stored * scale).to(dtype))
+
+
+def test_low_precision_weights_get_the_rounded_scaled_gradient():
+    """bfloat16 weights and hidden states (no autocast), a loss scaled by 3: each gradient is the float32 chunked
+    gradient times 3, rounded once to bfloat16."""
+    hidden = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(300, 16, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 300, (40,))
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_rows=7)
+    got = torch.autograd.grad(loss, [hidden, weight], torch.tensor(3.0))
+    _, *stored = fused_loss._chunks(hidden.detach(), weight.detach(), None, labels, -100, 7, (True, True, False))
+    for grad, want in zip(got, stored[:2]):
+        assert grad.dtype == torch.bfloat16
+        assert torch.equal(grad, (want * 3.0).to(torch.bfloat16))

@@ -145,3 +145,31 @@ def test_checkpointing_keeps_one_hidden_state_per_segment(gpt_config):
         hidden_states = [n for n in saved_storages(model, input_ids) if n == 2 * 8 * 32]
         assert len(hidden_states) == expected + 2  # one per segment, plus the final norm's input and output
     assert len([n for n in plain if n == 2 * 8 * 32]) > 5
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "relu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_backward_from_the_preactivation_is_autograds(name, dtype):
+    """The feed-forward's backward gets d act / d hidden from the pre-activation alone (no activation output kept):
+    the very values autograd gives, zeros and negatives included."""
+    from lean_transformer.modules.activations import get_activation, get_activation_backward
+    hidden = torch.cat([torch.randn(500), torch.zeros(4), -torch.rand(4)]).to(dtype).requires_grad_()
+    grad = torch.randn(508).to(dtype)
+    (want,) = torch.autograd.grad(get_activation(name)(hidden), hidden, grad)
+    assert torch.equal(get_activation_backward(name)(grad, hidden.detach()), want)
+    assert get_activation_backward("swiglu") is None
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu_new", "relu", "geglu"])
+def test_ffn_backward_without_activation_output_is_unchanged(gpt_config, hidden_act):
+    """The FFN's hand-written backward gives bitwise the gradients it gave when the activation went through autograd
+    (the path gated activations still take)."""
+    ffn = LeanGPTForCausalLM(gpt_config(hidden_act=hidden_act)).transformer.encoder.layers[0].ffn
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    params = [x, *ffn.parameters()]
+    results = []
+    for backward in (ffn.activation_backward, None):
+        ffn.activation_backward = backward
+        results.append(torch.autograd.grad(ffn(x).pow(2).sum(), params))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lean_transformer.config import LeanTransformerConfig
+from lean_transformer.modules.early_grad import handoff
 from lean_transformer.modules.fused_loss import linear_cross_entropy
 
 
@@ -48,7 +49,8 @@ class LeanEmbeddings(nn.Module):
 class LeanLMHead(nn.Module):
     """Hidden states -> vocabulary logits. ``transform`` (ALBERT's MLM head) adds dense + GELU + LayerNorm; otherwise
     a factorized model projects back down to ``embedding_size``. Tied weights are the input embedding table,
-    passed in at call time rather than registered twice."""
+    passed in at call time rather than registered twice; where the table has a gradient receiver
+    (``modules/early_grad.py``, set by ``HostGradients``) the head's part of its gradient goes there in backward."""
 
     def __init__(self, config: LeanTransformerConfig, transform: bool = False, bias: bool = False):
         super().__init__()
@@ -63,7 +65,11 @@ class LeanLMHead(nn.Module):
     def forward(self, hidden: Tensor, input_embeddings: Tensor) -> Tensor:
         if self.transform is not None:
             hidden = self.transform(hidden)
-        return F.linear(hidden, input_embeddings if self.weight is None else self.weight, self.bias)
+        return F.linear(hidden, self._weight(input_embeddings), self.bias)
+
+    def _weight(self, input_embeddings: Tensor) -> Tensor:
+        # tied: the head's gradient of the table can leave before the lookup's (``early_grad``)
+        return handoff(input_embeddings) if self.weight is None else self.weight
 
     def loss(self, hidden: Tensor, input_embeddings: Tensor, labels: Tensor, ignore_index: int = -100,
              only_labelled: bool = True) -> Tensor:
@@ -77,5 +83,5 @@ class LeanLMHead(nn.Module):
             hidden, labels = hidden[labelled], labels[labelled]
         if self.transform is not None:
             hidden = self.transform(hidden)
-        weight = input_embeddings if self.weight is None else self.weight
-        return linear_cross_entropy(hidden, weight, labels, self.bias, ignore_index=ignore_index)
+        return linear_cross_entropy(hidden, self._weight(input_embeddings), labels, self.bias,
+                                    ignore_index=ignore_index)

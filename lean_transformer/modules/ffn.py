@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lean_transformer.config import LeanTransformerConfig
-from lean_transformer.modules.activations import get_activation
+from lean_transformer.modules.activations import get_activation, get_activation_backward
 from lean_transformer.modules.linear import SharedMatrix, make_linear
 from lean_transformer.modules.linear_op import even_bounds
 from lean_transformer.modules.replay import AutocastState, RNGState, dropout_mask
@@ -54,6 +54,7 @@ class LeanFFN(nn.Module):
         self.dense_out = make_linear(config, config.intermediate_size, config.hidden_size, shared=shared_out)
         self.post_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.sandwich_norm else None
         self.activation = get_activation(config.hidden_act)
+        self.activation_backward = get_activation_backward(config.hidden_act)
         self.dropout = config.hidden_dropout_prob
         self.custom_grad = True  # set by LeanPreTrainedModel.set_optimizations(ffn_custom_grad=...)
         self.backward_chunks = 1  # set by LeanPreTrainedModel.set_optimizations(backward_chunks=...)
@@ -172,12 +173,19 @@ def _backward_rows(ffn: LeanFFN, groups: list[Params], needs_x: bool, x: Tensor,
             normed = ffn._norm(inputs[0], inputs[1:])
         grad, *grads_post = _grad(normed, inputs, grad)
 
-    with torch.enable_grad():
-        hidden_leaf = hidden.detach().requires_grad_()
-        activated = ffn.activation(hidden_leaf)
-    grad_act, grads_out = ffn.dense_out.op_backward(activated.detach(), grad.to(activated.dtype), dense_out)
-    (grad_hidden,) = _grad(activated, (hidden_leaf,), grad_act)
-    del activated, grad_act
+    if ffn.activation_backward is not None:  # element-wise: its backward reads the pre-activation only, so the
+        activated = ffn.activation(hidden)  # recomputed activation is gone before it (one 4d-wide tensor less)
+        grad_act, grads_out = ffn.dense_out.op_backward(activated, grad.to(activated.dtype), dense_out)
+        del activated
+        grad_hidden = ffn.activation_backward(grad_act.to(hidden.dtype), hidden)
+    else:
+        with torch.enable_grad():
+            hidden_leaf = hidden.detach().requires_grad_()
+            activated = ffn.activation(hidden_leaf)
+        grad_act, grads_out = ffn.dense_out.op_backward(activated.detach(), grad.to(activated.dtype), dense_out)
+        (grad_hidden,) = _grad(activated, (hidden_leaf,), grad_act)
+        del activated
+    del grad_act
 
     with torch.enable_grad():
         inputs = (x.detach().requires_grad_(needs_x), *_detached(pre_norm))

@@ -10,6 +10,9 @@ the rest of backward; a host thread then adds the slot into its float32 buffer (
 so a float16 gradient is unscaled in float32, not in float16 where small values would flush to zero). On the CPU
 the hook adds synchronously. The same class serves both, so the CPU tests exercise its bookkeeping.
 
+A tied embedding's output-head gradient arrives first and separately (``modules/early_grad.py``: it would otherwise
+wait on the device through the whole backward for the lookup's part); both parts are added into the same buffer.
+
 The buffers can be given (e.g. hivemind's shared-memory averaging tensors, see
 :mod:`lean_transformer.swarm.host_grad_averager`), so the gradients are accumulated, averaged and handed to the
 optimizer in one float32 copy. torch offers no such hook-driven host accumulator (FSDP's CPU offload keeps the
@@ -17,11 +20,14 @@ whole model sharded and needs a process group), hence this module.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Optional, Sequence
 
 import torch
+
+from lean_transformer.modules.early_grad import set_receiver
 
 WAIT_TIMEOUT = 600.0  # seconds: a gradient copy that takes longer means the device or the host thread is stuck
 
@@ -80,22 +86,29 @@ class HostGradients:
             self._thread.start()
         self._handles = [param.register_post_accumulate_grad_hook(self._make_hook(index))
                          for index, param in enumerate(self.params)]
+        self._early: dict[int, tuple[torch.Tensor, float]] = {}  # host copies of first parts (modules.early_grad)
+        for index, param in enumerate(self.params):  # a tied weight's head gradient leaves before the lookup's
+            set_receiver(param, functools.partial(self._take_grad, index, early=True))
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
-            self._take(index, param)
+            grad = param.grad
+            if grad is None:  # all of this backward's gradient went early (``modules.early_grad``)
+                return
+            param.grad = None  # the device's copy goes as soon as the host has it (on CUDA: after the copy)
+            self._take_grad(index, grad)
         return hook
 
     @torch.no_grad()
-    def _take(self, index: int, param: torch.Tensor) -> None:
-        grad = param.grad
-        param.grad = None  # the device's copy goes as soon as the host has it (below: after the copy on CUDA)
+    def _take_grad(self, index: int, grad: torch.Tensor, early: bool = False) -> None:
+        """Add ``grad`` to buffer ``index``; ``early``: a first part of the gradient (``modules.early_grad``), kept on
+        the host in its dtype until the hook's part comes and added to it there, as autograd would have added them."""
         if grad.numel():
             low, high = torch.aminmax(grad)  # NaN propagates to both; no temporary of the gradient's size
             self._found_non_finite.logical_or_(~(torch.isfinite(low) & torch.isfinite(high)))
         self.writes += 1
         if not self.is_cuda:
-            self._accumulate(index, grad)
+            self._accumulate(index, grad, early=early)
             return
         try:
             slot = self._free_slots.get(timeout=WAIT_TIMEOUT)
@@ -110,10 +123,27 @@ class HostGradients:
         grad.record_stream(self._stream)  # its memory is reused only after the copy
         with self._idle:
             self._pending += 1
-        self._jobs.put((index, staged, slot, copied, self.grad_scale))
+        self._jobs.put((index, staged, slot, copied, self.grad_scale, early))
 
-    def _accumulate(self, index: int, grad: torch.Tensor, scale: Optional[float] = None) -> None:
-        buffer, scale = self.buffers[index], self.grad_scale if scale is None else scale
+    def _accumulate(self, index: int, grad: torch.Tensor, scale: Optional[float] = None, early: bool = False
+                    ) -> None:
+        scale = self.grad_scale if scale is None else scale
+        if early:
+            self._flush_early(index)  # a first part whose rest never came
+            self._early[index] = (grad.to("cpu", copy=True), scale)  # a staging slot is reused: our own copy
+            return
+        part, _ = self._early.pop(index, (None, None))
+        if part is not None:
+            grad = part.add_(grad)  # in the gradients' dtype: the very sum autograd forms for a parameter used twice
+        self._add_to_buffer(index, grad, scale)
+
+    def _flush_early(self, index: int) -> None:
+        part, scale = self._early.pop(index, (None, None))
+        if part is not None:
+            self._add_to_buffer(index, part, scale)
+
+    def _add_to_buffer(self, index: int, grad: torch.Tensor, scale: float) -> None:
+        buffer = self.buffers[index]
         if self._fresh[index]:
             buffer.copy_(grad)  # then scale in float32: a float16 gradient times 1/scale could flush to zero
             if scale != 1.0:
@@ -127,10 +157,10 @@ class HostGradients:
             job = self._jobs.get()
             if job is None:  # remove_hooks(): the thread ends, so it no longer keeps the parameters alive
                 return
-            index, staged, slot, copied, scale = job
+            index, staged, slot, copied, scale, early = job
             try:
                 copied.synchronize()
-                self._accumulate(index, staged, scale)
+                self._accumulate(index, staged, scale, early)
             except BaseException as error:  # reported by the next wait()
                 self._error = error
             finally:
@@ -145,6 +175,8 @@ class HostGradients:
             with self._idle:
                 if not self._idle.wait_for(lambda: self._pending == 0, timeout=WAIT_TIMEOUT):
                     raise TimeoutError(f"gradient copies to the host still pending after {WAIT_TIMEOUT:.0f} s")
+        for index in list(self._early):  # first parts whose rest never came (the parameter's other use had none)
+            self._flush_early(index)
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError("accumulating a gradient on the host failed") from error
@@ -178,6 +210,8 @@ class HostGradients:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for param in self.params:
+            set_receiver(param, None)
         if self.is_cuda and self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout=WAIT_TIMEOUT)
