@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -177,7 +176,8 @@ class WanNetwork:
         """What of this network still exists (for tests): namespaces, links and socket files."""
         namespaces = set(run_ip("ip", "netns", "list").stdout.split())
         links = {line.split(":")[1].strip().split("@")[0] for line in run_ip("ip", "-o", "link").stdout.splitlines()}
-        return ([n for n in self.namespaces if n in namespaces] + [n for n in [self.bridge, *self.host_ends] if n in links]
+        return ([name for name in self.namespaces if name in namespaces]
+                + [name for name in [self.bridge, *self.host_ends] if name in links]
                 + [path for path in self.sockets if os.path.exists(path)])
 
 
