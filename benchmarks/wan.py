@@ -55,7 +55,8 @@ sys.path.insert(0, str(REPO))
 MODEL_CONFIG = REPO / "benchmarks" / "wan_model.json"
 BATCH, SEQUENCE = 2, 64
 HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
-PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\| loss ([\d.]+|n/a) \|.* \| (\d+) samples computed, compute")
+PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\| loss ([\d.]+|n/a) \|.* \| (\d+) samples computed, compute "
+                      r"([\d.]+)%")
 JOINED = re.compile(r"Joined the swarm at epoch")
 SUMMARY = re.compile(r"Compute utilization [\d.]+%: ([\d.]+) s in forward, backward and inner steps of ([\d.]+) s "
                      r"training \((\d+) samples\)")
@@ -224,6 +225,10 @@ class Mode:
     seconds: Optional[float] = None  # stop after this long; None: after the sample budget
     diloco: bool = False  # needs DiLoCo's flags
 
+    @property
+    def link(self) -> str:
+        return "bare bridge" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
+
 
 def diloco_mode(rate: float, local_steps: int, overlap: bool, compression: str) -> Mode:
     name = f"DiLoCo H={local_steps}{', overlap' if overlap else ''}, {compression}"
@@ -254,6 +259,7 @@ class TrainerLog:
     joined: bool = False
     points: List[tuple] = field(default_factory=list)  # (unix time, samples computed, loss)
     summary: Optional[tuple] = None  # (compute s, wall s, samples)
+    last_utilization: float = math.nan
 
     def read(self) -> None:
         text = self.path.read_text(errors="replace") if self.path.exists() else ""
@@ -264,8 +270,15 @@ class TrainerLog:
             if (match := PROGRESS.match(line)) and match.group(2) != "n/a":
                 moment = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp()
                 self.points.append((moment, int(match.group(3)), float(match.group(2))))
+                self.last_utilization = float(match.group(4)) / 100
             elif match := SUMMARY.search(line):
                 self.summary = (float(match.group(1)), float(match.group(2)), int(match.group(3)))
+
+    def estimate_summary(self, started: float) -> None:
+        """A trainer killed before its summary line: take its last progress line (utilization, samples) instead,
+        with the wall time counted from ``started``."""
+        moment, samples, _ = self.points[-1]
+        self.summary = (self.last_utilization * (moment - started), moment - started, samples)
 
     @property
     def samples(self) -> int:
@@ -309,7 +322,7 @@ def trainer_argv(mode: Mode, wan: WanNetwork, peer: int, initial_peers: Sequence
                "max_sequence_length": str(SEQUENCE), "target_batch_size": str(BATCH * num_trainers),
                "matchmaking_time": "1", "averaging_timeout": "60", "average_state_every": "100000",
                "backup_every_epochs": "0", "warmup_steps": "10", "total_steps": "100000", "learning_rate": "0.002",
-               "max_epochs": str(2 * budget), "progress_every": "1", "shutdown_timeout": "20",
+               "max_epochs": str(2 * budget), "progress_every": "1", "shutdown_timeout": "60",
                "output_dir": str(workdir / f"out{peer}"), **mode.flags}
     argv = [sys.executable, str(REPO / "run_trainer.py"), "--initial_peers", *initial_peers]
     for key, value in options.items():
@@ -362,10 +375,14 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
                 process.send_signal(signal.SIGTERM)  # SIGINT may be ignored (started in the background)
             for process, log in zip(processes, logs):
                 try:
-                    process.wait(timeout=90)
+                    process.wait(timeout=75)
                 except subprocess.TimeoutExpired:
-                    progress(f"  a trainer did not stop within 90 s of Ctrl+C, killed (see {log.path})")
+                    progress(f"  a trainer did not stop within 75 s of SIGTERM, killed (see {log.path})")
                 log.read()
+                if log.summary is None and log.points:
+                    progress(f"  {log.path.name} has no compute summary (killed while leaving): figures from its "
+                             f"last progress line")
+                    log.estimate_summary(shaped_at)
                 if log.summary is None:
                     raise RuntimeError(f"a trainer stopped without its compute summary, see {log.path}")
         finally:
@@ -467,7 +484,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 3 minutes")
     parser.add_argument("--samples", type=int, default=None,
                         help="sample budget per trainer (default 200, --quick 40)")
-    parser.add_argument("--modes", nargs="*", default=None, help="run only the modes whose name contains one of these")
+    parser.add_argument("--modes", nargs="*", default=None,
+                        help="run only the modes whose 'name, link' contains one of these (e.g. 'bare' '20 Mbit')")
     parser.add_argument("--output_dir", default="outputs/wan",
                         help="the trainers' logs (modeN/), results.json and the plot go here")
     parser.add_argument("--plot", default=None, help="where to write the plot (default: OUTPUT_DIR/wan.png)")
@@ -498,7 +516,7 @@ def benchmark(args: argparse.Namespace) -> int:
     budget = args.samples or (40 if args.quick else 200)
     modes = default_modes(args.quick)
     if args.modes:
-        modes = [m for m in modes if any(word in m.name for word in args.modes)]
+        modes = [m for m in modes if any(word in f"{m.name}, {m.link}" for word in args.modes)]
     skipped = [] if has_diloco_flags() else [m for m in modes if m.diloco]
     if skipped:
         progress(f"skipping {len(skipped)} DiLoCo mode(s): run_trainer.py has no --local_steps in this checkout")
