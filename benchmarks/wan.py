@@ -5,8 +5,9 @@ Network: a Linux bridge; each trainer peer lives in a network namespace joined t
 directions of its link are shaped with ``tc ... tbf`` (its egress inside the namespace, its ingress on the bridge's
 side of the pair) to 100 or 20 Mbit/s. Only the rate is limited: ``netem`` is not available on the machine this
 was written on, so no latency is added (the links have the bridge's sub-millisecond latency). The bootstrap DHT peer
-runs in this process, on the bridge. The links are shaped, and their byte counters read, once every trainer has
-joined the swarm (joining downloads the swarm's state, which is not what is measured here).
+runs in this process, on the bridge. The links are shaped, and their byte counters read, once every trainer's
+progress line shows all of them at one epoch (a trainer that starts apart from the others catches up by downloading
+the swarm's state, which is not what is measured here).
 
 Trainers: run_trainer.py, one process per namespace, one torch thread each (OMP_NUM_THREADS=1), a 25M-parameter
 LeanGPT (benchmarks/wan_model.json) on the CPU, 2 sequences of 64 tokens per micro-batch. In sync mode the target
@@ -57,7 +58,7 @@ BATCH, SEQUENCE = 2, 64
 HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
 PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\| loss ([\d.]+|n/a) \|.* \| (\d+) samples computed, compute "
                       r"([\d.]+)%")
-JOINED = re.compile(r"Joined the swarm at epoch")
+SWARM_VIEW = re.compile(r"\] epoch (\d+) \|.* \| (\d+) peers? \|")
 SUMMARY = re.compile(r"Compute utilization [\d.]+%: ([\d.]+) s in forward, backward and inner steps of ([\d.]+) s "
                      r"training \((\d+) samples\)")
 
@@ -256,7 +257,7 @@ def default_modes(quick: bool) -> List[Mode]:
 @dataclass
 class TrainerLog:
     path: Path
-    joined: bool = False
+    view: Optional[tuple] = None  # (epoch, peers) of the last progress line
     points: List[tuple] = field(default_factory=list)  # (unix time, samples computed, loss)
     summary: Optional[tuple] = None  # (compute s, wall s, samples)
     last_utilization: float = math.nan
@@ -264,9 +265,10 @@ class TrainerLog:
     def read(self) -> None:
         text = self.path.read_text(errors="replace") if self.path.exists() else ""
         year = datetime.now().year
-        self.joined = bool(JOINED.search(text))
         self.points = []
         for line in text.splitlines():
+            if view := SWARM_VIEW.search(line):
+                self.view = (int(view.group(1)), int(view.group(2)))
             if (match := PROGRESS.match(line)) and match.group(2) != "n/a":
                 moment = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp()
                 self.points.append((moment, int(match.group(3)), float(match.group(2))))
@@ -351,10 +353,14 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
                         wan.command(i, trainer_argv(mode, wan, i, initial_peers, budget, workdir)), cwd=REPO,
                         stdin=subprocess.DEVNULL, stdout=file, stderr=subprocess.STDOUT, env=env,
                         start_new_session=True))
-            wait_until(lambda: all(log.joined for log in logs), logs, processes, 180, "the trainers to join")
+            # shape once the trainers train together: two peers that started apart catch up by downloading the
+            # swarm's state, which on a shaped link would eat the measurement
+            together = (lambda: len({log.view for log in logs}) == 1 and logs[0].view is not None
+                        and logs[0].view[1] == num_trainers)
+            wait_until(together, logs, processes, 180, "the trainers to see each other at the same epoch")
             wan.shape(mode.rate_mbit)
             shaped_at, sent_before = time.time(), wan.sent_bytes()
-            progress(f"  joined; links {'bare' if mode.rate_mbit is None else f'{mode.rate_mbit:g} Mbit/s'}")
+            progress(f"  training together; links {'bare' if mode.rate_mbit is None else f'{mode.rate_mbit:g} Mbit/s'}")
             deadline = None if mode.seconds is None else time.monotonic() + mode.seconds
             last_print = time.monotonic()
 
