@@ -1,4 +1,5 @@
-"""The trainer's progress line: tokens/s since the last line and, on a GPU, the peak GPU memory."""
+"""The trainer's progress line: tokens/s since the last line, on a GPU the peak GPU memory, the samples computed and
+the compute utilization."""
 from __future__ import annotations
 
 import logging
@@ -38,6 +39,26 @@ def test_tokens_per_second_counts_the_tokens_since_the_last_line(caplog, monkeyp
         progress.maybe_report(optimizer_view(), 1.0)
     assert [record.getMessage().split(" | ")[3] for record in caplog.records] == ["186.4 samples/s, 1000 tokens/s"]
     assert "peak GPU" not in caplog.records[0].getMessage()  # a CPU peer
+
+
+def test_compute_utilization_is_the_time_inside_computing_over_the_wall_time(caplog, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("lean_transformer.swarm.progress.time.monotonic", lambda: clock[0])
+    progress = ProgressLine(every_seconds=5.0)
+    for _ in range(3):  # 3 steps: 1.5 s computing, then 0.5 s waiting for the swarm
+        progress.count_tokens(128, samples=2)
+        with progress.computing():
+            clock[0] += 1.5
+        clock[0] += 0.5
+    with pytest.raises(RuntimeError), progress.computing():  # a step that fails still counts its time
+        clock[0] += 2.0
+        raise RuntimeError
+    assert progress.compute_seconds == pytest.approx(6.5) and progress.utilization() == pytest.approx(6.5 / 8)
+    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
+        progress.maybe_report(optimizer_view(), 1.0)
+    assert caplog.records[0].getMessage().endswith("| 2 peers | 6 samples computed, compute 81.2%")
+    assert progress.summary() == ("Compute utilization 81.2%: 6.5 s in forward, backward and inner steps of 8.0 s "
+                                  "training (6 samples)")
 
 
 @pytest.mark.cuda

@@ -1,12 +1,15 @@
 """A progress line every few seconds that a person can follow: the swarm's epoch, the samples accumulated toward
 the target batch and when the epoch should end, this peer's loss and speed (samples/s as hivemind measures it, and
-tokens/s since the last line), the number of peers and, on a GPU, the peak GPU memory so far."""
+tokens/s since the last line), the number of peers and, on a GPU, the peak GPU memory so far; then the samples this
+peer has computed and its compute utilization: the fraction of the training loop's wall time spent in forward,
+backward and inner optimizer steps (the rest is waiting for the swarm: averaging, matchmaking, state downloads)."""
 from __future__ import annotations
 
 import logging
 import math
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import hivemind
 import torch
@@ -17,15 +20,35 @@ logger = logging.getLogger(__name__)
 
 class ProgressLine:
     """Logs ``format_progress`` at most every ``every_seconds`` (checked by the training loop once per local step);
-    ``count_tokens`` after each local step feeds its tokens/s."""
+    ``count_tokens`` after each micro-batch feeds its tokens/s and sample count, and the training loop wraps its
+    forward, backward and inner optimizer steps in ``computing()``. Wall time counts from construction."""
 
     def __init__(self, every_seconds: float, device: Optional[torch.device] = None):
         self.every_seconds, self.device = every_seconds, device
-        self.last_report = time.monotonic()
-        self.tokens = 0
+        self.last_report = self.started = time.monotonic()
+        self.tokens = self.samples = 0
+        self.compute_seconds = 0.0
 
-    def count_tokens(self, tokens: int) -> None:
+    def count_tokens(self, tokens: int, samples: int = 0) -> None:
         self.tokens += tokens
+        self.samples += samples
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.compute_seconds += time.monotonic() - start
+
+    def utilization(self) -> float:
+        """Compute seconds / wall seconds since construction (0 before any time has passed)."""
+        wall = time.monotonic() - self.started
+        return self.compute_seconds / wall if wall > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"Compute utilization {self.utilization():.1%}: {self.compute_seconds:.1f} s in forward, backward and "
+                f"inner steps of {time.monotonic() - self.started:.1f} s training ({self.samples} samples)")
 
     def maybe_report(self, optimizer: hivemind.Optimizer, mean_loss: float) -> None:
         now = time.monotonic()
@@ -36,7 +59,8 @@ class ProgressLine:
         peak_gpu_bytes = None
         if self.device is not None and self.device.type == "cuda":
             peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
-        logger.info(format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes))
+        line = format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes)
+        logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%}")
 
 
 def format_progress(optimizer: hivemind.Optimizer, mean_loss: float, tokens_per_second: Optional[float] = None,

@@ -159,17 +159,18 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             block_scaling.before_backward()
         for _ in range(accumulation):
             batch = {key: value.to(device) for key, value in batches.next_batch(batch_size, sequence_length).items()}
-            progress.count_tokens(batch["input_ids"].numel())
-            with autocast:  # the loss a chunk of tokens at a time: the full logits never exist
-                loss = model(**batch, return_logits=False).loss
-            scaled_loss = loss / accumulation
-            if loss_scale is not None:
-                host_grads.grad_scale = 1.0 / loss_scale.scale
-                scaled_loss = scaled_loss * loss_scale.scale
-            if block_scaling is not None:
-                scaled_loss = block_scaling.scale_loss(scaled_loss)
-            (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
-            losses.append(loss.item())
+            progress.count_tokens(batch["input_ids"].numel(), samples=batch_size)
+            with progress.computing():
+                with autocast:  # the loss a chunk of tokens at a time: the full logits never exist
+                    loss = model(**batch, return_logits=False).loss
+                scaled_loss = loss / accumulation
+                if loss_scale is not None:
+                    host_grads.grad_scale = 1.0 / loss_scale.scale
+                    scaled_loss = scaled_loss * loss_scale.scale
+                if block_scaling is not None:
+                    scaled_loss = block_scaling.scale_loss(scaled_loss)
+                (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
+                losses.append(loss.item())
 
         # a non-finite micro-batch must not reach the swarm: drop it (and the accumulation it poisoned). With fp16, a
         # finite loss whose scaled gradients overflow is loss scaling at work: hivemind's GradScaler skips that step
@@ -228,6 +229,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             work, epoch, last_epoch_loss = EpochWork(), optimizer.local_epoch, work.mean_loss
         progress.maybe_report(optimizer, work.mean_loss if work.mini_steps else last_epoch_loss)
 
+    logger.info(progress.summary())
     finished = not shutdown.requested.is_set()
     logger.info(f"Stopping at epoch {optimizer.local_epoch} "
                 f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")

@@ -1,0 +1,560 @@
+"""Training over slow links: sync mode (gradients averaged every step) against DiLoCo (an outer round every H inner
+steps), each trainer a real peer in its own network namespace behind a rate-limited link.
+
+Network: a Linux bridge; each trainer peer lives in a network namespace joined to it by a veth pair, and both
+directions of its link are shaped with ``tc ... tbf`` (its egress inside the namespace, its ingress on the bridge's
+side of the pair) to 100 or 20 Mbit/s. Only the rate is limited: ``netem`` is not available on the machine this
+was written on, so no latency is added (the links have the bridge's sub-millisecond latency). The bootstrap DHT peer
+runs in this process, on the bridge. The links are shaped, and their byte counters read, once every trainer's
+progress line shows all of them at one epoch (a trainer that starts apart from the others catches up by downloading
+the swarm's state, which is not what is measured here).
+
+Trainers: run_trainer.py, one process per namespace, one torch thread each (OMP_NUM_THREADS=1), a 25M-parameter
+LeanGPT (benchmarks/wan_model.json) on the CPU, 2 sequences of 64 tokens per micro-batch. In sync mode the target
+batch is one micro-batch of every trainer, so the peers average gradients after every local step (as DDP would).
+
+Measured per mode, from the trainers' own logs and the namespaces' interface counters:
+- compute utilization: each trainer's time in forward, backward and inner optimizer steps over its training loop's
+  wall time (the trainer's "Compute utilization" line), mean of the trainers;
+- bytes on the wire per sample: bytes the trainers' interfaces sent while shaped / samples they computed;
+- samples/s of the swarm; loss at equal samples: the trainers' logged training loss, averaged over the last quarter
+  of the common sample count (every mode is compared at the same count: the smallest any mode reached).
+Sync mode's loss per sample does not depend on the link (the same all-reduce, only slower), so one sync run on the
+unshaped bridge trains for the full sample budget and gives the loss baseline; the shaped sync runs last a fixed time.
+
+Modes that need DiLoCo's flags (--local_steps ...) are skipped, with a note, when run_trainer.py does not have them.
+
+Everything this benchmark creates (namespaces, veth pairs, bridge, peer processes, their hivemind sockets) is removed
+on exit, on an error and on Ctrl+C / SIGTERM. Needs root, ``ip`` and ``tc``.
+
+Usage: sudo python benchmarks/wan.py [--quick] [--output_dir outputs/wan] [--modes NAME ...]
+       sudo python benchmarks/wan.py --network_check   (build the network, wait for Ctrl+C, remove it)
+The default run takes about 25 minutes on 2 cores, --quick about 3.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MODEL_CONFIG = REPO / "benchmarks" / "wan_model.json"
+BATCH, SEQUENCE = 2, 64
+HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
+PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\| loss ([\d.]+|n/a) \|.* \| (\d+) samples computed, compute "
+                      r"([\d.]+)%")
+SWARM_VIEW = re.compile(r"\] epoch (\d+) \|.* \| (\d+) peers? \|")
+SUMMARY = re.compile(r"Compute utilization [\d.]+%: ([\d.]+) s in forward, backward and inner steps of ([\d.]+) s "
+                     r"training \((\d+) samples\)")
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the network
+
+
+def run_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True, timeout=30)
+
+
+class WanNetwork:
+    """A bridge and ``num_peers`` network namespaces joined to it by veth pairs, named after ``tag`` (so that two
+    runs do not collide). ``with WanNetwork(...) as wan:`` builds it and removes it, and everything running in its
+    namespaces, on the way out (exception and KeyboardInterrupt included); ``close`` is idempotent."""
+
+    def __init__(self, num_peers: int, tag: Optional[str] = None):
+        tag = tag or f"w{os.getpid() % 100000}"
+        self.tag, self.num_peers = tag, num_peers
+        self.bridge = f"{tag}br"
+        self.namespaces = [f"{tag}n{i}" for i in range(num_peers)]
+        self.host_ends = [f"{tag}v{i}" for i in range(num_peers)]
+        number = os.getpid() % 50000  # a /24 of 10.0.0.0/8 of its own, also per run
+        self.subnet = f"10.{100 + number // 250}.{number % 250}"
+        self.bridge_ip = f"{self.subnet}.1"
+        self.peer_ips = [f"{self.subnet}.{10 + i}" for i in range(num_peers)]
+        self.sockets: set[str] = set()
+        self.built = False
+
+    def __enter__(self) -> "WanNetwork":
+        try:
+            self.build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def build(self) -> None:
+        if len(self.bridge) > 15 or len(self.host_ends[-1]) > 15:
+            raise ValueError(f"tag {self.tag!r}: interface names must stay within 15 characters")
+        self.built = True  # from here on, close() removes whatever part exists
+        run_ip("ip", "link", "add", self.bridge, "type", "bridge")
+        run_ip("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+        run_ip("ip", "link", "set", self.bridge, "up")
+        for namespace, host_end, address in zip(self.namespaces, self.host_ends, self.peer_ips):
+            run_ip("ip", "netns", "add", namespace)
+            run_ip("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            run_ip("ip", "link", "set", host_end, "master", self.bridge, "up")
+            run_ip("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            run_ip("ip", "-n", namespace, "link", "set", "eth0", "up")
+            run_ip("ip", "-n", namespace, "link", "set", "lo", "up")
+
+    def shape(self, rate_mbit: Optional[float]) -> None:
+        """Limit both directions of every peer's link to ``rate_mbit`` (None: remove the limit)."""
+        for namespace, host_end in zip(self.namespaces, self.host_ends):
+            for prefix in (["ip", "netns", "exec", namespace], []):
+                device = "eth0" if prefix else host_end
+                run_ip(*prefix, "tc", "qdisc", "del", "dev", device, "root", check=False)
+                if rate_mbit is not None:
+                    run_ip(*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                           "burst", "32kbit", "latency", "400ms")
+
+    def sent_bytes(self) -> List[int]:
+        """Bytes each peer's interface has sent so far."""
+        counts = []
+        for namespace in self.namespaces:
+            links = json.loads(run_ip("ip", "-n", namespace, "-s", "-j", "link", "show", "eth0").stdout)
+            counts.append(int(links[0]["stats64"]["tx"]["bytes"]))
+        return counts
+
+    def command(self, peer: int, argv: Sequence[str]) -> List[str]:
+        return ["ip", "netns", "exec", self.namespaces[peer], *argv]
+
+    def pids(self) -> List[int]:
+        """Every process in the namespaces (whoever started it)."""
+        found = []
+        for namespace in self.namespaces:
+            result = run_ip("ip", "netns", "pids", namespace, check=False)
+            found.extend(int(pid) for pid in result.stdout.split())
+        return found
+
+    def remember_sockets(self) -> None:
+        """Note the hivemind unix sockets the processes in the namespaces hold, to remove their files at close
+        (hivemind leaves its clients' socket files behind even when it shuts down cleanly)."""
+        self.sockets |= hivemind_sockets(self.pids())
+
+    def close(self) -> None:
+        if not self.built:
+            return
+        self.remember_sockets()
+        for _ in range(2):  # a process can fork while the first round is killed
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for namespace in self.namespaces:  # deleting a namespace deletes its end of the pair, and so the pair
+            run_ip("ip", "netns", "del", namespace, check=False)
+        for host_end in self.host_ends:
+            run_ip("ip", "link", "del", host_end, check=False)
+        run_ip("ip", "link", "del", self.bridge, check=False)
+        for path in self.sockets:
+            Path(path).unlink(missing_ok=True)
+        self.built = False
+
+    def leftovers(self) -> List[str]:
+        """What of this network still exists (for tests): namespaces, links and socket files."""
+        namespaces = set(run_ip("ip", "netns", "list").stdout.split())
+        links = {line.split(":")[1].strip().split("@")[0] for line in run_ip("ip", "-o", "link").stdout.splitlines()}
+        return ([name for name in self.namespaces if name in namespaces]
+                + [name for name in [self.bridge, *self.host_ends] if name in links]
+                + [path for path in self.sockets if os.path.exists(path)])
+
+
+def hivemind_sockets(pids: Sequence[int]) -> set[str]:
+    """Paths of the hivemind unix sockets that ``pids`` hold open, each read in its own network namespace."""
+    paths = set()
+    for pid in pids:
+        try:
+            inodes = {os.readlink(entry.path)[len("socket:["):-1] for entry in os.scandir(f"/proc/{pid}/fd")
+                      if os.readlink(entry.path).startswith("socket:[")}
+            rows = [line.split() for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]]
+        except OSError:
+            continue  # exited meanwhile
+        paths |= {row[7] for row in rows if len(row) >= 8 and row[6] in inodes
+                  and row[7].startswith(HIVEMIND_SOCKET_PREFIX)}
+    return paths
+
+
+def check_requirements() -> Optional[str]:
+    """Why this benchmark cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool!r} command (iproute2)"
+    return None
+
+
+def raise_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl+C, so that the ``finally`` blocks remove the network."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, handler)
+
+
+# ---------------------------------------------------------------- one mode
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    rate_mbit: Optional[float]  # None: the bare bridge
+    flags: Dict[str, str] = field(default_factory=dict)  # extra run_trainer.py flags
+    seconds: Optional[float] = None  # stop after this long; None: after the sample budget
+    diloco: bool = False  # needs DiLoCo's flags
+
+    @property
+    def link(self) -> str:
+        return "bare bridge" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
+
+
+def diloco_mode(rate: float, local_steps: int, overlap: bool, compression: str) -> Mode:
+    name = f"DiLoCo H={local_steps}{', overlap' if overlap else ''}, {compression}"
+    flags = {"local_steps": str(local_steps), "outer_overlap": str(overlap).lower(), "outer_compression": compression}
+    return Mode(name, rate, flags, diloco=True)
+
+
+OUTER_COMPRESSIONS = ["none", "float16", "scaled_float16", "uniform8bit", "quantile8bit", "blockwise8bit",
+                      "size_adaptive", "topk"]
+
+
+def default_modes(quick: bool) -> List[Mode]:
+    if quick:
+        return [Mode("sync, bare bridge", None), Mode("sync", 20, seconds=40),
+                diloco_mode(20, 10, False, "uniform8bit"), diloco_mode(20, 50, True, "uniform8bit")]
+    modes = [Mode("sync, bare bridge", None), Mode("sync", 100, seconds=75), Mode("sync", 20, seconds=75)]
+    for local_steps in (10, 50):
+        for overlap in (False, True):
+            modes.append(diloco_mode(20, local_steps, overlap, "uniform8bit"))
+    modes += [diloco_mode(20, 50, True, name) for name in OUTER_COMPRESSIONS if name != "uniform8bit"]
+    modes.append(diloco_mode(100, 50, True, "uniform8bit"))
+    return modes
+
+
+@dataclass
+class TrainerLog:
+    path: Path
+    view: Optional[tuple] = None  # (epoch, peers) of the last progress line
+    points: List[tuple] = field(default_factory=list)  # (unix time, samples computed, loss)
+    summary: Optional[tuple] = None  # (compute s, wall s, samples)
+    last_utilization: float = math.nan
+
+    def read(self) -> None:
+        text = self.path.read_text(errors="replace") if self.path.exists() else ""
+        year = datetime.now().year
+        self.points = []
+        for line in text.splitlines():
+            if view := SWARM_VIEW.search(line):
+                self.view = (int(view.group(1)), int(view.group(2)))
+            if (match := PROGRESS.match(line)) and match.group(2) != "n/a":
+                moment = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp()
+                self.points.append((moment, int(match.group(3)), float(match.group(2))))
+                self.last_utilization = float(match.group(4)) / 100
+            elif match := SUMMARY.search(line):
+                self.summary = (float(match.group(1)), float(match.group(2)), int(match.group(3)))
+
+    def estimate_summary(self, started: float) -> None:
+        """A trainer killed before its summary line: take its last progress line (utilization, samples) instead,
+        with the wall time counted from ``started``."""
+        moment, samples, _ = self.points[-1]
+        self.summary = (self.last_utilization * (moment - started), moment - started, samples)
+
+    @property
+    def samples(self) -> int:
+        return self.points[-1][1] if self.points else 0
+
+
+@dataclass
+class ModeResult:
+    mode: Mode
+    logs: List[TrainerLog]
+    sent_bytes: int  # by all trainers while shaped
+    shaped_at: float  # unix time
+
+    @property
+    def utilization(self) -> float:
+        return statistics.mean(log.summary[0] / log.summary[1] for log in self.logs)
+
+    @property
+    def samples(self) -> int:
+        return sum(log.summary[2] for log in self.logs)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / statistics.mean(log.summary[1] for log in self.logs)
+
+    @property
+    def bytes_per_sample(self) -> float:
+        return self.sent_bytes / self.samples
+
+    def loss_at(self, samples: int) -> float:
+        """Mean logged loss of the trainers over their last quarter of ``samples`` (per trainer)."""
+        losses = [loss for log in self.logs for _, count, loss in log.points if 0.75 * samples < count <= samples]
+        return statistics.mean(losses) if losses else math.nan
+
+
+def trainer_argv(mode: Mode, wan: WanNetwork, peer: int, initial_peers: Sequence[str], budget: int,
+                 workdir: Path) -> List[str]:
+    num_trainers = wan.num_peers
+    options = {"run_id": f"wan{wan.tag}", "host_maddrs": f"/ip4/{wan.peer_ips[peer]}/tcp/0",
+               "model_config_path": str(MODEL_CONFIG), "per_device_batch_size": str(BATCH),
+               "max_sequence_length": str(SEQUENCE), "target_batch_size": str(BATCH * num_trainers),
+               "matchmaking_time": "1", "averaging_timeout": "60", "average_state_every": "100000",
+               "backup_every_epochs": "0", "warmup_steps": "10", "total_steps": "100000", "learning_rate": "0.002",
+               "max_epochs": str(2 * budget), "progress_every": "1", "shutdown_timeout": "60",
+               "output_dir": str(workdir / f"out{peer}"), **mode.flags}
+    argv = [sys.executable, str(REPO / "run_trainer.py"), "--initial_peers", *initial_peers]
+    for key, value in options.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: Path) -> ModeResult:
+    """Run ``mode`` until a trainer has computed ``budget`` samples (or for ``mode.seconds``); logs go to
+    ``logdir``, the trainers' outputs to ``workdir``."""
+    import hivemind
+
+    from lean_transformer.swarm.dht import visible_maddrs
+
+    logdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    logs = [TrainerLog(logdir / f"trainer{i}.log") for i in range(num_trainers)]
+    with WanNetwork(num_trainers) as wan:
+        bootstrap = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{wan.bridge_ip}/tcp/0"])
+        processes = []
+        try:
+            initial_peers = visible_maddrs(bootstrap)
+            for i, log in enumerate(logs):
+                with log.path.open("wb") as file:
+                    processes.append(subprocess.Popen(
+                        wan.command(i, trainer_argv(mode, wan, i, initial_peers, budget, workdir)), cwd=REPO,
+                        stdin=subprocess.DEVNULL, stdout=file, stderr=subprocess.STDOUT, env=env,
+                        start_new_session=True))
+            # shape once the trainers train together: two peers that started apart catch up by downloading the
+            # swarm's state, which on a shaped link would eat the measurement
+            together = (lambda: len({log.view for log in logs}) == 1 and logs[0].view is not None
+                        and logs[0].view[1] == num_trainers)
+            wait_until(together, logs, processes, 180, "the trainers to see each other at the same epoch")
+            wan.shape(mode.rate_mbit)
+            shaped_at, sent_before = time.time(), wan.sent_bytes()
+            progress(f"  training together; links {'bare' if mode.rate_mbit is None else f'{mode.rate_mbit:g} Mbit/s'}")
+            deadline = None if mode.seconds is None else time.monotonic() + mode.seconds
+            last_print = time.monotonic()
+
+            def done() -> bool:
+                nonlocal last_print
+                if time.monotonic() - last_print > 15:
+                    last_print = time.monotonic()
+                    progress(f"  samples per trainer: {[log.samples for log in logs]}, loss "
+                             f"{[log.points[-1][2] if log.points else None for log in logs]}")
+                if deadline is not None:
+                    return time.monotonic() > deadline
+                return any(log.samples >= budget for log in logs)
+
+            wait_until(done, logs, processes, 1800, "the sample budget")
+            wan.remember_sockets()
+            sent = sum(wan.sent_bytes()) - sum(sent_before)
+            for process in processes:
+                process.send_signal(signal.SIGTERM)  # SIGINT may be ignored (started in the background)
+            for process, log in zip(processes, logs):
+                try:
+                    process.wait(timeout=75)
+                except subprocess.TimeoutExpired:
+                    progress(f"  a trainer did not stop within 75 s of SIGTERM, killed (see {log.path})")
+                log.read()
+                if log.summary is None and log.points:
+                    progress(f"  {log.path.name} has no compute summary (killed while leaving): figures from its "
+                             f"last progress line")
+                    log.estimate_summary(shaped_at)
+                if log.summary is None:
+                    raise RuntimeError(f"a trainer stopped without its compute summary, see {log.path}")
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+            bootstrap.shutdown()
+    return ModeResult(mode, logs, sent, shaped_at)
+
+
+def wait_until(condition, logs: Sequence[TrainerLog], processes: Sequence[subprocess.Popen], timeout: float,
+               what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        for log in logs:
+            log.read()
+        if condition():
+            return
+        for process, log in zip(processes, logs):
+            if process.poll() is not None:
+                tail = "\n".join(log.path.read_text(errors="replace").splitlines()[-15:])
+                raise RuntimeError(f"a trainer exited with {process.returncode} while waiting for {what}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- report
+
+
+def has_diloco_flags() -> bool:
+    return "local_steps" in (REPO / "arguments.py").read_text()
+
+
+def table(results: Sequence[ModeResult], machine: str) -> List[str]:
+    common = min(min(log.samples for log in result.logs) for result in results if result.mode.seconds is None)
+    baseline = next(r for r in results if r.mode.name.startswith("sync") and r.mode.seconds is None)
+    sync_bytes = {r.mode.rate_mbit: r.bytes_per_sample for r in results
+                  if r.mode.name.startswith("sync") and r.mode.rate_mbit is not None}
+    base_loss = baseline.loss_at(common)
+    rows = [f"Two trainer peers, each in its own network namespace, link rate-limited in both directions (tc tbf, no "
+            f"added latency); {machine}. Loss: mean logged training loss over samples "
+            f"{int(0.75 * common)}-{common} of each trainer; sync mode's baseline loss from the bare-bridge run.", "",
+            "| mode | link | compute utilization | bytes sent / sample | vs sync, same link | samples/s | "
+            f"loss at {common} samples/trainer | vs sync |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        link = "bridge (no limit)" if r.mode.rate_mbit is None else f"{r.mode.rate_mbit:g} Mbit/s"
+        ratio = sync_bytes.get(r.mode.rate_mbit)
+        ratio_text = f"{ratio / r.bytes_per_sample:.0f}x fewer" if ratio and r.bytes_per_sample > 0 else ""
+        loss = r.loss_at(common) if r.mode.seconds is None else math.nan
+        loss_text = f"{loss:.3f}" if math.isfinite(loss) else f"(timed run: {min(l.samples for l in r.logs)} samples)"
+        versus = f"{loss / base_loss - 1:+.1%}" if math.isfinite(loss) and r is not baseline else ""
+        rows.append(f"| {r.mode.name} | {link} | {r.utilization:.1%} | {r.bytes_per_sample / 1e3:,.1f} KB | "
+                    f"{ratio_text} | {r.samples_per_second:.2f} | {loss_text} | {versus} |")
+    return rows
+
+
+def plot(results: Sequence[ModeResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=80)
+    for result in results:
+        points = sorted((t - result.shaped_at, loss) for log in result.logs for t, _, loss in log.points)
+        window = 5  # a moving mean over both trainers' lines
+        times = [t for t, _ in points][window - 1:]
+        losses = [statistics.mean(loss for _, loss in points[i:i + window]) for i in range(len(times))]
+        link = "bare" if result.mode.rate_mbit is None else f"{result.mode.rate_mbit:g} Mbit/s"
+        axes.plot(times, losses, label=f"{result.mode.name} ({link})", linewidth=1.2)
+    axes.set_xlabel("wall time since the links were shaped, s")
+    axes.set_ylabel("training loss (moving mean)")
+    axes.set_title("Two CPU trainers, 25M LeanGPT, rate-limited links")
+    axes.legend(fontsize=7, ncol=2)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------- main
+
+
+def network_check(num_peers: int) -> int:
+    """Build the network, start an idle process in each namespace, say so, and hold until Ctrl+C / SIGTERM."""
+    with WanNetwork(num_peers) as wan:
+        for i in range(num_peers):
+            subprocess.Popen(wan.command(i, ["sleep", "3600"]), start_new_session=True)
+        wan.shape(20)
+        print(f"network ready: {' '.join(wan.namespaces)} {wan.bridge}", flush=True)
+        while True:
+            time.sleep(1)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about 3 minutes")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="sample budget per trainer (default 200, --quick 40)")
+    parser.add_argument("--modes", nargs="*", default=None,
+                        help="run only the modes whose 'name, link' contains one of these (e.g. 'bare' '20 Mbit')")
+    parser.add_argument("--output_dir", default="outputs/wan",
+                        help="the trainers' logs (modeN/), results.json and the plot go here")
+    parser.add_argument("--plot", default=None, help="where to write the plot (default: OUTPUT_DIR/wan.png)")
+    parser.add_argument("--network_check", action="store_true",
+                        help="only build the network (2 namespaces), hold until Ctrl+C, then remove it")
+    args = parser.parse_args(argv)
+    if args.samples is not None and args.samples < 2 * BATCH:
+        parser.error(f"--samples must be at least {2 * BATCH}, got {args.samples}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if (problem := check_requirements()) is not None:
+        print(f"wan.py: error: {problem}", file=sys.stderr)
+        return 1
+    raise_on_sigterm()
+    try:
+        if args.network_check:
+            return network_check(2)
+        return benchmark(args)
+    except KeyboardInterrupt:
+        print("wan.py: interrupted; the network and the peers are removed", file=sys.stderr)
+        return 130
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    budget = args.samples or (40 if args.quick else 200)
+    modes = default_modes(args.quick)
+    if args.modes:
+        modes = [m for m in modes if any(word in f"{m.name}, {m.link}" for word in args.modes)]
+    skipped = [] if has_diloco_flags() else [m for m in modes if m.diloco]
+    if skipped:
+        progress(f"skipping {len(skipped)} DiLoCo mode(s): run_trainer.py has no --local_steps in this checkout")
+    modes = [m for m in modes if m not in skipped]
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    machine = f"{os.cpu_count()}-core CPU, torch threads 1 per trainer"
+    results = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="wan-") as scratch:
+        for index, mode in enumerate(modes):
+            link = "bare bridge" if mode.rate_mbit is None else f"{mode.rate_mbit:g} Mbit/s"
+            until = f"{mode.seconds:g} s" if mode.seconds else f"{budget} samples per trainer"
+            progress(f"[{index + 1}/{len(modes)}] {mode.name}, {link}, until {until} "
+                     f"({(time.monotonic() - started) / 60:.1f} min so far)")
+            result = run_mode(mode, 2, budget, output / f"mode{index}", Path(scratch) / f"mode{index}")
+            results.append(result)
+            progress(f"  utilization {result.utilization:.1%}, {result.bytes_per_sample / 1e3:,.1f} KB sent/sample, "
+                     f"{result.samples_per_second:.2f} samples/s")
+    rows = table(results, machine)
+    if skipped:
+        rows += ["", "Not run (run_trainer.py has no --local_steps yet): " + "; ".join(m.name for m in skipped)]
+    plot_path = Path(args.plot) if args.plot else output / "wan.png"
+    plot(results, plot_path)
+    rows += ["", f"Plot: {plot_path}. Total time {(time.monotonic() - started) / 60:.1f} min."]
+    (output / "results.json").write_text(json.dumps(
+        [{"mode": r.mode.name, "rate_mbit": r.mode.rate_mbit, "utilization": r.utilization,
+          "bytes_per_sample": r.bytes_per_sample, "samples_per_second": r.samples_per_second,
+          "points": [log.points for log in r.logs]} for r in results], indent=1))
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
