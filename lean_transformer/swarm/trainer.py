@@ -2,7 +2,9 @@
 
 Each iteration computes ``gradient_accumulation_steps`` micro-batches locally (with AMP if asked) and hands their
 gradients to ``hivemind.Optimizer.step``, which accumulates them with the swarm's toward ``target_batch_size``; once
-the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. At every new epoch
+the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. With
+``--local_steps`` (DiLoCo, :mod:`lean_transformer.swarm.diloco`) each ``step`` is a local LAMB step instead, and an epoch
+is an outer round. At every new epoch
 the peer publishes its metrics, checks its parameters (restoring a local backup if they turned non-finite) and
 backs up when it is time.
 """
@@ -68,6 +70,9 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     if device.type != "cpu" and not collaboration.offload_optimizer:
         raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
     dtype, host_gradients = model_dtype(training.model_dtype, device), offload_gradients(training, device)
+    if collaboration.local_steps > 0 and (host_gradients or training.fp16):
+        raise ValueError(f"--local_steps: local optimizer steps need neither "
+                         f"{'--offload_gradients' if host_gradients else '--fp16'} (not built for DiLoCo mode yet)")
     if host_gradients:
         try:
             check_host_gradient_options(collaboration.offload_optimizer, collaboration.delay_optimizer_step,
@@ -133,7 +138,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     float16 = training.fp16 or next(model.parameters()).dtype == torch.float16
     loss_scale = DynamicLossScale() if float16 and host_grads is not None else None
     scaler = hivemind.GradScaler(device.type) if training.fp16 and host_grads is None else None
-    reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
+    reuse_grad_buffers = optimizer.grad_averager is not None and optimizer.grad_averager.reuse_grad_buffers
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups)
     progress = ProgressLine(training.progress_every, device)
