@@ -17,7 +17,7 @@ from lean_transformer.swarm.diloco import OuterNesterov
 REPO = Path(__file__).resolve().parent.parent
 LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
-PEERS = {"a": (1, [0.5, -1.0]), "b": (3, [0.25, 2.0])}
+PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
 
 
 def hand_nesterov(anchor: float, deltas: list) -> float:
@@ -139,11 +139,13 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("compression", ["none", "blockwise8bit", "topk"])
+@pytest.mark.parametrize("compression", ["none", "blockwise8bit", "topk", "overlap"])
 def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, report):
     """Uncompressed, the result is exact; block-wise 8-bit codes carry each value to within 1/127 of its block's
     absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2. Top-k of all
-    values sends them as float16, in which these shifts are exact. Whatever the codec, both peers end bit-identical."""
+    values sends them as float16, in which these shifts are exact. Whatever the codec, both peers end bit-identical.
+    With overlap (uncompressed), round t's average is applied at the end of round t+1: after 3 rounds the anchor has
+    taken the outer steps of rounds 1 and 2, and each peer carries its own round-3 shift on top of it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     first = subprocess.Popen([sys.executable, __file__, "a", compression], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
@@ -163,10 +165,13 @@ def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_compute
     means = [sum(samples * shifts[r] for samples, shifts in PEERS.values()) / total for r in range(2)]
     expected = hand_nesterov(1.0, means)
     for name, result in results.items():
-        assert result["group_sizes"] == [2, 2], result
+        assert result["group_sizes"] == ([None, 2, 2] if compression == "overlap" else [2, 2]), result
         rtol, atol = (2e-2, 0.0) if compression == "blockwise8bit" else (1e-4, 1e-5)
-        torch.testing.assert_close(torch.tensor(result["weight"]), torch.full((3,), expected), rtol=rtol, atol=atol)
-    assert results["a"]["weight"] == results["b"]["weight"]  # the same average on both: no drift between anchors
+        own = PEERS[name][1][2] if compression == "overlap" else 0.0
+        torch.testing.assert_close(torch.tensor(result["weight"]), torch.full((3,), expected - own), rtol=rtol,
+                                   atol=atol)
+        torch.testing.assert_close(torch.tensor(result["anchor"]), torch.full((3,), expected), rtol=rtol, atol=atol)
+    assert results["a"]["anchor"] == results["b"]["anchor"]  # the same average on both: no drift between anchors
     report(f"2 peers (1 and 3 samples), 2 outer rounds, {compression}: a at {results['a']['weight'][0]:.6f}, "
            f"b at {results['b']['weight'][0]:.6f}, by hand {expected:.6f}")
 
@@ -184,21 +189,22 @@ def peer(name: str, compression: str, address: str | None) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
                                       allreduce_timeout=30.0, target_group_size=2,
-                                      compression=make_compression("none" if compression == "topk" else compression),
+                                      compression=make_compression(compression if "8bit" in compression else "none"),
                                       topk=TopKErrorFeedback([weight.shape], 1.0) if compression == "topk" else None)
-    rounds = OuterLoop(outer, averager)
+    overlap = compression == "overlap"
+    rounds = OuterLoop(outer, averager, overlap=overlap)
     samples, shifts = PEERS[name]
     group_sizes = []
-    for shift in shifts:
+    for shift in shifts if overlap else shifts[:2]:
         with torch.no_grad():
             weight.sub_(shift)
         rounds.add_samples(samples)
-        group_size = rounds.end_round()  # hivemind retries matchmaking until the round's timeout
-        assert group_size is not None, "the outer round failed"
-        group_sizes.append(group_size)
+        group_sizes.append(rounds.end_round())  # hivemind retries matchmaking until the round's timeout
+    rounds.forget_pending()
     averager.shutdown()
     dht.shutdown()
-    print(json.dumps(dict(weight=weight.tolist(), group_sizes=group_sizes)), flush=True)
+    print(json.dumps(dict(weight=weight.tolist(), anchor=outer.anchor[0].tolist(), group_sizes=group_sizes)),
+          flush=True)
 
 
 if __name__ == "__main__":

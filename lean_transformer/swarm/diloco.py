@@ -14,7 +14,8 @@ the swarm's samples per inner step, each peer takes about ``local_steps`` inner 
 fewer. The anchor and the outer momentum are hivemind's ``extra_tensors``, so newcomers download them with the inner
 optimizer state (through the validated downloads of :mod:`.hivemind_fixes.state_download`) and restart from the anchor.
 A round that fails (no group, a broken all-reduce) leaves the anchor where it is: the peer's progress and samples fold
-into its next round. A peer alone in the swarm steps with its own pseudo-gradient.
+into its next round. A peer alone in the swarm (no other peer reports training speed; aux peers report none) steps
+with its own pseudo-gradient.
 
 Every peer must end a round with the same average, or the anchors drift apart. hivemind's all-reduce returns each peer
 ``own part + decompress(compress(average - own part))``, which differs between peers under a lossy codec; here the
@@ -35,6 +36,7 @@ over hivemind).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from typing import Any, Iterable, List, Optional, Sequence
@@ -359,6 +361,7 @@ class OuterLoop:
 
     def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False):
         self.outer, self.averager, self.overlap = outer, averager, overlap
+        self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
         self.samples_since_anchor = self.rounds = 0
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
@@ -381,7 +384,8 @@ class OuterLoop:
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int,
                  keep: Optional[Sequence[torch.Tensor]] = None) -> int:
-        self.outer.step(averaged, keep=keep)
+        with self.lock:
+            self.outer.step(averaged, keep=keep)
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
         return group_size
 
@@ -425,6 +429,7 @@ class DiLoCoOptimizer:
 
     def attach_outer_loop(self, outer_loop: OuterLoop, local_steps: int) -> None:
         self.outer_loop, self.local_steps, self.steps_in_round = outer_loop, local_steps, 0
+        outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
         outer_loop.outer.bind([param for group in self.state_averager.optimizer.param_groups
                                for param in group["params"]])
 
@@ -432,6 +437,8 @@ class DiLoCoOptimizer:
         epoch = self.local_epoch
         if not self.auxiliary:  # before the step: the round it may end includes these samples
             self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
+            if self.offload_optimizer:  # hivemind leaves this to its gradient averager, which local updates lack
+                self.state_averager._load_local_grads_into_optimizer_()
         result = super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
         if not self.auxiliary:
             if self.local_epoch == epoch:
@@ -450,7 +457,7 @@ class DiLoCoOptimizer:
     def _update_global_epoch(self, grad_scaler) -> None:
         with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
             self.state_averager.step(wait_for_delayed_updates=True)
-            alone = not self.auxiliary and self.tracker.global_progress.num_peers <= 1
+            alone = not self.auxiliary and self._trainers_in_swarm() <= 1
             group_size = self.outer_loop.end_round(alone=alone)
             if self.offload_optimizer:
                 self.state_averager._apply_optimizer_parameters_()
@@ -462,6 +469,23 @@ class DiLoCoOptimizer:
                                 f"(round {self.outer_loop.rounds})")
         super()._update_global_epoch(grad_scaler)
         self.steps_in_round = 0
+
+    def _trainers_in_swarm(self) -> int:
+        """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the
+        round cannot form, and this peer steps with its own pseudo-gradient instead of folding it forever."""
+        entry = self.dht.get(self.tracker.training_progress_key, latest=True)
+        records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+        count = 0
+        for record in records.values():
+            value = getattr(record, "value", None)
+            speed = value.get("samples_per_second") if isinstance(value, dict) else None
+            count += isinstance(speed, (int, float)) and speed > 1e-9
+        return count
+
+    def shutdown(self) -> None:
+        self.outer_loop.forget_pending()
+        self.outer_loop.averager.shutdown()
+        super().shutdown()
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         super().load_state_from_peers(**kwargs)
