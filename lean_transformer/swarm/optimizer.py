@@ -138,7 +138,8 @@ def build_outer_averager(dht: hivemind.DHT, network: NetworkSettings, collaborat
         topk = TopKErrorFeedback(shapes, collaboration.outer_topk_fraction)
     else:
         compression = make_compression(collaboration.outer_compression, collaboration.size_adaptive_threshold)
-    return PseudoGradientAverager(dht, f"{network.run_id}_outer", shapes, matchmaking_time=collaboration.matchmaking_time,
+    return PseudoGradientAverager(dht, f"{network.run_id}_outer", shapes,
+                                  matchmaking_time=collaboration.matchmaking_time,
                                   allreduce_timeout=collaboration.averaging_timeout, compression=compression, topk=topk,
                                   client_mode=network.client_mode, auxiliary=auxiliary, **averager_opts)
 

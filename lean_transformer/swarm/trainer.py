@@ -3,10 +3,9 @@
 Each iteration computes ``gradient_accumulation_steps`` micro-batches locally (with AMP if asked) and hands their
 gradients to ``hivemind.Optimizer.step``, which accumulates them with the swarm's toward ``target_batch_size``; once
 the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. With
-``--local_steps`` (DiLoCo, :mod:`lean_transformer.swarm.diloco`) each ``step`` is a local LAMB step instead, and an epoch
-is an outer round. At every new epoch
-the peer publishes its metrics, checks its parameters (restoring a local backup if they turned non-finite) and
-backs up when it is time.
+``--local_steps`` (DiLoCo, :mod:`lean_transformer.swarm.diloco`) each ``step`` is a local LAMB step instead, and an
+epoch is an outer round. At every new epoch the peer publishes its metrics, checks its parameters (restoring a local
+backup if they turned non-finite) and backs up when it is time.
 """
 from __future__ import annotations
 
