@@ -105,6 +105,7 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
     torch.testing.assert_close(state["outer"][:len(trainer_anchor)], trainer_anchor, rtol=1e-4, atol=1e-5)
     assert any(torch.equal(weight.float(), trainer_anchor[0]) for weight in model.values()
                if weight.shape == trainer_anchor[0].shape)
+    assert "Saved the swarm's state at epoch" in aux.stderr
 
 
 def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, tmp_path: Path):

@@ -276,8 +276,9 @@ def _gated(averager_class: type) -> type:
 class PseudoGradientAverager:
     """All-reduces pseudo-gradients with the peers under ``prefix``, weighted by samples, through hivemind.
 
-    ``start(pseudo_gradients, samples)`` begins a round in the background; ``finish(round)`` returns the swarm's
-    weighted mean and the group size, or ``None`` when no group formed or the all-reduce failed within ``timeout``.
+    ``start(pseudo_gradients, samples, tag)`` begins a round in the background; ``finish(round)`` returns the swarm's
+    weighted mean, the group size and the group's tags (each peer's ``tag``, all-gathered: the outer loop sends the
+    fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
     ``average`` does both. With ``topk`` (a :class:`TopKErrorFeedback`) the peers all-gather sparse payloads instead.
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging).
     """
@@ -297,14 +298,14 @@ class PseudoGradientAverager:
         self.timeout = matchmaking_time + allreduce_timeout
         self.auxiliary = averager_opts.get("auxiliary", False)
 
-    def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int) -> Any:
+    def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None) -> Any:
         if self.auxiliary:
             return self.averager.step(timeout=self.timeout, wait=False)
         if samples <= 0:
             raise ValueError(f"samples must be positive, got {samples}")
-        gather = None
+        gather = dict(tag=tag, topk=None)
         if self.topk is not None:
-            gather = (float(samples), TopKErrorFeedback.to_bytes(self.topk.compress(pseudo_gradients)))
+            gather["topk"] = (float(samples), TopKErrorFeedback.to_bytes(self.topk.compress(pseudo_gradients)))
         else:
             with self.averager.get_tensors() as buffers:
                 for buffer, delta in zip(buffers, pseudo_gradients):
@@ -321,17 +322,19 @@ class PseudoGradientAverager:
             return None
         if gathered is None or self.auxiliary:
             return None
+        tags = [data.get("tag") for data in gathered.values() if isinstance(data, dict)]
         if self.topk is None:
             with self.averager.get_tensors() as buffers:
-                return [buffer.clone() for buffer in buffers], len(gathered)
-        return self._average_payloads(gathered), len(gathered)
+                return [buffer.clone() for buffer in buffers], len(gathered), tags
+        return self._average_payloads(gathered), len(gathered), tags
 
     def _average_payloads(self, gathered: dict) -> Optional[List[torch.Tensor]]:
         """The samples-weighted mean of the peers' top-k payloads, summed in the group's order (the same on every
         peer); the weights are the ones each peer sent with its payload."""
         total = [torch.zeros(shape) for shape in self.shapes]
         weight_sum = 0.0
-        for payload in gathered.values():
+        for item in gathered.values():
+            payload = item.get("topk") if isinstance(item, dict) else None
             if payload is None:  # an aux peer
                 continue
             weight, data = payload
@@ -342,8 +345,8 @@ class PseudoGradientAverager:
         self.topk.commit()
         return [accumulator / weight_sum for accumulator in total]
 
-    def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int) -> Optional[tuple]:
-        return self.finish(self.start(pseudo_gradients, samples))
+    def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int, tag: Any = None) -> Optional[tuple]:
+        return self.finish(self.start(pseudo_gradients, samples, tag))
 
     def shutdown(self) -> None:
         self.averager.shutdown()
@@ -363,7 +366,8 @@ class OuterLoop:
         self.outer, self.averager, self.overlap = outer, averager, overlap
         self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
         self.samples_since_anchor = self.rounds = 0
-        self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent)
+        self.behind = False  # a groupmate's outer state was ahead of ours: download the swarm's
+        self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
 
     def add_samples(self, samples: int) -> None:
@@ -378,12 +382,19 @@ class OuterLoop:
             deltas = self.outer.pseudo_gradients()
             if alone:
                 return self._applied(deltas, 1)
-            result = self.averager.average(deltas, max(1, self.samples_since_anchor))
-            return None if result is None else self._applied(*result)
+            tag = self.fingerprint()
+            result = self.averager.average(deltas, max(1, self.samples_since_anchor), tag)
+            return None if result is None else self._applied(*result, sent_tag=tag)
         return self._end_overlapped_round(alone)
 
-    def _applied(self, averaged: Sequence[torch.Tensor], group_size: int,
-                 keep: Optional[Sequence[torch.Tensor]] = None) -> int:
+    def fingerprint(self) -> list:
+        """[rounds, checksum of the anchor]: peers that applied the same outer steps have the same one."""
+        return [self.rounds, float(sum(anchor.double().sum() for anchor in self.outer.anchor))]
+
+    def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Sequence[Any] = (),
+                 keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None) -> int:
+        valid = [list(tag) for tag in tags if isinstance(tag, (list, tuple)) and len(tag) == 2]
+        self.behind = sent_tag is not None and any(tag > sent_tag for tag in valid)
         with self.lock:
             self.outer.step(averaged, keep=keep)
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
@@ -395,10 +406,10 @@ class OuterLoop:
         progress = [b - p.float() for b, p in zip(base, parameters)]  # this round's own progress
         group_size, samples = None, self.samples_since_anchor
         if self._pending is not None:
-            control, sent, sent_samples = self._pending
+            control, sent, sent_samples, sent_tag = self._pending
             result = self.averager.finish(control)
             if result is not None:
-                group_size = self._applied(result[0], result[1], keep=progress)
+                group_size = self._applied(*result, keep=progress, sent_tag=sent_tag)
             else:  # fold the unapplied progress into this round's
                 progress = [p + s for p, s in zip(progress, sent)]
                 samples += sent_samples
@@ -406,7 +417,8 @@ class OuterLoop:
             self._pending = None
             self.samples_since_anchor = samples
             return self._applied(progress, 1)
-        self._pending = (self.averager.start(progress, max(1, samples)), progress, samples)
+        tag = self.fingerprint()
+        self._pending = (self.averager.start(progress, max(1, samples), tag), progress, samples, tag)
         self.samples_since_anchor = 0
         self._base = [p.detach().float().clone() for p in parameters]
         return group_size
@@ -469,6 +481,10 @@ class DiLoCoOptimizer:
                                 f"(round {self.outer_loop.rounds})")
         super()._update_global_epoch(grad_scaler)
         self.steps_in_round = 0
+        if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round
+            logger.info("This peer's outer state differs from a groupmate's newer one: downloading the swarm's state")
+            self.outer_loop.behind = False
+            self.load_state_from_peers()
 
     def _trainers_in_swarm(self) -> int:
         """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the
