@@ -14,6 +14,7 @@ Prints a markdown table. About 5 minutes on 2 cores with the defaults (sync and 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def run_swarm(name: str, local_steps: int, epochs: int, workdir: Path) -> tuple[
               "--averaging_timeout", "20", "--backup_every_epochs", "0", "--progress_every", "30",
               "--max_epochs", str(epochs // local_steps if diloco else epochs),
               *(["--local_steps", str(local_steps)] if diloco else []), *VARIANTS[name]]
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
     started = time.monotonic()
     logs = [workdir / f"{name}-{i}.log" for i in (1, 2)]
     first = subprocess.Popen([sys.executable, "run_trainer.py", *common, "--output_dir", str(workdir / f"{name}-1")],
