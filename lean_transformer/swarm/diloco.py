@@ -78,6 +78,7 @@ class OuterNesterov:
             raise ValueError(f"momentum (--outer_momentum) must be in [0, 1), got {momentum}")
         self.anchor = [param.detach().to(torch.float32, copy=True) for param in self.parameters]
         self.momenta = [torch.zeros_like(anchor) for anchor in self.anchor]
+        self.steps = torch.zeros(1, dtype=torch.float64)  # outer steps the anchor has taken (shared with it)
         self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
         if momentum > 0:  # zeros give torch's first step exactly (m = 0 * mu + g); SGD updates them in place
             for anchor, momentum_buffer in zip(self.anchor, self.momenta):
@@ -106,6 +107,7 @@ class OuterNesterov:
                                  f"{tuple(anchor.shape)}")
             anchor.grad = delta.to(torch.float32)
         self.optimizer.step()
+        self.steps += 1
         for index, (anchor, param) in enumerate(zip(self.anchor, self.parameters)):
             anchor.grad = None
             param.copy_(anchor if keep is None else anchor - keep[index])
@@ -118,13 +120,15 @@ class OuterNesterov:
 
     def state_tensors(self) -> List[torch.Tensor]:
         """What a newcomer needs besides the inner optimizer: the anchor and the momentum (zeros before the first
-        step), in parameter order. The live tensors: hivemind serves and loads them in place."""
-        return self.anchor + self.momenta
+        step), in parameter order, and the count of outer steps. The live tensors: hivemind serves and loads them in
+        place."""
+        return self.anchor + self.momenta + [self.steps]
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        if len(tensors) != 2 * len(self.anchor):
-            raise ValueError(f"tensors: expected {2 * len(self.anchor)} (anchor + momentum), got {len(tensors)}")
+        if len(tensors) != 2 * len(self.anchor) + 1:
+            raise ValueError(f"tensors: expected {2 * len(self.anchor) + 1} (anchor, momentum, step count), got "
+                             f"{len(tensors)}")
         for local, source in zip(self.state_tensors(), tensors):
             if local.shape != source.shape:
                 raise ValueError(f"tensors: {tuple(source.shape)} for an outer state tensor of {tuple(local.shape)}")
@@ -388,8 +392,8 @@ class OuterLoop:
         return self._end_overlapped_round(alone)
 
     def fingerprint(self) -> list:
-        """[rounds, checksum of the anchor]: peers that applied the same outer steps have the same one."""
-        return [self.rounds, float(sum(anchor.double().sum() for anchor in self.outer.anchor))]
+        """[outer steps, checksum of the anchor]: peers that applied the same outer steps have the same one."""
+        return [float(self.outer.steps), float(sum(anchor.double().sum() for anchor in self.outer.anchor))]
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Sequence[Any] = (),
                  keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None) -> int:
@@ -478,7 +482,7 @@ class DiLoCoOptimizer:
                     logger.info("Outer round missed: this peer's progress folds into the next round")
                 else:
                     logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "
-                                f"(round {self.outer_loop.rounds})")
+                                f"(round {int(self.outer_loop.outer.steps)})")
         super()._update_global_epoch(grad_scaler)
         self.steps_in_round = 0
         if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round

@@ -78,7 +78,8 @@ def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
         try:
             outer.load_state_tensors(state.get("outer") or
                                      [param.detach().float() for param in outer.parameters] +
-                                     [torch.zeros_like(momentum) for momentum in outer.momenta])
+                                     [torch.zeros_like(momentum) for momentum in outer.momenta] +
+                                     [torch.zeros_like(outer.steps)])
         except ValueError as e:
             raise ValueError(f"{directory}: outer state does not fit this model ({e})") from None
         outer_loop.forget_pending()
