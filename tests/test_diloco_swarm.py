@@ -1,8 +1,9 @@
 """DiLoCo mode (``--local_steps``) end to end: real peers on 127.0.0.1, each its own process, every wait bounded.
 
 One swarm: an aux peer (metrics, a checkpoint every 2 epochs) and two trainers taking local 8-bit LAMB steps, 3 of
-them per outer round each (``--target_batch_size`` 8 = 2 trainers x 4 samples), for 4 rounds. Then a new swarm is
-seeded from the aux peer's checkpoint (``--resume_from``, the aux peer assisting in averaging) and a trainer joins it.
+them per outer round each (``--target_batch_size`` 8 = 2 trainers x 4 samples), until each has taken 3 outer steps
+with the other (the first may train alone until the second joins); then SIGTERM. Then a new swarm is seeded from the
+aux peer's checkpoint (``--resume_from``, the aux peer assisting in averaging) and a trainer joins it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
-ROUNDS, LOCAL_STEPS = 4, 3
+ROUNDS, LOCAL_STEPS = 3, 3  # outer steps the two trainers must take together
+TOGETHER = re.compile(r"Outer step with 2 peers \(round \d+\)\n(?:.*\n)*?.*Reached epoch (\d+)")
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -54,12 +56,13 @@ def diloco_run(tmp_path_factory):
         peers.append(aux)
         initial_peers = aux.initial_peers()
         trainers = [PeerProcess(name, ["run_trainer.py", *args("diloco"), "--initial_peers", *initial_peers,
-                                       "--max_epochs", str(ROUNDS), "--backup_every_epochs", "1",
+                                       "--max_epochs", "1000", "--backup_every_epochs", "1",
                                        "--keep_backups", "100", "--output_dir", str(root / name)], root, ENV)
                     for name in ("t1", "t2")]
         peers += trainers
-        codes = [trainer.wait(150) for trainer in trainers]
-        assert codes == [0, 0], [trainer.stderr[-3000:] for trainer in trainers]
+        wait_until(lambda: all(len(TOGETHER.findall(trainer.stderr)) >= ROUNDS for trainer in trainers), timeout=150,
+                   what=f"{ROUNDS} outer steps of both trainers together")
+        assert stop_all(trainers) == [0, 0], [trainer.stderr[-3000:] for trainer in trainers]
         wait_until(lambda: CheckpointDir(root / "checkpoints", keep_last=3).checkpoints(), timeout=30,
                    what="an aux checkpoint")
         assert aux.stop() == 0, aux.stderr[-3000:]
@@ -71,15 +74,13 @@ def diloco_run(tmp_path_factory):
 
 def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
     root, _, trainers = diloco_run
-    for trainer in trainers:
-        steps = re.findall(r"Outer step with (\d+) peers? \(round (\d+)\)", trainer.stderr)
-        assert [size for size, _ in steps].count("2") >= ROUNDS - 1, (trainer.name, steps)
-        assert "Reached epoch 4" in trainer.stderr, trainer.name
-    # after the last outer step both trainers' parameters are the shared anchor: equal
-    first, second = (load_file(backup(root, trainer.name, ROUNDS) / "model.safetensors") for trainer in trainers)
+    together = [set(map(int, TOGETHER.findall(trainer.stderr))) for trainer in trainers]
+    epoch = max(together[0] & together[1])  # both reached it by an outer step together, then backed up
+    # right after an outer step both trainers' parameters are the shared anchor: equal
+    first, second = (load_file(backup(root, trainer.name, epoch) / "model.safetensors") for trainer in trainers)
     for name in first:
         torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-5, msg=name)
-    for a, b in zip(anchor_of(backup(root, "t1", ROUNDS)), anchor_of(backup(root, "t2", ROUNDS))):
+    for a, b in zip(anchor_of(backup(root, "t1", epoch)), anchor_of(backup(root, "t2", epoch))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -88,7 +89,7 @@ def test_loss_falls_over_the_rounds(diloco_run):
     for trainer in trainers:
         losses = {int(e): float(loss) for e, loss in re.findall(r"Reached epoch (\d+): mean loss ([\d.]+)",
                                                                 trainer.stderr)}
-        assert losses[ROUNDS] < losses[1] - 0.1, (trainer.name, losses)
+        assert losses[max(losses)] < losses[min(losses)] - 0.1, (trainer.name, losses)
 
 
 def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
@@ -101,10 +102,11 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
     assert state["epoch"] == epoch and len(state["outer"]) > 0
     # the checkpoint's weights are the swarm's anchor at that epoch, which every trainer backed up
     model = load_file(checkpoint / "model.safetensors")
-    trainer_anchor = anchor_of(backup(root, "t1", epoch))
-    torch.testing.assert_close(state["outer"][:len(trainer_anchor)], trainer_anchor, rtol=1e-4, atol=1e-5)
-    assert any(torch.equal(weight.float(), trainer_anchor[0]) for weight in model.values()
-               if weight.shape == trainer_anchor[0].shape)
+    anchor = state["outer"][:len(state["outer"]) // 2]
+    trainer_anchors = [anchor_of(backup(root, name, epoch)) for name in ("t1", "t2")
+                       if backup(root, name, epoch).exists()]
+    assert any(all(torch.equal(a, b) for a, b in zip(anchor, theirs)) for theirs in trainer_anchors)
+    assert any(torch.equal(weight.float(), anchor[0]) for weight in model.values() if weight.shape == anchor[0].shape)
     assert "Saved the swarm's state at epoch" in aux.stderr
 
 
