@@ -99,8 +99,8 @@ def main() -> None:
             outer = len(re.findall(r"Outer step with 2 peers", log))
             results[name] = (losses, seconds, outer)
             progress(f"{name}: held-out {losses}, {seconds:.0f} s, {outer} outer steps with 2 peers")
+        shapes = [param.shape for param in LeanGPTForCausalLM.from_pretrained(backups[0]).parameters()]
     base = results.get("sync", next(iter(results.values())))[0][0]
-    shapes = [param.shape for param in LeanGPTForCausalLM.from_pretrained(backups[0]).parameters()]
     print(f"\n2 trainers x {BATCH} samples, tiny LeanGPT, {args.epochs * TARGET} samples each run, "
           f"H = {args.local_steps}\n")
     print("| mode | held-out loss (trainer 1 / 2) | vs sync | wall s | outer steps with 2 peers | bytes/param/round |")
