@@ -75,7 +75,10 @@ def diloco_run(tmp_path_factory):
 def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
     root, _, trainers = diloco_run
     together = [set(map(int, TOGETHER.findall(trainer.stderr))) for trainer in trainers]
-    epoch = max(together[0] & together[1])  # both reached it by an outer step together, then backed up
+    # both reached it by an outer step together, then backed up; not the last epoch (SIGTERM's final backup, taken
+    # mid-round, replaces that one)
+    last = min(max(map(int, re.findall(r"Reached epoch (\d+)", trainer.stderr))) for trainer in trainers)
+    epoch = max(e for e in together[0] & together[1] if e < last)
     # right after an outer step both trainers' parameters are the shared anchor: equal
     first, second = (load_file(backup(root, trainer.name, epoch) / "model.safetensors") for trainer in trainers)
     for name in first:
