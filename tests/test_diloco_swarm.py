@@ -99,8 +99,7 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
     root, aux, _ = diloco_run
     rows = [json.loads(line) for line in (root / "swarm.jsonl").read_text().splitlines()]
     assert any(row["alive_peers"] == 2 for row in rows), rows
-    checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
-    epoch = int(checkpoint.name[6:])
+    epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
     state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
     assert state["epoch"] == epoch and len(state["outer"]) > 0
     # the checkpoint's weights are the swarm's anchor at that epoch, which every trainer backed up
@@ -115,8 +114,7 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
 
 def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, tmp_path: Path):
     root, _, _ = diloco_run
-    checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
-    epoch = int(checkpoint.name[6:])
+    epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
     peers: List[PeerProcess] = []
     try:
         aux = PeerProcess("aux-resumed", ["run_aux_peer.py", *args("diloco-resume", target_batch_size=4),
