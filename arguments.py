@@ -20,6 +20,8 @@ from lean_transformer.swarm.hub import is_hub_repo_id
 
 Compression = Literal["size_adaptive", "none", "float16", "scaled_float16", "uniform8bit", "quantile8bit",
                       "blockwise8bit"]
+OuterCompression = Literal["size_adaptive", "none", "float16", "scaled_float16", "uniform8bit", "quantile8bit",
+                           "blockwise8bit", "topk"]
 
 
 def _require(condition: bool, flag: str, message: str) -> None:
@@ -110,6 +112,22 @@ class CollaborationArguments:
         "help": "Tensors with at least this many elements use 8-bit compression under size_adaptive."})
     metrics_expiration: float = field(default=600.0, metadata={
         "help": "Seconds a peer's published metrics stay in the DHT; a peer silent for longer counts as gone."})
+    local_steps: int = field(default=0, metadata={
+        "help": "0: average gradients at every optimizer step. H > 0: DiLoCo; each trainer takes local 8-bit LAMB "
+                "steps and the swarm averages how far the parameters moved (an outer Nesterov step) once it has "
+                "processed H x --target_batch_size samples (about H local steps each when --target_batch_size is "
+                "the swarm's samples per local step). Epochs then count outer rounds, the LR schedule local steps."})
+    outer_lr: float = field(default=0.7, metadata={"help": "DiLoCo's outer learning rate (with --local_steps)."})
+    outer_momentum: float = field(default=0.9, metadata={
+        "help": "DiLoCo's outer Nesterov momentum (with --local_steps; 0: plain SGD)."})
+    outer_overlap: bool = field(default=False, metadata={
+        "help": "With --local_steps: average a round's pseudo-gradient in the background while the next round "
+                "trains, and apply its outer step one round late."})
+    outer_compression: OuterCompression = field(default="none", metadata={
+        "help": "How pseudo-gradients are sent (with --local_steps): a --grad_compression choice, or topk (the "
+                "--outer_topk_fraction largest values with error feedback, float16 values + int32 indices)."})
+    outer_topk_fraction: float = field(default=0.01, metadata={
+        "help": "Fraction of each pseudo-gradient tensor sent with --outer_compression topk."})
 
     def __post_init__(self):
         _require(self.target_batch_size > 0, "target_batch_size", f"must be positive, got {self.target_batch_size}")
@@ -125,6 +143,14 @@ class CollaborationArguments:
                  "needs --offload_optimizer")
         _require(not self.delay_grad_averaging or self.delay_optimizer_step, "delay_grad_averaging",
                  "needs --delay_optimizer_step")
+        _require(self.local_steps >= 0, "local_steps", f"must be non-negative, got {self.local_steps}")
+        _require(self.outer_lr > 0, "outer_lr", f"must be positive, got {self.outer_lr}")
+        _require(0 <= self.outer_momentum < 1, "outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        _require(0 < self.outer_topk_fraction <= 1, "outer_topk_fraction",
+                 f"must be in (0, 1], got {self.outer_topk_fraction}")
+        if self.local_steps > 0:
+            for name in ("delay_optimizer_step", "delay_grad_averaging", "reuse_grad_buffers"):
+                _require(not getattr(self, name), name, "does not apply with --local_steps (local optimizer steps)")
 
 
 @dataclass

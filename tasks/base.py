@@ -96,7 +96,9 @@ class Task(ABC):
                 "learning_rate", "warmup_steps", "total_steps", "lr_schedule", "weight_decay", "adam_beta1",
                 "adam_beta2", "adam_epsilon", "max_grad_norm", "clamp_value", "min_8bit_size")},
             **{name: getattr(collaboration, name) for name in (
-                "target_batch_size", "grad_compression", "state_compression", "size_adaptive_threshold")})
+                "target_batch_size", "grad_compression", "state_compression", "size_adaptive_threshold",
+                "local_steps", "outer_lr", "outer_momentum", "outer_overlap", "outer_compression",
+                "outer_topk_fraction")})
         return settings
 
     def sequence_length(self, epoch: int) -> int:

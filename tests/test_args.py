@@ -79,7 +79,29 @@ BAD = {
     "unknown compression": (["--grad_compression", "zip"], "--grad_compression"),
     "not a number": (["--learning_rate", "fast"], "--learning_rate"),
     "validation fraction of 1": (["--validation_fraction", "1"], "--validation_fraction: must be in [0, 1), got 1.0"),
+    "negative local steps": (["--local_steps", "-1"], "--local_steps: must be non-negative"),
+    "zero outer lr": (["--outer_lr", "0"], "--outer_lr: must be positive"),
+    "outer momentum of 1": (["--outer_momentum", "1"], "--outer_momentum: must be in [0, 1)"),
+    "top-k fraction above 1": (["--outer_topk_fraction", "1.5"], "--outer_topk_fraction"),
+    "unknown outer compression": (["--outer_compression", "zip"], "--outer_compression"),
+    "local steps with delayed steps": (["--local_steps", "5", "--delay_optimizer_step"],
+                                       "--delay_optimizer_step: does not apply with --local_steps"),
 }
+
+
+def test_diloco_flags_and_the_run_settings_every_peer_must_share():
+    from tasks import get_task
+
+    network, collaboration, training, task_args = parse_arguments(TRAINER, [
+        "--run_id", "r", "--local_steps", "50", "--outer_lr", "0.5", "--outer_overlap", "--outer_compression", "topk",
+        "--outer_topk_fraction", "0.05"])
+    assert collaboration.local_steps == 50 and collaboration.outer_overlap and collaboration.outer_lr == 0.5
+    assert collaboration.outer_momentum == 0.9 and collaboration.outer_compression == "topk"
+    settings = get_task(task_args.task)(task_args, training).swarm_settings(collaboration)
+    assert {name: settings[name] for name in ("local_steps", "outer_lr", "outer_momentum", "outer_overlap",
+                                             "outer_compression", "outer_topk_fraction")} == dict(
+        local_steps=50, outer_lr=0.5, outer_momentum=0.9, outer_overlap=True, outer_compression="topk",
+        outer_topk_fraction=0.05)
 
 
 @pytest.mark.parametrize("name", list(BAD))

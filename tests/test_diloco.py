@@ -17,7 +17,7 @@ from lean_transformer.swarm.diloco import OuterNesterov
 REPO = Path(__file__).resolve().parent.parent
 LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
-PEERS = {"a": (1, [0.5, -1.0]), "b": (3, [0.25, 2.0])}
+PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
 
 
 def hand_nesterov(anchor: float, deltas: list) -> float:
@@ -59,11 +59,61 @@ def test_bad_outer_settings_name_the_flag(kwargs, field):
         OuterNesterov([torch.nn.Parameter(torch.zeros(1))], **kwargs)
 
 
+def test_topk_error_feedback_keeps_exactly_what_it_did_not_send():
+    from lean_transformer.swarm.diloco import TopKErrorFeedback
+
+    shapes = [torch.Size([40, 5]), torch.Size([7])]
+    topk = TopKErrorFeedback(shapes, fraction=0.1)
+    generator = torch.Generator().manual_seed(1)
+    rounds = [[torch.randn(shape, generator=generator, dtype=torch.float64).float() for shape in shapes]
+              for _ in range(5)]
+    sent_total = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
+    for deltas in rounds:
+        sparse = topk.compress(deltas)
+        assert [len(indices) for indices, _ in sparse] == [20, 1]  # ceil(10%) of each tensor
+        parsed = TopKErrorFeedback.from_bytes(TopKErrorFeedback.to_bytes(sparse), shapes)
+        for (indices, values), (parsed_indices, parsed_values) in zip(sparse, parsed):
+            assert torch.equal(indices, parsed_indices) and torch.equal(values, parsed_values)
+        for total, dense in zip(sent_total, TopKErrorFeedback.densify(sparse, shapes)):
+            total += dense.double()
+        topk.commit()
+    for index, shape in enumerate(shapes):  # everything produced = everything sent + what is still kept
+        produced = sum(deltas[index].double() for deltas in rounds)
+        torch.testing.assert_close(sent_total[index] + topk.errors[index].double(), produced, rtol=0, atol=1e-5)
+    # a value that was never sent is kept whole; an uncommitted (failed) round leaves the error as it was
+    before = [error.clone() for error in topk.errors]
+    topk.compress([torch.full(shape, 1e3) for shape in shapes])
+    assert all(torch.equal(a, b) for a, b in zip(before, topk.errors))
+
+
+@pytest.mark.parametrize("payload, problem", [(b"", "cut short"), (b"\x01" + b"\x00" * 7 + b"\x00" * 7, "trailing"),
+                                              (b"\xff" * 8, "values for a tensor")])
+def test_a_malformed_topk_payload_is_refused(payload, problem):
+    from lean_transformer.swarm.diloco import TopKErrorFeedback
+
+    with pytest.raises(ValueError, match=problem):
+        TopKErrorFeedback.from_bytes(payload, [torch.Size([4])])
+
+
+def test_bytes_per_parameter_per_round(report):
+    from lean_transformer.swarm.diloco import wire_bytes_per_parameter
+    from lean_transformer.swarm.optimizer import make_compression
+
+    shapes = [torch.Size([512, 512]), torch.Size([512])]
+    measured = {name: wire_bytes_per_parameter(shapes, make_compression(name))
+                for name in ("none", "float16", "uniform8bit", "blockwise8bit")}
+    measured["topk 1%"] = wire_bytes_per_parameter(shapes, None, topk_fraction=0.01)
+    assert 3.9 < measured["none"] < 4.1 and 1.9 < measured["float16"] < 2.1
+    assert 0.95 < measured["uniform8bit"] < 1.1 and 0.95 < measured["blockwise8bit"] < 1.1
+    assert 0.11 < measured["topk 1%"] < 0.13  # 6 bytes a sent value, out and back
+    report("2 peers, bytes sent + received per parameter per round: " +
+           ", ".join(f"{name} {value:.3f}" for name, value in measured.items()))
+
+
 @pytest.mark.swarm
 def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
     import hivemind
-    from lean_transformer.swarm.diloco import DiLoCoRounds, PseudoGradientAverager
-    from lean_transformer.swarm.optimizer import make_compression
+    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     weight = torch.nn.Parameter(torch.zeros(3))
@@ -71,14 +121,16 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
     averager = PseudoGradientAverager(dht, "test_diloco_alone", [weight.shape], matchmaking_time=0.5,
                                       allreduce_timeout=2.0)  # min_group_size 2: alone, every round misses
     try:
-        rounds = DiLoCoRounds(outer, averager, local_steps=2)
+        rounds = OuterLoop(outer, averager)
         results = []
         for step in range(4):
             with torch.no_grad():
                 weight.sub_(1.0)
-            results.append(rounds.after_inner_step(samples=8))
-        assert results == [None] * 4 and rounds.rounds == 0
-        assert rounds.samples_since_anchor == 32 and rounds.steps_since_round == 0
+            rounds.add_samples(8)
+            if step % 2 == 1:
+                results.append(rounds.end_round())
+        assert results == [None] * 2 and rounds.rounds == 0
+        assert rounds.samples_since_anchor == 32
         torch.testing.assert_close(outer.pseudo_gradients()[0], torch.full((3,), 4.0), rtol=0, atol=0)
         torch.testing.assert_close(weight.data, torch.full((3,), -4.0), rtol=0, atol=0)
     finally:
@@ -87,10 +139,13 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("compression", ["none", "blockwise8bit"])
+@pytest.mark.parametrize("compression", ["none", "blockwise8bit", "topk", "overlap"])
 def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, report):
     """Uncompressed, the result is exact; block-wise 8-bit codes carry each value to within 1/127 of its block's
-    absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2."""
+    absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2. Top-k of all
+    values sends them as float16, in which these shifts are exact. Whatever the codec, both peers end bit-identical.
+    With overlap (uncompressed), round t's average is applied at the end of round t+1: after 3 rounds the anchor has
+    taken the outer steps of rounds 1 and 2, and each peer carries its own round-3 shift on top of it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     first = subprocess.Popen([sys.executable, __file__, "a", compression], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
@@ -110,16 +165,20 @@ def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_compute
     means = [sum(samples * shifts[r] for samples, shifts in PEERS.values()) / total for r in range(2)]
     expected = hand_nesterov(1.0, means)
     for name, result in results.items():
-        assert result["group_sizes"] == [2, 2], result
-        rtol, atol = (1e-4, 1e-5) if compression == "none" else (2e-2, 0.0)
-        torch.testing.assert_close(torch.tensor(result["weight"]), torch.full((3,), expected), rtol=rtol, atol=atol)
+        assert result["group_sizes"] == ([None, 2, 2] if compression == "overlap" else [2, 2]), result
+        rtol, atol = (2e-2, 0.0) if compression == "blockwise8bit" else (1e-4, 1e-5)
+        own = PEERS[name][1][2] if compression == "overlap" else 0.0
+        torch.testing.assert_close(torch.tensor(result["weight"]), torch.full((3,), expected - own), rtol=rtol,
+                                   atol=atol)
+        torch.testing.assert_close(torch.tensor(result["anchor"]), torch.full((3,), expected), rtol=rtol, atol=atol)
+    assert results["a"]["anchor"] == results["b"]["anchor"]  # the same average on both: no drift between anchors
     report(f"2 peers (1 and 3 samples), 2 outer rounds, {compression}: a at {results['a']['weight'][0]:.6f}, "
            f"b at {results['b']['weight'][0]:.6f}, by hand {expected:.6f}")
 
 
 def peer(name: str, compression: str, address: str | None) -> None:
     import hivemind
-    from lean_transformer.swarm.diloco import DiLoCoRounds, PseudoGradientAverager
+    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager, TopKErrorFeedback
     from lean_transformer.swarm.optimizer import make_compression
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -130,19 +189,22 @@ def peer(name: str, compression: str, address: str | None) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
                                       allreduce_timeout=30.0, target_group_size=2,
-                                      compression=make_compression(compression))
-    rounds = DiLoCoRounds(outer, averager, local_steps=1)
+                                      compression=make_compression(compression if "8bit" in compression else "none"),
+                                      topk=TopKErrorFeedback([weight.shape], 1.0) if compression == "topk" else None)
+    overlap = compression == "overlap"
+    rounds = OuterLoop(outer, averager, overlap=overlap)
     samples, shifts = PEERS[name]
     group_sizes = []
-    for shift in shifts:
+    for shift in shifts if overlap else shifts[:2]:
         with torch.no_grad():
             weight.sub_(shift)
-        group_size = rounds.after_inner_step(samples)  # hivemind retries matchmaking until the round's timeout
-        assert group_size is not None, "the outer round failed"
-        group_sizes.append(group_size)
+        rounds.add_samples(samples)
+        group_sizes.append(rounds.end_round())  # hivemind retries matchmaking until the round's timeout
+    rounds.forget_pending()
     averager.shutdown()
     dht.shutdown()
-    print(json.dumps(dict(weight=weight.tolist(), group_sizes=group_sizes)), flush=True)
+    print(json.dumps(dict(weight=weight.tolist(), anchor=outer.anchor[0].tolist(), group_sizes=group_sizes)),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,11 @@ class AuxiliaryOptimizer(hivemind.Optimizer):
             averager.allow_state_sharing = was_sharing
             yield None
             return
+        outer_loop = getattr(self, "outer_loop", None)
+        if outer_loop is not None:  # DiLoCo: the swarm's parameters are the anchor, not the serving peer's drift
+            outer_loop.outer.reset_parameters()
+            if self.offload_optimizer:
+                averager._apply_optimizer_parameters_()
         try:
             yield loaded_epoch
         finally:

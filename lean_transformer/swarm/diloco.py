@@ -1,25 +1,63 @@
 """DiLoCo's outer loop: peers take many local optimizer steps, then average how far they moved and step together.
 
-A round starts from shared parameters (the *anchor*). Each peer trains on its own for a while; its *pseudo-gradient*
-is then ``anchor - parameters``. The swarm all-reduces the pseudo-gradients, weighted by the samples each peer
-processed, and every peer applies the same outer step to the anchor: SGD with Nesterov momentum (DiLoCo's outer
-optimizer), after which the parameters restart from the new anchor. Since every peer applies the same step to the
-same anchor with the same momentum, the peers stay identical without exchanging parameters.
+A round starts from shared parameters (the *anchor*). Each peer trains on its own (the task's 8-bit LAMB, offloaded,
+one local step per ``optimizer.step``); its *pseudo-gradient* is then ``anchor - parameters``. The swarm all-reduces
+the pseudo-gradients, weighted by the samples each peer processed, and every peer applies the same outer step to the
+anchor: SGD with Nesterov momentum (DiLoCo's outer optimizer), after which the parameters restart from the new
+anchor. Since every peer applies the same step to the same anchor with the same momentum, the peers stay identical
+without exchanging parameters.
 
-Built from kept parts: the outer step is ``torch.optim.SGD(nesterov=True)`` on the anchor tensors (their ``.grad``
-set to the averaged pseudo-gradient), and the all-reduce is hivemind's ``DecentralizedAverager`` with the cancel
-fixes of :mod:`lean_transformer.swarm.hivemind_fixes.averagers`. Only the bookkeeping between them is ours.
+How it runs in a swarm (:class:`DiLoCoOptimizer`): the inner loop is ``hivemind.Optimizer(use_local_updates=True)``
+(a local LAMB step on each ``step``; hivemind's progress tracker counts the swarm's samples), so a round is hivemind's
+epoch and ends when the swarm has processed ``local_steps x target_batch_size`` samples: with ``target_batch_size`` =
+the swarm's samples per inner step, each peer takes about ``local_steps`` inner steps, a faster peer more, a slower one
+fewer. The anchor and the outer momentum are hivemind's ``extra_tensors``, so newcomers download them with the inner
+optimizer state (through the validated downloads of :mod:`.hivemind_fixes.state_download`) and restart from the anchor.
+A round that fails (no group, a broken all-reduce) leaves the anchor where it is: the peer's progress and samples fold
+into its next round. A peer alone in the swarm (no other peer reports training speed; aux peers report none) steps
+with its own pseudo-gradient.
+
+Every peer must end a round with the same average, or the anchors drift apart. hivemind's all-reduce returns each peer
+``own part + decompress(compress(average - own part))``, which differs between peers under a lossy codec; here the
+reducer sends the compressed average itself and decodes its own part the same way (:class:`_SameResultRunner`), so all
+peers apply bit-identical averages. Top-k (``outer_compression="topk"``) sends each peer's largest values with error
+feedback (:class:`TopKErrorFeedback`, SparseLoCo-style) through hivemind's all-gather (the ``gather`` payload of a
+matchmaking round); everyone sums the same payloads in the same order.
+
+With ``overlap`` the all-reduce of round t runs in the background while round t+1 trains, and its outer step is applied
+at the end of round t+1 (a one-round-delayed outer update): the anchor then moves by the swarm's average of round t,
+and the peer carries its own round-(t+1) progress on top of the new anchor.
+
+Built from kept parts: the outer step is ``torch.optim.SGD(nesterov=True)`` on the anchor tensors, the all-reduce is
+hivemind's ``DecentralizedAverager`` (with the cancel fixes of :mod:`.hivemind_fixes.averagers`). Ours: the round
+bookkeeping, the same-result runner (hivemind has no such mode) and top-k with error feedback (no kept library does it
+over hivemind).
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+import asyncio
+import contextlib
+import logging
+import math
+from typing import Any, Iterable, List, Optional, Sequence
 
 import hivemind
+import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
+                                  serialize_torch_tensor)
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
+
+logger = logging.getLogger(__name__)
+
+NEVER = 2**62  # average_state_every in DiLoCo mode: hivemind never averages parameters itself
 
 
 class OuterNesterov:
@@ -27,6 +65,7 @@ class OuterNesterov:
 
     ``pseudo_gradients()`` gives ``anchor - parameters`` (float32, fresh tensors); ``step(averaged)`` applies one outer
     step to the anchor with ``averaged`` as its gradient and copies the new anchor into the parameters.
+    ``state_tensors()`` are the live anchor and momentum tensors (hivemind shares and loads them in place).
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor], lr: float = 0.7, momentum: float = 0.9):
@@ -38,14 +77,28 @@ class OuterNesterov:
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum (--outer_momentum) must be in [0, 1), got {momentum}")
         self.anchor = [param.detach().to(torch.float32, copy=True) for param in self.parameters]
+        self.momenta = [torch.zeros_like(anchor) for anchor in self.anchor]
+        self.steps = torch.zeros(1, dtype=torch.float64)  # outer steps the anchor has taken (shared with it)
         self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        if momentum > 0:  # zeros give torch's first step exactly (m = 0 * mu + g); SGD updates them in place
+            for anchor, momentum_buffer in zip(self.anchor, self.momenta):
+                self.optimizer.state[anchor]["momentum_buffer"] = momentum_buffer
+
+    def bind(self, parameters: Sequence[torch.Tensor]) -> None:
+        """Measure and move ``parameters`` from now on (e.g. the offloaded optimizer's copies of the model's)."""
+        parameters = list(parameters)
+        if [tuple(p.shape) for p in parameters] != [tuple(a.shape) for a in self.anchor]:
+            raise ValueError("bind: the parameters do not have the anchor's shapes")
+        self.parameters = parameters
 
     @torch.no_grad()
     def pseudo_gradients(self) -> List[torch.Tensor]:
         return [anchor - param.float() for anchor, param in zip(self.anchor, self.parameters)]
 
     @torch.no_grad()
-    def step(self, averaged: Sequence[torch.Tensor]) -> None:
+    def step(self, averaged: Sequence[torch.Tensor], keep: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """One outer step with gradient ``averaged``; the parameters become the new anchor, minus ``keep`` (a peer's
+        own progress not yet averaged, with ``overlap``) if given."""
         if len(averaged) != len(self.anchor):
             raise ValueError(f"averaged: expected {len(self.anchor)} tensors, got {len(averaged)}")
         for anchor, delta in zip(self.anchor, averaged):
@@ -54,90 +107,426 @@ class OuterNesterov:
                                  f"{tuple(anchor.shape)}")
             anchor.grad = delta.to(torch.float32)
         self.optimizer.step()
-        for anchor, param in zip(self.anchor, self.parameters):
+        self.steps += 1
+        for index, (anchor, param) in enumerate(zip(self.anchor, self.parameters)):
             anchor.grad = None
+            param.copy_(anchor if keep is None else anchor - keep[index])
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Parameters back to the anchor (a newcomer that downloaded the swarm's outer state)."""
+        for anchor, param in zip(self.anchor, self.parameters):
             param.copy_(anchor)
 
     def state_tensors(self) -> List[torch.Tensor]:
         """What a newcomer needs besides the inner optimizer: the anchor and the momentum (zeros before the first
-        step), in parameter order."""
-        momenta = [self.optimizer.state[anchor].get("momentum_buffer") for anchor in self.anchor]
-        return self.anchor + [torch.zeros_like(a) if m is None else m for a, m in zip(self.anchor, momenta)]
+        step), in parameter order, and the count of outer steps. The live tensors: hivemind serves and loads them in
+        place."""
+        return self.anchor + self.momenta + [self.steps]
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        if len(tensors) != 2 * len(self.anchor):
-            raise ValueError(f"tensors: expected {2 * len(self.anchor)} (anchor + momentum), got {len(tensors)}")
-        count = len(self.anchor)
-        for anchor, param, source, momentum in zip(self.anchor, self.parameters, tensors[:count], tensors[count:]):
-            anchor.copy_(source)
-            param.copy_(anchor)
-            self.optimizer.state[anchor]["momentum_buffer"] = momentum.to(torch.float32, copy=True)
+        if len(tensors) != 2 * len(self.anchor) + 1:
+            raise ValueError(f"tensors: expected {2 * len(self.anchor) + 1} (anchor, momentum, step count), got "
+                             f"{len(tensors)}")
+        for local, source in zip(self.state_tensors(), tensors):
+            if local.shape != source.shape:
+                raise ValueError(f"tensors: {tuple(source.shape)} for an outer state tensor of {tuple(local.shape)}")
+            local.copy_(source)
+        self.reset_parameters()
+
+
+class TopKErrorFeedback:
+    """Top-k sparsification with error feedback: each round sends the ``fraction`` largest-magnitude values of
+    ``pseudo-gradient + error`` (values as float16, indices as int32: 6 bytes a value), and keeps exactly what it did
+    not send (float16 rounding included) as the next round's error. ``commit()`` once the round succeeded; without
+    it (a failed round, whose progress folds into the next pseudo-gradient) the error stays as it was."""
+
+    def __init__(self, shapes: Sequence[torch.Size], fraction: float):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction (--outer_topk_fraction) must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+        self.errors = [torch.zeros(shape) for shape in shapes]
+        self._pending: Optional[List[torch.Tensor]] = None
+
+    @torch.no_grad()
+    def compress(self, deltas: Sequence[torch.Tensor]) -> List[tuple]:
+        """[(int32 indices, float16 values)] per tensor, of the flattened ``delta + error``."""
+        sparse, new_errors = [], []
+        for delta, error in zip(deltas, self.errors):
+            corrected = (delta.float() + error).flatten()
+            k = max(1, math.ceil(self.fraction * corrected.numel()))
+            indices = corrected.abs().topk(k, sorted=False).indices.sort().values
+            values = corrected[indices].to(torch.float16)
+            sent = torch.zeros_like(corrected)
+            sent[indices] = values.float()
+            new_errors.append((corrected - sent).view_as(error))
+            sparse.append((indices.to(torch.int32), values))
+        self._pending = new_errors
+        return sparse
+
+    def commit(self) -> None:
+        if self._pending is not None:
+            self.errors, self._pending = self._pending, None
+
+    @staticmethod
+    def densify(sparse: Sequence[tuple], shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+        dense = []
+        for (indices, values), shape in zip(sparse, shapes):
+            tensor = torch.zeros(math.prod(shape))
+            tensor[indices.long()] = values.float()
+            dense.append(tensor.view(shape))
+        return dense
+
+    @staticmethod
+    def to_bytes(sparse: Sequence[tuple]) -> bytes:
+        parts = []
+        for indices, values in sparse:
+            parts += [np.int64(len(indices)).tobytes(), indices.numpy().tobytes(), values.numpy().tobytes()]
+        return b"".join(parts)
+
+    @staticmethod
+    def from_bytes(payload: bytes, shapes: Sequence[torch.Size]) -> List[tuple]:
+        """Parse a peer's payload; ValueError if it does not fit ``shapes``."""
+        sparse, offset = [], 0
+        for shape in shapes:
+            if offset + 8 > len(payload):
+                raise ValueError("top-k payload cut short")
+            count = int(np.frombuffer(payload, np.int64, 1, offset)[0])
+            offset += 8
+            if not 0 < count <= math.prod(shape) or offset + 6 * count > len(payload):
+                raise ValueError(f"top-k payload: {count} values for a tensor of {math.prod(shape)}")
+            indices = torch.from_numpy(np.frombuffer(payload, np.int32, count, offset).copy())
+            values = torch.from_numpy(np.frombuffer(payload, np.float16, count, offset + 4 * count).copy())
+            offset += 6 * count
+            if indices.min() < 0 or indices.max() >= math.prod(shape) or not torch.isfinite(values).all():
+                raise ValueError("top-k payload: an index out of range or a non-finite value")
+            sparse.append((indices, values))
+        if offset != len(payload):
+            raise ValueError("top-k payload: trailing bytes")
+        return sparse
+
+
+class _SameResultRunner(AllReduceRunner):
+    """hivemind's all-reduce (same wire format), except that each reducer returns the compressed *average* of its part
+    (not average - sender's part) and decodes its own part through the same codec: every peer ends with the same
+    tensors under a lossy codec."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        container = self.tensor_part_container
+        container.return_deltas = False  # a reducer that fails leaves the sender's own part
+        own = container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        self._own_infos = [info for _, info in own]
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+        compression = self.tensor_part_container.compression
+        for part_index, (part, info) in enumerate(zip(self.parts_for_local_averaging, self._own_infos)):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                      weight=self.weight)
+            codec = compression.compress(part, info).compression  # the codec this part travels with
+            same = deserialize_torch_tensor(serialize_torch_tensor(averaged, codec))
+            self.tensor_part_container.register_processed_part(peer_index, part_index, same)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                    stream, max_prefetch=self.tensor_part_container.prefetch):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight)
+                    part_index += 1
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(
+                    None, lambda: serialize_torch_tensor(averaged_part, part_compression))
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
 class _Averager(CancelSafe, DecentralizedAverager):
-    """hivemind's DecentralizedAverager, safe to cancel (same wire format)."""
+    """hivemind's DecentralizedAverager, safe to cancel, every peer getting the same average (same wire format)."""
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = _SameResultRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                   group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
+def _gated(averager_class: type) -> type:
+    from lean_transformer.swarm.auth.averaging_gate import _GatedAverager
+
+    return type(f"Gated{averager_class.__name__.lstrip('_')}", (_GatedAverager, averager_class), {})
 
 
 class PseudoGradientAverager:
     """All-reduces pseudo-gradients with the peers under ``prefix``, weighted by samples, through hivemind.
 
-    ``average(pseudo_gradients, samples)`` returns the swarm's weighted mean and the group size, or ``None`` when no
-    group formed or the all-reduce failed within ``timeout`` (the caller keeps its progress for the next round).
+    ``start(pseudo_gradients, samples, tag)`` begins a round in the background; ``finish(round)`` returns the swarm's
+    weighted mean, the group size and the group's tags (each peer's ``tag``, all-gathered: the outer loop sends the
+    fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
+    ``average`` does both. With ``topk`` (a :class:`TopKErrorFeedback`) the peers all-gather sparse payloads instead.
+    ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging).
     """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
                  matchmaking_time: float = 5.0, allreduce_timeout: float = 60.0,
-                 compression: CompressionBase = NoCompression(), **averager_opts):
-        self.averager = _Averager([torch.zeros(shape) for shape in shapes], dht, start=True, prefix=prefix,
-                                  min_matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout,
-                                  compression=compression, **averager_opts)
+                 compression: CompressionBase = NoCompression(), topk: Optional[TopKErrorFeedback] = None,
+                 gate: Any = None, **averager_opts):
+        self.shapes, self.topk = [torch.Size(shape) for shape in shapes], topk
+        averager_class = _Averager if gate is None else _gated(_Averager)
+        if gate is not None:
+            averager_opts["gate"] = gate
+        buffers = [torch.zeros(1)] if topk is not None else [torch.zeros(shape) for shape in self.shapes]
+        self.averager = averager_class(buffers, dht, start=True, prefix=prefix, min_matchmaking_time=matchmaking_time,
+                                       allreduce_timeout=allreduce_timeout, compression=compression,
+                                       **averager_opts)
         self.timeout = matchmaking_time + allreduce_timeout
+        self.auxiliary = averager_opts.get("auxiliary", False)
 
-    def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int) -> Optional[tuple]:
+    def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None) -> Any:
+        if self.auxiliary:
+            return self.averager.step(timeout=self.timeout, wait=False)
         if samples <= 0:
             raise ValueError(f"samples must be positive, got {samples}")
-        with self.averager.get_tensors() as buffers:
-            for buffer, delta in zip(buffers, pseudo_gradients):
-                buffer.copy_(delta)
+        gather = dict(tag=tag, topk=None)
+        if self.topk is not None:
+            gather["topk"] = (float(samples), TopKErrorFeedback.to_bytes(self.topk.compress(pseudo_gradients)))
+        else:
+            with self.averager.get_tensors() as buffers:
+                for buffer, delta in zip(buffers, pseudo_gradients):
+                    buffer.copy_(delta)
+        return self.averager.step(weight=float(samples), gather=gather, timeout=self.timeout, wait=False)
+
+    def finish(self, control: Any) -> Optional[tuple]:
         try:
-            gathered = self.averager.step(weight=float(samples), timeout=self.timeout)
-        except Exception:  # hivemind raises its own errors on a failed round; the round is simply missed
+            gathered = control.result(self.timeout + 5)
+        except Exception as error:  # hivemind raises its own errors on a failed round; the round is simply missed
+            logger.debug(f"Outer all-reduce failed: {error!r}")
+            if not control.done():
+                control.cancel()
             return None
-        if gathered is None:
+        if gathered is None or self.auxiliary:
             return None
-        with self.averager.get_tensors() as buffers:
-            return [buffer.clone() for buffer in buffers], len(gathered)
+        tags = [data.get("tag") for data in gathered.values() if isinstance(data, dict)]
+        if self.topk is None:
+            with self.averager.get_tensors() as buffers:
+                return [buffer.clone() for buffer in buffers], len(gathered), tags
+        return self._average_payloads(gathered), len(gathered), tags
+
+    def _average_payloads(self, gathered: dict) -> Optional[List[torch.Tensor]]:
+        """The samples-weighted mean of the peers' top-k payloads, summed in the group's order (the same on every
+        peer); the weights are the ones each peer sent with its payload."""
+        total = [torch.zeros(shape) for shape in self.shapes]
+        weight_sum = 0.0
+        for item in gathered.values():
+            payload = item.get("topk") if isinstance(item, dict) else None
+            if payload is None:  # an aux peer
+                continue
+            weight, data = payload
+            sparse = TopKErrorFeedback.from_bytes(data, self.shapes)
+            for accumulator, (indices, values) in zip(total, sparse):
+                accumulator.view(-1).index_add_(0, indices.long(), values.float() * float(weight))
+            weight_sum += float(weight)
+        self.topk.commit()
+        return [accumulator / weight_sum for accumulator in total]
+
+    def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int, tag: Any = None) -> Optional[tuple]:
+        return self.finish(self.start(pseudo_gradients, samples, tag))
 
     def shutdown(self) -> None:
         self.averager.shutdown()
 
 
-class DiLoCoRounds:
-    """Counts a peer's inner steps and runs an outer round every ``local_steps`` of them.
+class OuterLoop:
+    """A peer's outer rounds: ``add_samples`` after each inner step, ``end_round(alone)`` when the swarm ends one.
 
-    Call ``after_inner_step(samples)`` after each inner optimizer step. On the ``local_steps``-th it averages the
-    pseudo-gradient (weighted by the samples since the anchor) and applies the outer step. A missed round (no group,
-    a failed all-reduce) changes nothing: the anchor stays, so this peer's progress is folded into its next round's
-    pseudo-gradient and weight. Returns the group size of a completed round, else None.
+    Without ``overlap``: average ``anchor - parameters`` and step (the parameters restart from the new anchor); a failed
+    round changes nothing, so its progress and samples fold into the next; a peer ``alone`` steps on its own.
+    With ``overlap``: send this round's progress in the background and apply the previous round's average now (the
+    parameters become the new anchor minus this round's own progress, still in flight); a failed background round
+    folds its progress into the next one sent. Returns the group size of the round applied now, else None.
     """
 
-    def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, local_steps: int):
-        if local_steps < 1:
-            raise ValueError(f"local_steps (--local_steps) must be >= 1 for DiLoCo, got {local_steps}")
-        self.outer, self.averager, self.local_steps = outer, averager, local_steps
-        self.steps_since_round = self.samples_since_anchor = self.rounds = 0
+    def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False):
+        self.outer, self.averager, self.overlap = outer, averager, overlap
+        self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
+        self.samples_since_anchor = self.rounds = 0
+        self.behind = False  # a groupmate's outer state was ahead of ours: download the swarm's
+        self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
+        self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
 
-    def after_inner_step(self, samples: int) -> Optional[int]:
-        self.steps_since_round += 1
+    def add_samples(self, samples: int) -> None:
         self.samples_since_anchor += samples
-        if self.steps_since_round < self.local_steps:
+
+    @torch.no_grad()
+    def end_round(self, alone: bool = False) -> Optional[int]:
+        if self.averager.auxiliary:
+            self.averager.finish(self.averager.start(None, 0))
             return None
-        self.steps_since_round = 0
-        result = self.averager.average(self.outer.pseudo_gradients(), self.samples_since_anchor)
-        if result is None:
-            return None
-        averaged, group_size = result
-        self.outer.step(averaged)
+        if not self.overlap:
+            deltas = self.outer.pseudo_gradients()
+            if alone:
+                return self._applied(deltas, 1)
+            tag = self.fingerprint()
+            result = self.averager.average(deltas, max(1, self.samples_since_anchor), tag)
+            return None if result is None else self._applied(*result, sent_tag=tag)
+        return self._end_overlapped_round(alone)
+
+    def fingerprint(self) -> list:
+        """[outer steps, checksum of the anchor]: peers that applied the same outer steps have the same one."""
+        return [float(self.outer.steps), float(sum(anchor.double().sum() for anchor in self.outer.anchor))]
+
+    def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Sequence[Any] = (),
+                 keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None) -> int:
+        valid = [list(tag) for tag in tags if isinstance(tag, (list, tuple)) and len(tag) == 2]
+        self.behind = sent_tag is not None and any(tag > sent_tag for tag in valid)
+        with self.lock:
+            self.outer.step(averaged, keep=keep)
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
         return group_size
+
+    def _end_overlapped_round(self, alone: bool) -> Optional[int]:
+        parameters = self.outer.parameters
+        base = self._base if self._base is not None else self.outer.anchor
+        progress = [b - p.float() for b, p in zip(base, parameters)]  # this round's own progress
+        group_size, samples = None, self.samples_since_anchor
+        if self._pending is not None:
+            control, sent, sent_samples, sent_tag = self._pending
+            result = self.averager.finish(control)
+            if result is not None:
+                group_size = self._applied(*result, keep=progress, sent_tag=sent_tag)
+            else:  # fold the unapplied progress into this round's
+                progress = [p + s for p, s in zip(progress, sent)]
+                samples += sent_samples
+        if alone:
+            self._pending = None
+            self.samples_since_anchor = samples
+            return self._applied(progress, 1)
+        tag = self.fingerprint()
+        self._pending = (self.averager.start(progress, max(1, samples), tag), progress, samples, tag)
+        self.samples_since_anchor = 0
+        self._base = [p.detach().float().clone() for p in parameters]
+        return group_size
+
+    def forget_pending(self) -> None:
+        """Drop a background round (the parameters were replaced, e.g. by a downloaded state)."""
+        if self._pending is not None and not self._pending[0].done():
+            self._pending[0].cancel()
+        self._pending, self._base = None, None
+        self.samples_since_anchor = 0
+
+
+class DiLoCoOptimizer:
+    """Mixed in front of a ``hivemind.Optimizer`` built with ``use_local_updates=True`` and the outer state as its
+    ``extra_tensors`` (see :func:`lean_transformer.swarm.optimizer.build_optimizer`): each ``step`` is one local inner
+    step (and advances the inner LR schedule by one step), each of hivemind's epochs ends with an outer round."""
+
+    outer_loop: OuterLoop
+    local_steps: int
+
+    def attach_outer_loop(self, outer_loop: OuterLoop, local_steps: int) -> None:
+        self.outer_loop, self.local_steps, self.steps_in_round = outer_loop, local_steps, 0
+        outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
+        outer_loop.outer.bind([param for group in self.state_averager.optimizer.param_groups
+                               for param in group["params"]])
+
+    def step(self, closure=None, batch_size: Optional[int] = None, grad_scaler=None):
+        epoch = self.local_epoch
+        if not self.auxiliary:  # before the step: the round it may end includes these samples
+            self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
+            if self.offload_optimizer:  # hivemind leaves this to its gradient averager, which local updates lack
+                self.state_averager._load_local_grads_into_optimizer_()
+        result = super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        if not self.auxiliary:
+            if self.local_epoch == epoch:
+                self.steps_in_round += 1
+            self._advance_inner_schedule()
+        return result
+
+    def _advance_inner_schedule(self) -> None:
+        """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""
+        scheduler = self.state_averager.scheduler
+        if scheduler is not None:
+            target = self.local_epoch * self.local_steps + min(self.steps_in_round, self.local_steps - 1)
+            while scheduler._step_count <= target:
+                scheduler.step()
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
+            self.state_averager.step(wait_for_delayed_updates=True)
+            alone = not self.auxiliary and self._trainers_in_swarm() <= 1
+            group_size = self.outer_loop.end_round(alone=alone)
+            if self.offload_optimizer:
+                self.state_averager._apply_optimizer_parameters_()
+            if not self.auxiliary:
+                if group_size is None:
+                    logger.info("Outer round missed: this peer's progress folds into the next round")
+                else:
+                    logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "
+                                f"(round {int(self.outer_loop.outer.steps)})")
+        super()._update_global_epoch(grad_scaler)
+        self.steps_in_round = 0
+        if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round
+            logger.info("This peer's outer state differs from a groupmate's newer one: downloading the swarm's state")
+            self.outer_loop.behind = False
+            self.load_state_from_peers()
+
+    def _trainers_in_swarm(self) -> int:
+        """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the
+        round cannot form, and this peer steps with its own pseudo-gradient instead of folding it forever."""
+        entry = self.dht.get(self.tracker.training_progress_key, latest=True)
+        records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+        count = 0
+        for record in records.values():
+            value = getattr(record, "value", None)
+            speed = value.get("samples_per_second") if isinstance(value, dict) else None
+            count += isinstance(speed, (int, float)) and speed > 1e-9
+        return count
+
+    def shutdown(self) -> None:
+        self.outer_loop.forget_pending()
+        self.outer_loop.averager.shutdown()
+        super().shutdown()
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        super().load_state_from_peers(**kwargs)
+        self.outer_loop.forget_pending()
+        self.outer_loop.outer.reset_parameters()  # restart from the swarm's anchor
+        if self.offload_optimizer:
+            self.state_averager._apply_optimizer_parameters_()
+        self.steps_in_round = 0
+
+
+def wire_bytes_per_parameter(shapes: Sequence[torch.Size], compression: Optional[CompressionBase],
+                             topk_fraction: float = 0.01, group_size: int = 2) -> float:
+    """Bytes one peer sends plus receives per parameter in one outer round, from the serialized size of random
+    pseudo-gradients: with a hivemind codec (``compression``) a peer sends (n-1)/n of the vector and receives as much
+    back; with top-k (``compression=None``) it sends its payload to the n-1 others and receives theirs."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=generator) for shape in shapes]
+    total = sum(tensor.numel() for tensor in tensors)
+    if compression is None:
+        payload = TopKErrorFeedback.to_bytes(TopKErrorFeedback(shapes, topk_fraction).compress(tensors))
+        return 2 * (group_size - 1) * len(payload) / total
+    infos = [CompressionInfo.from_tensor(tensor, key=index) for index, tensor in enumerate(tensors)]
+    sent = sum(len(compression.compress(tensor, info).SerializeToString()) for tensor, info in zip(tensors, infos))
+    return 2 * (group_size - 1) / group_size * sent / total

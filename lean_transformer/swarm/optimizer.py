@@ -4,6 +4,7 @@ hivemind's, safe to cancel (:mod:`lean_transformer.swarm.hivemind_fixes.averager
 holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import hivemind
@@ -17,6 +18,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from lean_transformer.swarm.auth.keys import load_public_key
+from lean_transformer.swarm.diloco import (NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager,
+                                           TopKErrorFeedback)
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager, with_averagers
 from lean_transformer.swarm.host_grad_averager import with_host_gradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
@@ -75,22 +78,30 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
     if host_gradients:
         gradient_averager = with_host_gradients(gradient_averager)
     optimizer_class = with_averagers(optimizer_class, gradient_averager, state_averager)
+    params = task.param_groups(model)
+    diloco: dict = {}
+    outer = None
+    if collaboration.local_steps > 0:
+        outer = OuterNesterov([param for group in params for param in group["params"]], lr=collaboration.outer_lr,
+                              momentum=collaboration.outer_momentum)
+        optimizer_class = with_diloco(optimizer_class)
+        diloco = dict(use_local_updates=True, extra_tensors=outer.state_tensors(), average_state_every=NEVER)
     state_compression = ParametersOnly(make_compression(collaboration.state_compression,
                                                     collaboration.size_adaptive_threshold))
-    return optimizer_class(
+    optimizer = optimizer_class(
         dht=dht,
         run_id=network.run_id,
-        target_batch_size=collaboration.target_batch_size,
+        target_batch_size=collaboration.target_batch_size * max(1, collaboration.local_steps),
         batch_size_per_step=(None if auxiliary
                              else training.per_device_batch_size * training.gradient_accumulation_steps),
-        params=task.param_groups(model),
+        params=params,
         optimizer=task.optimizer_factory(),
         scheduler=task.scheduler_factory(),
         matchmaking_time=collaboration.matchmaking_time,
         averaging_timeout=collaboration.averaging_timeout,
         next_chunk_timeout=collaboration.next_chunk_timeout,
         load_state_timeout=collaboration.load_state_timeout,
-        average_state_every=collaboration.average_state_every,
+        average_state_every=diloco.pop("average_state_every", collaboration.average_state_every),
         offload_optimizer=collaboration.offload_optimizer,
         delay_optimizer_step=collaboration.delay_optimizer_step,
         delay_grad_averaging=collaboration.delay_grad_averaging,
@@ -103,7 +114,35 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
         averager_opts=averager_opts,
         tracker_opts=dict(private_key=private_key),
         verbose=True,
+        **diloco,
     )
+    if outer is not None:
+        averager = build_outer_averager(dht, network, collaboration, outer, averager_opts, auxiliary=auxiliary)
+        optimizer.attach_outer_loop(OuterLoop(outer, averager, overlap=collaboration.outer_overlap),
+                                    collaboration.local_steps)
+    return optimizer
+
+
+@functools.cache
+def with_diloco(optimizer_class: type[hivemind.Optimizer]) -> type[hivemind.Optimizer]:
+    """``optimizer_class`` running DiLoCo's outer loop (:class:`lean_transformer.swarm.diloco.DiLoCoOptimizer`)."""
+    return type(optimizer_class.__name__, (DiLoCoOptimizer, optimizer_class), {})
+
+
+def build_outer_averager(dht: hivemind.DHT, network: NetworkSettings, collaboration: CollaborationSettings,
+                         outer: OuterNesterov, averager_opts: dict, *, auxiliary: bool) -> PseudoGradientAverager:
+    """The pseudo-gradient all-reduce of ``--local_steps`` mode: ``--outer_compression`` (a hivemind codec, or top-k
+    with error feedback), the averaging gate of an authorized swarm, aux peers joining without a pseudo-gradient."""
+    shapes = [anchor.shape for anchor in outer.anchor]
+    topk, compression = None, NoCompression()
+    if collaboration.outer_compression == "topk":
+        topk = TopKErrorFeedback(shapes, collaboration.outer_topk_fraction)
+    else:
+        compression = make_compression(collaboration.outer_compression, collaboration.size_adaptive_threshold)
+    return PseudoGradientAverager(dht, f"{network.run_id}_outer", shapes,
+                                  matchmaking_time=collaboration.matchmaking_time,
+                                  allreduce_timeout=collaboration.averaging_timeout, compression=compression, topk=topk,
+                                  client_mode=network.client_mode, auxiliary=auxiliary, **averager_opts)
 
 
 def open_averaging_gate(dht: hivemind.DHT, network: NetworkSettings, private_key: RSAPrivateKey) -> AveragingGate:

@@ -48,6 +48,12 @@ class CollaborationSettings(Protocol):
     state_compression: str
     size_adaptive_threshold: int
     metrics_expiration: float
+    local_steps: int  # 0: average gradients every step; H > 0: DiLoCo (lean_transformer.swarm.diloco)
+    outer_lr: float
+    outer_momentum: float
+    outer_overlap: bool
+    outer_compression: str  # a --grad_compression choice, or topk
+    outer_topk_fraction: float
 
 
 class TrainingSettings(Protocol):

@@ -2,9 +2,10 @@
 
 Each iteration computes ``gradient_accumulation_steps`` micro-batches locally (with AMP if asked) and hands their
 gradients to ``hivemind.Optimizer.step``, which accumulates them with the swarm's toward ``target_batch_size``; once
-the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. At every new epoch
-the peer publishes its metrics, checks its parameters (restoring a local backup if they turned non-finite) and
-backs up when it is time.
+the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. With
+``--local_steps`` (DiLoCo, :mod:`lean_transformer.swarm.diloco`) each ``step`` is a local LAMB step instead, and an
+epoch is an outer round. At every new epoch the peer publishes its metrics, checks its parameters (restoring a local
+backup if they turned non-finite) and backs up when it is time.
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     dtype, host_gradients = model_dtype(training, device), offload_gradients(training, device)
     if training.block_grad_scaling:
         check_block_grad_scaling(training, dtype, host_gradients)
+    if collaboration.local_steps > 0 and (host_gradients or training.fp16):
+        raise ValueError(f"--local_steps: local optimizer steps need neither "
+                         f"{'--offload_gradients' if host_gradients else '--fp16'} (not built for DiLoCo mode yet)")
     if host_gradients:
         try:
             check_host_gradient_options(collaboration.offload_optimizer, collaboration.delay_optimizer_step,
@@ -140,7 +144,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     loss_scale = DynamicLossScale() if float16 and host_grads is not None else None
     global_scale = training.fp16 and host_grads is None and block_scaling is None
     scaler = hivemind.GradScaler(device.type) if global_scale else None
-    reuse_grad_buffers = optimizer.grad_averager.reuse_grad_buffers
+    reuse_grad_buffers = optimizer.grad_averager is not None and optimizer.grad_averager.reuse_grad_buffers
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups,
                            save_tokenizer=lambda directory: task.save_tokenizer(str(directory)))
@@ -222,6 +226,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
             advice = short_epoch_warning(collaboration.target_batch_size, collaboration.matchmaking_time,
                                          metrics.samples_per_second, optimizer.tracker.global_progress.num_peers)
+            advice = advice if collaboration.local_steps == 0 else None  # DiLoCo rounds are long by design
             if advice is not None and not warned_short_epochs and optimizer.local_epoch >= 5:  # rates have settled
                 logger.warning(advice)
                 warned_short_epochs = True

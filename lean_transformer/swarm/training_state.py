@@ -2,7 +2,8 @@
 
 A checkpoint directory has the model in ``save_pretrained`` format (safetensors; loadable on its own with
 ``from_pretrained``) and ``training_state.pt`` with the optimizer's state (LAMB statistics), the LR scheduler's state
-and the epoch. Writing it atomically is the job of ``CheckpointDir`` (fill a temporary directory, then rename).
+and the epoch (in DiLoCo mode also the outer state: anchor and outer momentum). Writing it atomically is the job of
+``CheckpointDir`` (fill a temporary directory, then rename).
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
     averager.step(wait_for_delayed_updates=wait_for_averaging)
     with averager.lock_optimizer:  # a delayed optimizer step (--delay_optimizer_step) may be running meanwhile
         model.save_pretrained(directory, safe_serialization=True)
+        outer_loop = getattr(optimizer, "outer_loop", None)  # DiLoCo: the anchor and the outer momentum
         torch.save(dict(epoch=optimizer.local_epoch, optimizer=averager.optimizer.state_dict(),
-                        scheduler=averager.scheduler.state_dict() if averager.scheduler is not None else None),
+                        scheduler=averager.scheduler.state_dict() if averager.scheduler is not None else None,
+                        **({} if outer_loop is None else dict(outer=outer_loop.outer.state_tensors()))),
                    directory / TRAINING_STATE_FILE)
 
 
@@ -69,6 +72,19 @@ def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
             averager.scheduler.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError) as e:
         raise ValueError(f"{directory}: optimizer state does not fit this optimizer ({e})") from None
+    outer_loop = getattr(optimizer, "outer_loop", None)
+    if outer_loop is not None:  # DiLoCo: restart from the checkpoint's anchor (a sync-mode one: from its weights)
+        outer = outer_loop.outer
+        try:
+            outer.load_state_tensors(state.get("outer") or
+                                     [param.detach().float() for param in outer.parameters] +
+                                     [torch.zeros_like(momentum) for momentum in outer.momenta] +
+                                     [torch.zeros_like(outer.steps)])
+        except ValueError as e:
+            raise ValueError(f"{directory}: outer state does not fit this model ({e})") from None
+        outer_loop.forget_pending()
+        if averager.offload_optimizer:
+            averager._apply_optimizer_parameters_()
     averager.local_epoch = int(state["epoch"])
     if optimizer.grad_averager is not None:
         optimizer.grad_averager.reset_accumulated_grads_()  # gradients computed with the old parameters

@@ -107,7 +107,8 @@ class _OwnAveragers:
     state_averager_class: type[state_averager.TrainingStateAverager] = TrainingStateAverager
 
     def __init__(self, *args: Any, averager_opts: dict | None = None, **kwargs: Any):
-        factory = functools.partial(self.gradient_averager_class, **averager_opts or {})
+        factory = None if kwargs.get("use_local_updates") else functools.partial(self.gradient_averager_class,
+                                                                                 **averager_opts or {})
         super().__init__(*args, grad_averager_factory=factory, averager_opts=averager_opts, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:

@@ -1,0 +1,139 @@
+"""DiLoCo mode (``--local_steps``) end to end: real peers on 127.0.0.1, each its own process, every wait bounded.
+
+One swarm: an aux peer (metrics, a checkpoint every 2 epochs) and two trainers taking local 8-bit LAMB steps, 3 of
+them per outer round each (``--target_batch_size`` 8 = 2 trainers x 4 samples), until each has taken 3 outer steps
+with the other (the first may train alone until the second joins); then SIGTERM. Then a new swarm is seeded from the
+aux peer's checkpoint (``--resume_from``, the aux peer assisting in averaging) and a trainer joins it.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aux_utils import PeerProcess, stop_all, wait_until
+from lean_transformer.demo.local_swarm import command_line
+from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+ROUNDS, LOCAL_STEPS = 3, 3  # outer steps the two trainers must take together
+TOGETHER = re.compile(r"Outer step with 2 peers \(round \d+\)\n(?:.*\n)*?.*Reached epoch (\d+)")
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def args(run_id: str, **overrides) -> List[str]:
+    options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=8, per_device_batch_size=4,
+                   max_sequence_length=32, matchmaking_time=2, averaging_timeout=15, startup_timeout=60,
+                   local_steps=LOCAL_STEPS, learning_rate=0.01, warmup_steps=2)
+    options.update(overrides)
+    return command_line(options)
+
+
+def backup(root: Path, name: str, epoch: int) -> Path:
+    return root / name / "backups" / f"epoch-{epoch:06d}"
+
+
+def anchor_of(checkpoint: Path) -> List[torch.Tensor]:
+    state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
+    return state["outer"][:len(state["outer"]) // 2]
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diloco")
+    peers: List[PeerProcess] = []
+    try:
+        aux = PeerProcess("aux", ["run_aux_peer.py", *args("diloco"), "--checkpoint_dir", str(root / "checkpoints"),
+                                  "--checkpoint_every_epochs", "2", "--metrics_path", str(root / "swarm.jsonl"),
+                                  "--refresh_period", "0.5", "--wandb_project", ""], root, ENV)
+        peers.append(aux)
+        initial_peers = aux.initial_peers()
+        trainers = [PeerProcess(name, ["run_trainer.py", *args("diloco"), "--initial_peers", *initial_peers,
+                                       "--max_epochs", "1000", "--backup_every_epochs", "1",
+                                       "--keep_backups", "100", "--output_dir", str(root / name)], root, ENV)
+                    for name in ("t1", "t2")]
+        peers += trainers
+        wait_until(lambda: all(len(TOGETHER.findall(trainer.stderr)) >= ROUNDS for trainer in trainers), timeout=150,
+                   what=f"{ROUNDS} outer steps of both trainers together")
+        assert stop_all(trainers) == [0, 0], [trainer.stderr[-3000:] for trainer in trainers]
+        wait_until(lambda: CheckpointDir(root / "checkpoints", keep_last=3).checkpoints(), timeout=30,
+                   what="an aux checkpoint")
+        assert aux.stop() == 0, aux.stderr[-3000:]
+        yield root, aux, trainers
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
+    root, _, trainers = diloco_run
+    together = [set(map(int, TOGETHER.findall(trainer.stderr))) for trainer in trainers]
+    # both reached it by an outer step together, then backed up; not the last epoch (SIGTERM's final backup, taken
+    # mid-round, replaces that one)
+    last = min(max(map(int, re.findall(r"Reached epoch (\d+)", trainer.stderr))) for trainer in trainers)
+    epoch = max(e for e in together[0] & together[1] if e < last)
+    # right after an outer step both trainers' parameters are the shared anchor: equal
+    first, second = (load_file(backup(root, trainer.name, epoch) / "model.safetensors") for trainer in trainers)
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-5, msg=name)
+    for a, b in zip(anchor_of(backup(root, "t1", epoch)), anchor_of(backup(root, "t2", epoch))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_loss_falls_over_the_rounds(diloco_run):
+    _, _, trainers = diloco_run
+    for trainer in trainers:
+        losses = {int(e): float(loss) for e, loss in re.findall(r"Reached epoch (\d+): mean loss ([\d.]+)",
+                                                                trainer.stderr)}
+        assert losses[max(losses)] < losses[min(losses)] - 0.1, (trainer.name, losses)
+
+
+def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
+    root, aux, _ = diloco_run
+    rows = [json.loads(line) for line in (root / "swarm.jsonl").read_text().splitlines()]
+    assert any(row["alive_peers"] == 2 for row in rows), rows
+    epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
+    state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
+    assert state["epoch"] == epoch and len(state["outer"]) > 0
+    # the checkpoint's weights are the swarm's anchor at that epoch, which every trainer backed up
+    model = load_file(checkpoint / "model.safetensors")
+    anchor = state["outer"][:len(state["outer"]) // 2]
+    trainer_anchors = [anchor_of(backup(root, name, epoch)) for name in ("t1", "t2")
+                       if backup(root, name, epoch).exists()]
+    assert any(all(torch.equal(a, b) for a, b in zip(anchor, theirs)) for theirs in trainer_anchors)
+    assert any(torch.equal(weight.float(), anchor[0]) for weight in model.values() if weight.shape == anchor[0].shape)
+    assert "Saved the swarm's state at epoch" in aux.stderr
+
+
+def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, tmp_path: Path):
+    root, _, _ = diloco_run
+    epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
+    peers: List[PeerProcess] = []
+    try:
+        aux = PeerProcess("aux-resumed", ["run_aux_peer.py", *args("diloco-resume", target_batch_size=4),
+                                          "--resume_from", str(checkpoint),
+                                          "--checkpoint_dir", str(tmp_path / "checkpoints"), "--assist_in_averaging",
+                                          "--metrics_path", str(tmp_path / "swarm.jsonl"), "--refresh_period", "0.5",
+                                          "--wandb_project", ""], tmp_path, ENV)
+        peers.append(aux)
+        trainer = PeerProcess("joiner", ["run_trainer.py", *args("diloco-resume", target_batch_size=4),
+                                         "--initial_peers", *aux.initial_peers(), "--max_epochs", str(epoch + 1),
+                                         "--output_dir", str(tmp_path / "joiner"), "--backup_every_epochs", "1"],
+                              tmp_path, ENV)
+        peers.append(trainer)
+        assert trainer.wait(120) == 0, trainer.stderr[-3000:]
+        assert f"Joined the swarm at epoch {epoch}" in trainer.stderr
+        # it continues the checkpoint's outer steps (the count travels with the anchor)
+        steps = int(torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)["outer"][-1])
+        assert re.search(rf"Outer step with \d+ peers? \(round {steps + 1}\)", trainer.stderr), trainer.stderr[-3000:]
+        assert stop_all([aux]) == [0]
+    finally:
+        for peer in peers:
+            peer.kill()
