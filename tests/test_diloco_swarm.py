@@ -8,6 +8,7 @@ aux peer's checkpoint (``--resume_from``, the aux peer assisting in averaging) a
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import List
@@ -98,7 +99,9 @@ def test_loss_falls_over_the_rounds(diloco_run):
 def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
     root, aux, _ = diloco_run
     rows = [json.loads(line) for line in (root / "swarm.jsonl").read_text().splitlines()]
-    assert any(row["alive_peers"] == 2 for row in rows), rows
+    swarm_rows = [row for row in rows if "alive_peers" in row]  # the others: checkpoints' validation losses
+    assert any(row["alive_peers"] == 2 for row in swarm_rows), rows
+    assert all(math.isfinite(row["validation_loss"]) for row in rows if "validation_loss" in row), rows
     epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
     state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
     assert state["epoch"] == epoch and len(state["outer"]) > 0
