@@ -23,6 +23,11 @@ that the swarm code uses explicitly.
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
   Drop when hivemind bounds its matchmaking requests by the window itself.
+- Local updates with an offloaded optimizer (in :class:`lean_transformer.swarm.diloco.DiLoCoOptimizer`): with
+  ``use_local_updates=True`` hivemind never copies the model's gradients into its offloaded optimizer (it leaves that
+  to a gradient averager, which this mode has none of), so every local step would apply zero gradients; the DiLoCo
+  optimizer copies them before each local step. Covered by ``tests/test_diloco_swarm.py`` (the loss falls). Drop when
+  hivemind loads local gradients itself in that mode.
 - Leaving during a round (in :func:`lean_transformer.swarm.trainer.cancel_averaging_in_flight`): hivemind's
   ``Optimizer.shutdown`` cancels the pre-scheduled round again and raises ``InvalidStateError`` if we cancelled it
   first; we forget it after cancelling. Covered by the SIGTERM tests (``tests/test_trainer_swarm.py``).
