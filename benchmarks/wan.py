@@ -208,11 +208,13 @@ def check_requirements() -> Optional[str]:
     return None
 
 
-def raise_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl+C, so that the ``finally`` blocks remove the network."""
+def raise_on_signals() -> None:
+    """SIGINT and SIGTERM unwind as KeyboardInterrupt, so that the ``finally`` blocks remove the network. SIGINT too:
+    a process started in the background by a non-interactive shell inherits SIGINT ignored, and Python keeps it so."""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, handler)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
 
 
 # ---------------------------------------------------------------- one mode
@@ -508,7 +510,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if (problem := check_requirements()) is not None:
         print(f"wan.py: error: {problem}", file=sys.stderr)
         return 1
-    raise_on_sigterm()
+    raise_on_signals()
     try:
         if args.network_check:
             return network_check(2)
