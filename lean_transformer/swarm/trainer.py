@@ -224,9 +224,9 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
                                    samples_accumulated=work.samples, loss_sum=work.loss_sum,
                                    mini_steps=work.mini_steps)
             publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
-            advice = short_epoch_warning(collaboration.target_batch_size, collaboration.matchmaking_time,
-                                         metrics.samples_per_second, optimizer.tracker.global_progress.num_peers)
-            advice = advice if collaboration.local_steps == 0 else None  # DiLoCo rounds are long by design
+            advice = None if collaboration.local_steps else short_epoch_warning(  # DiLoCo rounds are long by design
+                collaboration.target_batch_size, collaboration.matchmaking_time, metrics.samples_per_second,
+                optimizer.tracker.global_progress.num_peers)
             if advice is not None and not warned_short_epochs and optimizer.local_epoch >= 5:  # rates have settled
                 logger.warning(advice)
                 warned_short_epochs = True
