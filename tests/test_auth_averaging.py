@@ -115,9 +115,11 @@ def test_gated_averagers_keep_hivemind_rpc_protocol():
     from hivemind.optim.state_averager import TrainingStateAverager
 
     from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager, GatedTrainingStateAverager
+    from lean_transformer.swarm.diloco import pseudo_gradient_averager_class
 
     for parent, gated in ((GradientAverager, GatedGradientAverager), (TrainingStateAverager,
-                                                                      GatedTrainingStateAverager)):
+                                                                      GatedTrainingStateAverager),
+                          (pseudo_gradient_averager_class(gated=False), pseudo_gradient_averager_class(gated=True))):
         parent._collect_rpc_handlers()
         gated._collect_rpc_handlers()
         assert gated._rpc_handlers == parent._rpc_handlers
@@ -129,17 +131,25 @@ def test_gated_averagers_keep_hivemind_rpc_protocol():
 # ---------------------------------------------------------------- the visitor process
 
 
-async def _join(node, member: str, schema_hash: bytes) -> str:
-    """Ask ``member``'s gradient averager to accept us as a follower; its first answer's code."""
+def _averager_stub(node, member: str, service: str):
+    """A stub for ``member``'s averager ``service``: "grad_averager", or "outer" (DiLoCo's pseudo-gradients)."""
     from hivemind.p2p import PeerID
+
+    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
+    from lean_transformer.swarm.diloco import pseudo_gradient_averager_class
+
+    averager = GatedGradientAverager if service == "grad_averager" else pseudo_gradient_averager_class(gated=True)
+    return averager.get_stub(node.p2p, PeerID.from_base58(member), namespace=f"{RUN_ID}_{service}")
+
+
+async def _join(node, member: str, schema_hash: bytes, service: str) -> str:
+    """Ask ``member``'s averager ``service`` to accept us as a follower; its first answer's code."""
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import anext
     from hivemind.utils.timed_storage import get_dht_time
 
-    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
-
-    prefix = f"{RUN_ID}_grad_averager"
-    stub = GatedGradientAverager.get_stub(node.p2p, PeerID.from_base58(member), namespace=prefix)
+    prefix = f"{RUN_ID}_{service}"
+    stub = _averager_stub(node, member, service)
     request = averaging_pb2.JoinRequest(schema_hash=schema_hash, expiration=get_dht_time() + CALL_TIMEOUT,
                                         group_key=f"{prefix}.0b")  # the group key of a swarm that has not split
     stream = await stub.rpc_join_group(request)
@@ -150,15 +160,13 @@ async def _join(node, member: str, schema_hash: bytes) -> str:
     return averaging_pb2.MessageCode.Name(message.code)
 
 
-async def _aggregate(node, member: str) -> str:
-    """Send ``member`` a tensor part for all-reduce (for a group it never formed); its answer's code."""
-    from hivemind.p2p import PeerID
+async def _aggregate(node, member: str, service: str) -> str:
+    """Send ``member``'s averager ``service`` a tensor part for all-reduce (for a group it never formed); its answer's
+    code."""
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import anext, as_aiter
 
-    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
-
-    stub = GatedGradientAverager.get_stub(node.p2p, PeerID.from_base58(member), namespace=f"{RUN_ID}_grad_averager")
+    stub = _averager_stub(node, member, service)
     part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"a group of my own",
                                        peer_id=node.peer_id.to_bytes(), weight=1.0)
     stream = await stub.rpc_aggregate_part(as_aiter(part))
@@ -181,18 +189,18 @@ async def _download(node, member: str) -> dict:
     return dict(messages=len(messages), metadata=any(message.metadata for message in messages))
 
 
-async def _probe(_dht, node, member: str, schema_hash: bytes) -> dict:
-    return dict(join=await _join(node, member, schema_hash), aggregate=await _aggregate(node, member),
+async def _probe(_dht, node, member: str, schema_hash: bytes, service: str) -> dict:
+    return dict(join=await _join(node, member, schema_hash, service), aggregate=await _aggregate(node, member, service),
                 download=await _download(node, member))
 
 
-async def _keep_asking_to_join(_dht, node, member: str, schema_hash: bytes, stop_file: str) -> dict:
+async def _keep_asking_to_join(_dht, node, member: str, schema_hash: bytes, service: str, stop_file: str) -> dict:
     """Request to join ``member``'s group every PROBE_INTERVAL s until ``stop_file`` appears: the answers' codes."""
     codes: Counter = Counter()
     deadline = time.monotonic() + 180
     while not os.path.exists(stop_file) and time.monotonic() < deadline:
         try:
-            codes[await _join(node, member, schema_hash)] += 1
+            codes[await _join(node, member, schema_hash, service)] += 1
         except Exception as e:  # the member has finished and left
             codes[f"error: {type(e).__name__}"] += 1
         await asyncio.sleep(PROBE_INTERVAL)
@@ -221,6 +229,8 @@ def _visitor_main(argv: List[str]) -> None:
                         help="(with a token) publish TOKEN_FILE's token under PEER_ID's key")
     parser.add_argument("--probe_file", help="wait for this file before probing")
     parser.add_argument("--stop_file", help="a stranger: keep asking to join until this file appears")
+    parser.add_argument("--service", default="grad_averager", choices=["grad_averager", "outer"],
+                        help="the averager to join and send parts to (outer: DiLoCo's pseudo-gradient all-reduce)")
     args = parser.parse_args(argv)
 
     validator = RSASignatureValidator(load_identity_key(args.identity))
@@ -242,11 +252,11 @@ def _visitor_main(argv: List[str]) -> None:
     while args.probe_file and not os.path.exists(args.probe_file) and time.monotonic() < deadline:
         time.sleep(0.05)
     schema_hash = bytes.fromhex(args.schema_hash)
-    print(json.dumps(dict(probe=dht.run_coroutine(partial(_probe, member=args.member, schema_hash=schema_hash)))),
-          flush=True)
+    probe = partial(_probe, member=args.member, schema_hash=schema_hash, service=args.service)
+    print(json.dumps(dict(probe=dht.run_coroutine(probe))), flush=True)
     if args.stop_file:
         codes = dht.run_coroutine(partial(_keep_asking_to_join, member=args.member, schema_hash=schema_hash,
-                                          stop_file=args.stop_file))
+                                          service=args.service, stop_file=args.stop_file))
         print(json.dumps(dict(codes=codes)), flush=True)
     dht.shutdown()
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from typing import Any, Iterable, List, Optional, Sequence
@@ -271,10 +272,15 @@ class _Averager(CancelSafe, DecentralizedAverager):
                 raise ValueError("aux peers should not receive averaged tensors")
 
 
-def _gated(averager_class: type) -> type:
-    from lean_transformer.swarm.auth.averaging_gate import _GatedAverager
+@functools.cache
+def pseudo_gradient_averager_class(gated: bool) -> type:
+    """The averager class of the outer all-reduce; ``gated``: serving token holders only (authorized swarms).
+    hivemind names RPC handlers after the class, so callers build stubs from this very class."""
+    if not gated:
+        return _Averager
+    from lean_transformer.swarm.auth.averaging_gate import _GatedAverager  # the gate imports hivemind's averagers
 
-    return type(f"Gated{averager_class.__name__.lstrip('_')}", (_GatedAverager, averager_class), {})
+    return type("GatedPseudoGradientAverager", (_GatedAverager, _Averager), {})
 
 
 class PseudoGradientAverager:
@@ -292,7 +298,7 @@ class PseudoGradientAverager:
                  compression: CompressionBase = NoCompression(), topk: Optional[TopKErrorFeedback] = None,
                  gate: Any = None, **averager_opts):
         self.shapes, self.topk = [torch.Size(shape) for shape in shapes], topk
-        averager_class = _Averager if gate is None else _gated(_Averager)
+        averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:
             averager_opts["gate"] = gate
         buffers = [torch.zeros(1)] if topk is not None else [torch.zeros(shape) for shape in self.shapes]
@@ -474,6 +480,8 @@ class DiLoCoOptimizer:
         with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
             self.state_averager.step(wait_for_delayed_updates=True)
             alone = not self.auxiliary and self._trainers_in_swarm() <= 1
+            if not self.auxiliary and not alone:
+                logger.info(f"Epoch {self.local_epoch} ends: all-reducing pseudo-gradients with the swarm")
             group_size = self.outer_loop.end_round(alone=alone)
             if self.offload_optimizer:
                 self.state_averager._apply_optimizer_parameters_()
