@@ -7,8 +7,7 @@ replays the forward's RNG state (dropout draws the same masks) and autocast stat
 
 In a reversible stack, a sub-layer that has ``backward_pieces(x)`` returning a list of ``(index, function)`` is
 recomputed and backpropagated one piece at a time (``set_optimizations(backward_chunks=N)``): piece i reads
-``x[index]`` and adds ``function(x[index])`` to ``output[index]``. Token chunks of the feed-forward (disjoint
-indices) and head groups of attention (each the whole input, outputs summed) are both of this form, so the peak
+``x[index]`` and adds ``function(x[index])`` to ``output[index]`` (token chunks of the feed-forward), so the peak
 memory of backward holds one piece's activations and gradients instead of the whole sub-layer's. A sub-layer
 whose ``backward_in_place(x, grad_out, residual, grad_x)`` returns ``(parameter, gradient)`` pairs rather than None
 does the whole step itself (attention in head groups: ``head_groups.py``), updating ``residual`` and ``grad_x`` in
