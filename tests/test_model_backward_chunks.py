@@ -110,3 +110,15 @@ def test_backward_chunks_rejects_what_it_cannot_split(gpt_config, config_overrid
     model = LeanGPTForCausalLM(gpt_config(**config_overrides))
     with pytest.raises(ValueError, match=message):
         model.set_optimizations(**options)
+
+
+def test_reversible_chunks_with_frozen_attention_weights(gpt_config):
+    """The head groups write only the gradients that are wanted (frozen q/k/v and output weights get none)."""
+    model = LeanGPTForCausalLM(gpt_config(reversible=True, hidden_dropout_prob=0.2)).double().train()
+    for layer in model.transformer.encoder.layers:
+        layer.attention.qkv.weight.requires_grad_(False)
+        layer.attention.out_proj.bias.requires_grad_(False)
+    inputs = gpt_inputs(model.config, padding=True)
+    reference = grads(model, inputs)
+    assert not any("qkv.weight" in name or "out_proj.bias" in name for name in reference)
+    assert_exact(grads(model, inputs, backward_chunks=3), reference)

@@ -7,9 +7,11 @@ replays the forward's RNG state (dropout draws the same masks) and autocast stat
 
 In a reversible stack, a sub-layer that has ``backward_pieces(x)`` returning a list of ``(index, function)`` is
 recomputed and backpropagated one piece at a time (``set_optimizations(backward_chunks=N)``): piece i reads
-``x[index]`` and adds ``function(x[index])`` to ``output[index]``. Token chunks of the feed-forward (disjoint
-indices) and head groups of attention (each the whole input, outputs summed) are both of this form, so the peak
-memory of backward holds one piece's activations and gradients instead of the whole sub-layer's.
+``x[index]`` and adds ``function(x[index])`` to ``output[index]`` (token chunks of the feed-forward), so the peak
+memory of backward holds one piece's activations and gradients instead of the whole sub-layer's. A sub-layer
+whose ``backward_in_place(x, grad_out, residual, grad_x)`` returns ``(parameter, gradient)`` pairs rather than None
+does the whole step itself (attention in head groups: ``head_groups.py``), updating ``residual`` and ``grad_x`` in
+place.
 """
 from __future__ import annotations
 
@@ -86,8 +88,15 @@ def _sublayer_vjp(sublayer: SubLayer, x: Tensor, grad_out: Tensor, params: Seque
     """Recompute ``f = sublayer(x)`` and backpropagate ``grad_out`` through it, one piece at a time where the
     sub-layer splits itself: subtracts f from ``residual`` and adds the input gradient to ``grad_x``, both in place
     (so no whole-size output or input gradient is held besides them); returns the parameter gradients."""
-    pieces: Optional[list[Piece]] = getattr(sublayer, "backward_pieces", lambda _: None)(x)
     totals: list[Optional[Tensor]] = [None] * len(params)
+    in_place = getattr(sublayer, "backward_in_place", None)
+    pairs = in_place(x, grad_out, residual, grad_x) if in_place is not None else None
+    if pairs is not None:
+        position = {id(p): i for i, p in enumerate(params)}
+        for param, grad in pairs:
+            totals[position[id(param)]] = grad
+        return totals
+    pieces: Optional[list[Piece]] = getattr(sublayer, "backward_pieces", lambda _: None)(x)
     for index, function in pieces or [((...,), sublayer)]:
         part = x[index].detach().requires_grad_()
         with torch.enable_grad():
@@ -97,6 +106,7 @@ def _sublayer_vjp(sublayer: SubLayer, x: Tensor, grad_out: Tensor, params: Seque
         del part_out
         grad_x[index] += part_grad
         totals = _add_grads(totals, grads, keep=grad_out)
+        del part, part_grad, grads  # not alive during the next piece's backward: a weight-sized temporary each
     return totals
 
 
@@ -136,6 +146,7 @@ class _Reversible(torch.autograd.Function):
             with ctx.autocast.restore(), rng.replay():
                 grads = _sublayer_vjp(sublayer, b, grad1, ctx.params, residual=a, grad_x=grad_a)
             param_grads = _add_grads(param_grads, grads, keep=grad1)
+            del grads  # a shared parameter's gradient of this step is not kept through the next
             grad0, grad1, grad0_ours, grad1_ours = grad1, grad_a, grad1_ours, True
             y0, y1, y0_ours, y1_ours = a, b, True, y0_ours
         return None, None, grad0, grad1, *param_grads

@@ -14,7 +14,7 @@ from lean_transformer.modules.attention import LeanSelfAttention
 from lean_transformer.modules.attention_mask import AttentionMask
 from lean_transformer.modules.checkpoint import checkpoint, reversible, reversible_couple
 from lean_transformer.modules.ffn import LeanFFN
-from lean_transformer.modules.head_groups import head_group_pieces
+from lean_transformer.modules.head_groups import head_group_backward
 from lean_transformer.modules.linear import SharedLinear, make_shared_matrix
 from lean_transformer.modules.rotary import rotary_tables
 
@@ -50,11 +50,14 @@ class AttentionBranch:
     def __call__(self, x: Tensor) -> Tensor:
         return self.attention(x, **self.kwargs)
 
-    def backward_pieces(self, x: Tensor) -> Optional[list]:
+    def backward_in_place(self, x: Tensor, grad_out: Tensor, residual: Tensor, grad_x: Tensor
+                          ) -> Optional[list[tuple[Tensor, Tensor]]]:
+        """See ``checkpoint.py``: None (plain recomputation) for one chunk, else the head groups' backward."""
         if self.chunks == 1:
             return None
         kwargs = {key: value for key, value in self.kwargs.items() if key not in ("cache", "layer_idx")}
-        return head_group_pieces(self.attention, x, self.chunks, **kwargs)  # a backward never runs with a KV cache
+        # a backward never runs with a KV cache
+        return head_group_backward(self.attention, x, grad_out, residual, grad_x, self.chunks, **kwargs)
 
 
 class LeanTransformer(nn.Module):
