@@ -7,7 +7,8 @@ One scenario (run once for the module, ~2 minutes) feeds the tests below:
   - "solo": trainer P0 alone with batch 2b = 16, the same schedule and initialization;
   - "resume": once P1 has backed up epoch 2, trainer P4 starts a fresh run with --resume_from that backup (newer than
     its empty swarm); once it trains, a late trainer P3 joins it with --resume_from P1's epoch-1 backup (older than
-    the swarm), averages gradients with it, and both are stopped with SIGTERM.
+    the swarm), averages gradients with it, and both are stopped with SIGTERM. (P4 and P3 start with the others and
+    wait, imported, for their moment: tests/start_when.py.)
 Then five peers train alone: two diverge on purpose (learning rate 1e30), one with a backup to restore and one
 without, and three train with mixed precision (fp16; MLM with bf16; fp16 with per-block gradient scales).
 """
@@ -31,6 +32,7 @@ from aux_utils import PeerProcess
 pytestmark = pytest.mark.swarm
 
 EPOCHS, TARGET_BATCH, BATCH = 10, 256, 8
+MIXED_EPOCHS = 3  # the mixed-precision lone peers' loss falls by 0.4-0.75 in 3 epochs (the test wants 0.2)
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+)")
 
@@ -79,6 +81,13 @@ def stop_together(*peers: PeerProcess) -> dict[str, tuple[int, float]]:
     return {peer.name: (peer.wait(60), time.monotonic() - stopped) for peer in peers}
 
 
+def go(go_file: Path, *args: object) -> None:
+    """Lets a peer waiting in tests/start_when.py start, with ``args`` added to its command line."""
+    partial = go_file.with_suffix(".partial")
+    partial.write_text("".join(f"{arg}\n" for arg in args))
+    partial.rename(go_file)
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     root = tmp_path_factory.mktemp("swarm")
@@ -91,17 +100,18 @@ def scenario(tmp_path_factory) -> Scenario:
                   for name in ("p1", "p2"))
         p0 = PeerProcess("p0", trainer_argv("solo", root / "p0", initial, 2 * BATCH, EPOCHS), root, ENV)
         peers += [p1, p2, p0]
+        # the resuming peers start now and wait (imported) for their moment, their --resume_from in their go file
+        slower = ["--target_batch_size", str(4 * TARGET_BATCH)]  # so that the late peer catches up in one download
+        resumed, late = (PeerProcess(name, ["tests/start_when.py", str(root / f"{name}.go"), "300",
+                                            *trainer_argv("resume", root / name, initial, BATCH, 1000, *slower)],
+                                     root, ENV) for name in ("p4", "p3"))
+        peers += [resumed, late]
 
         p1.wait_for(r"Backed up epoch 2\b", 150)
-        slower = ["--target_batch_size", str(4 * TARGET_BATCH)]  # so that the late peer catches up in one download
-        resumed = PeerProcess("p4", trainer_argv("resume", root / "p4", initial, BATCH, 1000, "--resume_from",
-                                                 str(backup(root / "p1", 2)), *slower), root, ENV)
-        peers.append(resumed)
+        go(root / "p4.go", "--resume_from", backup(root / "p1", 2))
         resumed.wait_for(r"Reached epoch 3\b", 150)
         late_started_at_epoch = max(epoch_losses(resumed.stderr))
-        late = PeerProcess("p3", trainer_argv("resume", root / "p3", initial, BATCH, 1000, "--resume_from",
-                                              str(first_backup(root / "p1")), *slower), root, ENV)
-        peers.append(late)
+        go(root / "p3.go", "--resume_from", first_backup(root / "p1"))
         late.wait_for(r"Joined the swarm at epoch (\d+)", 150)
         late.wait_for(r"Averaged gradients with 2 peers", 120)  # it trains with the swarm, not just alongside
 
@@ -205,11 +215,11 @@ def lone_peers(scenario: Scenario) -> dict[str, PeerProcess]:
     healthy = ["--learning_rate", "0.02", "--warmup_steps", "1", "--target_batch_size", "64"]
     cases = {"restores": (EPOCHS + 2, diverge),
              "no_backup": (EPOCHS + 2, [*diverge, "--backup_every_epochs", "0"]),
-             "fp16": (5, [*healthy, "--fp16"]),
-             "fp16_blocks": (5, [*healthy, "--fp16", "--block_grad_scaling", "--reuse_grad_buffers",
+             "fp16": (MIXED_EPOCHS, [*healthy, "--fp16"]),
+             "fp16_blocks": (MIXED_EPOCHS, [*healthy, "--fp16", "--block_grad_scaling", "--reuse_grad_buffers",
                                  "--gradient_accumulation_steps", "2", "--model_config_path", str(fp32_residual)]),
-             "mlm_bf16": (5, [*healthy, "--bf16", "--task", "mlm", "--gradient_accumulation_steps", "2",
-                              "--initial_sequence_length", "32", "--sequence_length_warmup_steps", "3",
+             "mlm_bf16": (MIXED_EPOCHS, [*healthy, "--bf16", "--task", "mlm", "--gradient_accumulation_steps", "2",
+                              "--initial_sequence_length", "32", "--sequence_length_warmup_steps", "2",
                               "--gradient_checkpointing", "true"])}
     peers = {name: PeerProcess(name, trainer_argv(name, root / name, [], 2 * BATCH, epochs, *extra), root, ENV)
              for name, (epochs, extra) in cases.items()}
@@ -242,10 +252,11 @@ def test_mixed_precision_training(lone_peers, name):
     peer = lone_peers[name]
     assert peer.process.returncode == 0, peer.stderr[-2000:]
     losses = epoch_losses(peer.stderr)
-    assert sorted(losses) == [1, 2, 3, 4, 5]
-    assert losses[5] < losses[1] - 0.2, losses
+    assert sorted(losses) == list(range(1, MIXED_EPOCHS + 1))
+    assert losses[MIXED_EPOCHS] < losses[1] - 0.2, losses
     if name == "fp16_blocks":  # each epoch line reports the blocks' overflows and the range of their scales
-        assert len(re.findall(r"Reached epoch \d+: .* block overflow\(s\), block scales 2\^", peer.stderr)) == 5
+        lines = re.findall(r"Reached epoch \d+: .* block overflow\(s\), block scales 2\^", peer.stderr)
+        assert len(lines) == MIXED_EPOCHS, lines
 
 
 def test_short_epochs_get_one_line_of_advice():
