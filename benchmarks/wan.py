@@ -13,12 +13,16 @@ Trainers: run_trainer.py, one process per namespace, one torch thread each (OMP_
 LeanGPT (benchmarks/wan_model.json) on the CPU, 2 sequences of 64 tokens per micro-batch. In sync mode the target
 batch is one micro-batch of every trainer, so the peers average gradients after every local step (as DDP would).
 
-Measured per mode, from the trainers' own logs and the namespaces' interface counters:
-- compute utilization: each trainer's time in forward, backward and inner optimizer steps over its training loop's
-  wall time (the trainer's "Compute utilization" line), mean of the trainers;
-- bytes on the wire per sample: bytes the trainers' interfaces sent while shaped / samples they computed;
-- samples/s of the swarm; loss at equal samples: the trainers' logged training loss, averaged over the last quarter
-  of the common sample count (every mode is compared at the same count: the smallest any mode reached).
+Measured per mode over the shaped window only (from shaping the links to stopping the trainers), from the trainers'
+progress lines (cumulative compute seconds, wall seconds, samples and loss sum since each trainer's loop started: a
+window's figures are the difference of its first and last line) and the namespaces' interface counters (read twice a
+second, interpolated at those lines' times):
+- compute utilization: each trainer's time in forward, backward and (DiLoCo) inner optimizer steps over its wall time
+  in the window, mean of the trainers (outer all-reduces, matchmaking, state downloads are not compute);
+- bytes on the wire per sample: bytes the trainers' interfaces sent in the window / samples they computed in it;
+- samples/s of the swarm (sum of the trainers'); loss at equal samples: the mean training loss of the micro-batches
+  each trainer trained on between 3/4 of the sample budget and the budget (samples counted from each trainer's start,
+  so every mode is compared at the same count); the DiLoCo and bare-bridge runs train until both trainers reach it.
 Sync mode's loss per sample does not depend on the link (the same all-reduce, only slower), so one sync run on the
 unshaped bridge trains for the full sample budget and gives the loss baseline; the shaped sync runs last a fixed time.
 
@@ -29,7 +33,7 @@ on exit, on an error and on Ctrl+C / SIGTERM. Needs root, ``ip`` and ``tc``.
 
 Usage: sudo python benchmarks/wan.py [--quick] [--output_dir outputs/wan] [--modes NAME ...]
        sudo python benchmarks/wan.py --network_check   (build the network, wait for Ctrl+C, remove it)
-The default run takes about 25 minutes on 2 cores, --quick about 3.
+The default run (10 modes) takes about 30 minutes on 2 cores; --quick (3 modes) about 5.
 """
 from __future__ import annotations
 
