@@ -553,7 +553,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="*", default=None,
                         help="run only the modes whose 'name, link' contains one of these (e.g. 'bare' '20 Mbit')")
     parser.add_argument("--output_dir", default="outputs/wan",
-                        help="the trainers' logs (modeN/), results.json and the plot go here")
+                        help="the trainers' logs (modeN/), results.json, table.md and the plot go here "
+                             "(rewritten after each mode)")
     parser.add_argument("--plot", default=None, help="where to write the plot (default: OUTPUT_DIR/wan.png)")
     parser.add_argument("--network_check", action="store_true",
                         help="only build the network (2 namespaces), hold until Ctrl+C, then remove it")
@@ -590,8 +591,30 @@ def benchmark(args: argparse.Namespace) -> int:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     machine = f"{os.cpu_count()}-core CPU, torch threads 1 per trainer"
-    results = []
+    results: List[ModeResult] = []
     started = time.monotonic()
+
+    def report() -> List[str]:
+        """The table, plot and results.json of the modes run so far (rewritten after each mode)."""
+        rows = table(results, budget, machine)
+        if skipped:
+            rows += ["", "Not run (run_trainer.py has no --local_steps yet): " + "; ".join(m.name for m in skipped)]
+        plot_path = Path(args.plot) if args.plot else output / "wan.png"
+        plot(results, plot_path)
+        rows += ["", f"Plot: {plot_path}. {len(results)}/{len(modes)} modes, "
+                     f"{(time.monotonic() - started) / 60:.1f} min."]
+        (output / "results.json").write_text(json.dumps(
+            [{"mode": r.mode.name, "rate_mbit": r.mode.rate_mbit, "flags": r.mode.flags, "utilization": r.utilization,
+              "bytes_per_sample": r.bytes_per_sample, "samples_per_second": r.samples_per_second,
+              "window_seconds": r.seconds, "samples_in_window": r.samples, "samples_apart": r.together_samples(),
+              f"loss_at_{budget}": r.loss_at(budget) if r.mode.seconds is None else None,
+              "shaped_at": r.shaped_at, "stopped_at": r.stopped_at,
+              "points": [[dataclasses.astuple(point) for point in log.points] for log in r.logs]} for r in results],
+            indent=1))
+        (output / "table.md").write_text("\n".join(rows) + "\n")
+        return rows
+
+    rows = ["no mode matched --modes"]
     with tempfile.TemporaryDirectory(prefix="wan-") as scratch:
         for index, mode in enumerate(modes):
             link = "bare bridge" if mode.rate_mbit is None else f"{mode.rate_mbit:g} Mbit/s"
@@ -602,23 +625,9 @@ def benchmark(args: argparse.Namespace) -> int:
             results.append(result)
             progress(f"  utilization {result.utilization:.1%}, {result.bytes_per_sample / 1e3:,.1f} KB sent/sample, "
                      f"{result.samples_per_second:.2f} samples/s")
-    rows = table(results, budget, machine)
-    if skipped:
-        rows += ["", "Not run (run_trainer.py has no --local_steps yet): " + "; ".join(m.name for m in skipped)]
-    plot_path = Path(args.plot) if args.plot else output / "wan.png"
-    plot(results, plot_path)
-    rows += ["", f"Plot: {plot_path}. Total time {(time.monotonic() - started) / 60:.1f} min."]
-    (output / "results.json").write_text(json.dumps(
-        [{"mode": r.mode.name, "rate_mbit": r.mode.rate_mbit, "flags": r.mode.flags, "utilization": r.utilization,
-          "bytes_per_sample": r.bytes_per_sample, "samples_per_second": r.samples_per_second,
-          "window_seconds": r.seconds, "samples_in_window": r.samples, "samples_apart": r.together_samples(),
-          f"loss_at_{budget}": r.loss_at(budget) if r.mode.seconds is None else None,
-          "shaped_at": r.shaped_at, "stopped_at": r.stopped_at,
-          "points": [[dataclasses.astuple(point) for point in log.points] for log in r.logs]} for r in results],
-        indent=1))
+            rows = report()
     print("\n".join(rows))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
