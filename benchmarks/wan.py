@@ -63,6 +63,7 @@ sys.path.insert(0, str(REPO))
 MODEL_CONFIG = REPO / "benchmarks" / "wan_model.json"
 BATCH, SEQUENCE = 2, 64
 HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
+DOWNLOAD = re.compile(r"Downloading the swarm's state")
 PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\] epoch (\d+) \|.* \| (\d+) peers? \|(?:.* \|)? (\d+) samples computed, "
                       r"compute [\d.]+% \(([\d.]+) s of ([\d.]+) s\), mean loss ([\d.]+|n/a) over (\d+) micro-batches")
 
@@ -274,12 +275,17 @@ class Point:
 class TrainerLog:
     path: Path
     points: List[Point] = field(default_factory=list)
+    downloads: List[tuple] = field(default_factory=list)  # (unix time, samples computed) of state downloads
 
     def read(self) -> None:
         text = self.path.read_text(errors="replace") if self.path.exists() else ""
         year = datetime.now().year
-        self.points = []
+        self.points, self.downloads = [], []
         for line in text.splitlines():
+            if DOWNLOAD.search(line) and self.points:  # what it trained so far is replaced by the swarm's state
+                moment = datetime.strptime(f"{year} {line[:len('Nov 23 20:13:23.735')]}",
+                                           "%Y %b %d %H:%M:%S.%f").timestamp()
+                self.downloads.append((moment, self.points[-1].samples))
             if match := PROGRESS.match(line):
                 moment = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp()
                 losses = int(match.group(8))
@@ -303,14 +309,37 @@ class TrainerLog:
             raise RuntimeError(f"{self.path}: fewer than two progress lines in the measured window")
         return inside[0], inside[-1]
 
-    def mean_loss(self, low: int, high: int) -> tuple:
-        """(loss sum, micro-batches) of the micro-batches trained on between the progress lines at ``low`` and
-        ``high`` samples computed (the last line at or below each); (0, 0) if the log does not reach ``high``."""
-        if self.samples < high:
-            return 0.0, 0
-        first = [p for p in self.points if p.samples <= low][-1:] or self.points[:1]
-        last = [p for p in self.points if p.samples <= high][-1]
-        return last.loss_sum - first[0].loss_sum, last.losses - first[0].losses
+    def samples_at(self, moment: float) -> int:
+        """Samples computed by ``moment`` (its last progress line then)."""
+        before = [point.samples for point in self.points if point.time <= moment]
+        return before[-1] if before else 0
+
+    def samples_in_model_at(self, moment: float) -> int:
+        """Samples computed by ``moment`` since this trainer last replaced its state by the swarm's (those before are
+        lost: a trainer that falls out of sync downloads the swarm's state, which its earlier samples are not in)."""
+        lost = [samples for when, samples in self.downloads if when <= moment]
+        return self.samples_at(moment) - (lost[-1] if lost else 0)
+
+
+def swarm_samples(logs: Sequence[TrainerLog], moment: float) -> int:
+    """Samples in the swarm's model by ``moment``: each trainer's since its last state download."""
+    return sum(log.samples_in_model_at(moment) for log in logs)
+
+
+def loss_at(logs: Sequence[TrainerLog], samples: int) -> float:
+    """Mean training loss of the trainers' micro-batches trained while the swarm's model went from 3/4 ``samples`` to
+    ``samples`` per trainer (``swarm_samples`` / number of trainers), from the cumulative loss sums of consecutive
+    progress lines (pairs with a state download between them are left out); nan if the run did not get that far."""
+    low, high = 0.75 * samples * len(logs), samples * len(logs)
+    end = max(point.time for log in logs for point in log.points)
+    if swarm_samples(logs, end) < high:
+        return math.nan
+    total = count = 0.0
+    for log in logs:
+        for a, b in zip(log.points, log.points[1:]):
+            if low < swarm_samples(logs, b.time) <= high and not any(a.time < t <= b.time for t, _ in log.downloads):
+                total, count = total + b.loss_sum - a.loss_sum, count + b.losses - a.losses
+    return total / count if count else math.nan
 
 
 @dataclass
@@ -362,12 +391,7 @@ class ModeResult:
         return [a.samples for a, _ in self.windows()]
 
     def loss_at(self, samples: int) -> float:
-        """Mean training loss of the micro-batches the trainers trained on between 3/4 ``samples`` and ``samples``
-        computed (per trainer, counted from each trainer's start); nan if a trainer did not get that far."""
-        parts = [log.mean_loss(int(0.75 * samples), samples) for log in self.logs]
-        if any(count == 0 for _, count in parts):
-            return math.nan
-        return sum(total for total, _ in parts) / sum(count for _, count in parts)
+        return loss_at(self.logs, samples)
 
 
 def trainer_argv(mode: Mode, wan: WanNetwork, peer: int, initial_peers: Sequence[str], budget: int,
@@ -427,7 +451,7 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
                     progress(f"  samples per trainer: {[log.samples for log in logs]}")
                 if deadline is not None:
                     return time.monotonic() > deadline
-                return all(log.samples >= budget for log in logs)
+                return swarm_samples(logs, time.time()) >= budget * len(logs)
 
             wait_until(done, logs, processes, 1800, "the sample budget")
             stopped_at = counters[-1][0]
@@ -479,8 +503,9 @@ def table(results: Sequence[ModeResult], budget: int, machine: str) -> List[str]
     base_loss = baseline.loss_at(budget) if baseline is not None else math.nan
     rows = [f"Two trainer peers, each in its own network namespace, link rate-limited in both directions (tc tbf, no "
             f"added latency); {machine}. Utilization, samples/s and bytes: over the window from shaping the links to "
-            f"stopping. Loss: mean training loss of the micro-batches between {int(0.75 * budget)} and {budget} "
-            f"samples computed by each trainer; sync mode's from the bare-bridge run (its loss per sample does not "
+            f"stopping. Loss: mean training loss of the micro-batches trained while the swarm's model went from "
+            f"{int(0.75 * budget)} to {budget} samples per trainer (samples a trainer computed before it downloaded the "
+            f"swarm's state are not counted); sync mode's from the bare-bridge run (its loss per sample does not "
             f"depend on the link).", "",
             "| mode | link | compute utilization | bytes sent / sample | vs sync, same link | samples/s (swarm) | "
             f"loss at {budget} samples/trainer | vs sync | window | samples apart |",
