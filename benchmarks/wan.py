@@ -95,6 +95,7 @@ class WanNetwork:
         self.bridge_ip = f"{self.subnet}.1"
         self.peer_ips = [f"{self.subnet}.{10 + i}" for i in range(num_peers)]
         self.sockets: set[str] = set()
+        self.seen_pids: set[int] = set()  # their torch shared-memory files (/dev/shm/torch_PID_*) go at close
         self.built = False
 
     def __enter__(self) -> "WanNetwork":
@@ -150,6 +151,7 @@ class WanNetwork:
         for namespace in self.namespaces:
             result = run_ip("ip", "netns", "pids", namespace, check=False)
             found.extend(int(pid) for pid in result.stdout.split())
+        self.seen_pids.update(found)
         return found
 
     def remember_sockets(self) -> None:
@@ -177,6 +179,9 @@ class WanNetwork:
         run_ip("ip", "link", "del", self.bridge, check=False)
         for path in self.sockets:
             Path(path).unlink(missing_ok=True)
+        for pid in self.seen_pids:  # a killed peer leaves its shared tensors (hundreds of MB) in /dev/shm
+            for path in Path("/dev/shm").glob(f"torch_{pid}_*"):
+                path.unlink(missing_ok=True)
         self.built = False
 
     def leftovers(self) -> List[str]:
@@ -446,6 +451,7 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
             def done() -> bool:
                 nonlocal last_print
                 counters.append((time.time(), wan.sent_bytes()))
+                wan.pids()  # noted, to remove their shared-memory files at close
                 if time.monotonic() - last_print > 15:
                     last_print = time.monotonic()
                     progress(f"  samples per trainer: {[log.samples for log in logs]}")
