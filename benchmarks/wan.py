@@ -13,12 +13,16 @@ Trainers: run_trainer.py, one process per namespace, one torch thread each (OMP_
 LeanGPT (benchmarks/wan_model.json) on the CPU, 2 sequences of 64 tokens per micro-batch. In sync mode the target
 batch is one micro-batch of every trainer, so the peers average gradients after every local step (as DDP would).
 
-Measured per mode, from the trainers' own logs and the namespaces' interface counters:
-- compute utilization: each trainer's time in forward, backward and inner optimizer steps over its training loop's
-  wall time (the trainer's "Compute utilization" line), mean of the trainers;
-- bytes on the wire per sample: bytes the trainers' interfaces sent while shaped / samples they computed;
-- samples/s of the swarm; loss at equal samples: the trainers' logged training loss, averaged over the last quarter
-  of the common sample count (every mode is compared at the same count: the smallest any mode reached).
+Measured per mode over the shaped window only (from shaping the links to stopping the trainers), from the trainers'
+progress lines (cumulative compute seconds, wall seconds, samples and loss sum since each trainer's loop started: a
+window's figures are the difference of its first and last line) and the namespaces' interface counters (read twice a
+second, interpolated at those lines' times):
+- compute utilization: each trainer's time in forward, backward and (DiLoCo) inner optimizer steps over its wall time
+  in the window, mean of the trainers (outer all-reduces, matchmaking, state downloads are not compute);
+- bytes on the wire per sample: bytes the trainers' interfaces sent in the window / samples they computed in it;
+- samples/s of the swarm (sum of the trainers'); loss at equal samples: the mean training loss of the micro-batches
+  each trainer trained on between 3/4 of the sample budget and the budget (samples counted from each trainer's start,
+  so every mode is compared at the same count); the DiLoCo and bare-bridge runs train until both trainers reach it.
 Sync mode's loss per sample does not depend on the link (the same all-reduce, only slower), so one sync run on the
 unshaped bridge trains for the full sample budget and gives the loss baseline; the shaped sync runs last a fixed time.
 
@@ -29,11 +33,12 @@ on exit, on an error and on Ctrl+C / SIGTERM. Needs root, ``ip`` and ``tc``.
 
 Usage: sudo python benchmarks/wan.py [--quick] [--output_dir outputs/wan] [--modes NAME ...]
        sudo python benchmarks/wan.py --network_check   (build the network, wait for Ctrl+C, remove it)
-The default run takes about 25 minutes on 2 cores, --quick about 3.
+The default run (10 modes) takes about 30 minutes on 2 cores; --quick (3 modes) about 5.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -50,17 +55,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 MODEL_CONFIG = REPO / "benchmarks" / "wan_model.json"
 BATCH, SEQUENCE = 2, 64
 HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
-PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\| loss ([\d.]+|n/a) \|.* \| (\d+) samples computed, compute "
-                      r"([\d.]+)%")
-SWARM_VIEW = re.compile(r"\] epoch (\d+) \|.* \| (\d+) peers? \|")
-SUMMARY = re.compile(r"Compute utilization [\d.]+%: ([\d.]+) s in forward, backward and inner steps of ([\d.]+) s "
-                     r"training \((\d+) samples\)")
+DOWNLOAD = re.compile(r"Downloading the swarm's state")
+PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\] epoch (\d+) \|.* \| (\d+) peers? \|(?:.* \|)? (\d+) samples computed, "
+                      r"compute [\d.]+% \(([\d.]+) s of ([\d.]+) s\), mean loss ([\d.]+|n/a) over (\d+) micro-batches")
 
 
 def progress(message: str) -> None:
@@ -90,6 +95,7 @@ class WanNetwork:
         self.bridge_ip = f"{self.subnet}.1"
         self.peer_ips = [f"{self.subnet}.{10 + i}" for i in range(num_peers)]
         self.sockets: set[str] = set()
+        self.seen_pids: set[int] = set()  # their torch shared-memory files (/dev/shm/torch_PID_*) go at close
         self.built = False
 
     def __enter__(self) -> "WanNetwork":
@@ -145,6 +151,7 @@ class WanNetwork:
         for namespace in self.namespaces:
             result = run_ip("ip", "netns", "pids", namespace, check=False)
             found.extend(int(pid) for pid in result.stdout.split())
+        self.seen_pids.update(found)
         return found
 
     def remember_sockets(self) -> None:
@@ -172,6 +179,9 @@ class WanNetwork:
         run_ip("ip", "link", "del", self.bridge, check=False)
         for path in self.sockets:
             Path(path).unlink(missing_ok=True)
+        for pid in self.seen_pids:  # a killed peer leaves its shared tensors (hundreds of MB) in /dev/shm
+            for path in Path("/dev/shm").glob(f"torch_{pid}_*"):
+                path.unlink(missing_ok=True)
         self.built = False
 
     def leftovers(self) -> List[str]:
@@ -245,77 +255,148 @@ OUTER_COMPRESSIONS = ["none", "float16", "scaled_float16", "uniform8bit", "quant
 
 def default_modes(quick: bool) -> List[Mode]:
     if quick:
-        return [Mode("sync, bare bridge", None), Mode("sync", 20, seconds=40),
-                diloco_mode(20, 10, False, "uniform8bit"), diloco_mode(20, 50, True, "uniform8bit")]
-    modes = [Mode("sync, bare bridge", None), Mode("sync", 100, seconds=75), Mode("sync", 20, seconds=75)]
-    for local_steps in (10, 50):
-        for overlap in (False, True):
-            modes.append(diloco_mode(20, local_steps, overlap, "uniform8bit"))
-    modes += [diloco_mode(20, 50, True, name) for name in OUTER_COMPRESSIONS if name != "uniform8bit"]
-    modes.append(diloco_mode(100, 50, True, "uniform8bit"))
-    return modes
+        return [Mode("sync, bare bridge", None), Mode("sync", 20, seconds=40), diloco_mode(20, 50, False, "uniform8bit")]
+    return [Mode("sync, bare bridge", None), Mode("sync", 20, seconds=45),
+            diloco_mode(20, 10, False, "uniform8bit"), diloco_mode(20, 50, False, "uniform8bit"),
+            diloco_mode(20, 50, True, "uniform8bit"), diloco_mode(20, 50, False, "none"),
+            diloco_mode(20, 50, False, "float16"), diloco_mode(20, 50, False, "topk"),
+            Mode("sync", 100, seconds=45), diloco_mode(100, 50, False, "uniform8bit")]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One progress line: cumulative figures since the trainer's training loop started."""
+    time: float  # unix time of the line
+    epoch: int
+    peers: int
+    samples: int  # computed
+    compute: float  # seconds in forward, backward and inner steps
+    wall: float  # seconds
+    loss_sum: float  # over the micro-batches trained on
+    losses: int  # micro-batches trained on
 
 
 @dataclass
 class TrainerLog:
     path: Path
-    view: Optional[tuple] = None  # (epoch, peers) of the last progress line
-    points: List[tuple] = field(default_factory=list)  # (unix time, samples computed, loss)
-    summary: Optional[tuple] = None  # (compute s, wall s, samples)
-    last_utilization: float = math.nan
+    points: List[Point] = field(default_factory=list)
+    downloads: List[tuple] = field(default_factory=list)  # (unix time, samples computed) of state downloads
 
     def read(self) -> None:
         text = self.path.read_text(errors="replace") if self.path.exists() else ""
         year = datetime.now().year
-        self.points = []
+        self.points, self.downloads = [], []
         for line in text.splitlines():
-            if view := SWARM_VIEW.search(line):
-                self.view = (int(view.group(1)), int(view.group(2)))
-            if (match := PROGRESS.match(line)) and match.group(2) != "n/a":
+            if DOWNLOAD.search(line) and self.points:  # what it trained so far is replaced by the swarm's state
+                moment = datetime.strptime(f"{year} {line[:len('Nov 23 20:13:23.735')]}",
+                                           "%Y %b %d %H:%M:%S.%f").timestamp()
+                self.downloads.append((moment, self.points[-1].samples))
+            if match := PROGRESS.match(line):
                 moment = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp()
-                self.points.append((moment, int(match.group(3)), float(match.group(2))))
-                self.last_utilization = float(match.group(4)) / 100
-            elif match := SUMMARY.search(line):
-                self.summary = (float(match.group(1)), float(match.group(2)), int(match.group(3)))
+                losses = int(match.group(8))
+                loss_sum = float(match.group(7)) * losses if losses else 0.0
+                self.points.append(Point(moment, int(match.group(2)), int(match.group(3)), int(match.group(4)),
+                                         float(match.group(5)), float(match.group(6)), loss_sum, losses))
 
-    def estimate_summary(self, started: float) -> None:
-        """A trainer killed before its summary line: take its last progress line (utilization, samples) instead,
-        with the wall time counted from ``started``."""
-        moment, samples, _ = self.points[-1]
-        self.summary = (self.last_utilization * (moment - started), moment - started, samples)
+    @property
+    def view(self) -> Optional[tuple]:
+        """(epoch, peers) of the last progress line."""
+        return (self.points[-1].epoch, self.points[-1].peers) if self.points else None
 
     @property
     def samples(self) -> int:
-        return self.points[-1][1] if self.points else 0
+        return self.points[-1].samples if self.points else 0
+
+    def window(self, start: float, stop: float) -> tuple:
+        """The first progress line at or after ``start`` and the last one at or before ``stop``."""
+        inside = [point for point in self.points if start <= point.time <= stop]
+        if len(inside) < 2:
+            raise RuntimeError(f"{self.path}: fewer than two progress lines in the measured window")
+        return inside[0], inside[-1]
+
+    def samples_at(self, moment: float) -> int:
+        """Samples computed by ``moment`` (its last progress line then)."""
+        before = [point.samples for point in self.points if point.time <= moment]
+        return before[-1] if before else 0
+
+    def samples_in_model_at(self, moment: float) -> int:
+        """Samples computed by ``moment`` since this trainer last replaced its state by the swarm's (those before are
+        lost: a trainer that falls out of sync downloads the swarm's state, which its earlier samples are not in)."""
+        lost = [samples for when, samples in self.downloads if when <= moment]
+        return self.samples_at(moment) - (lost[-1] if lost else 0)
+
+
+def swarm_samples(logs: Sequence[TrainerLog], moment: float) -> int:
+    """Samples in the swarm's model by ``moment``: each trainer's since its last state download."""
+    return sum(log.samples_in_model_at(moment) for log in logs)
+
+
+def loss_at(logs: Sequence[TrainerLog], samples: int) -> float:
+    """Mean training loss of the trainers' micro-batches trained while the swarm's model went from 3/4 ``samples`` to
+    ``samples`` per trainer (``swarm_samples`` / number of trainers), from the cumulative loss sums of consecutive
+    progress lines (pairs with a state download between them are left out); nan if the run did not get that far."""
+    low, high = 0.75 * samples * len(logs), samples * len(logs)
+    end = max(point.time for log in logs for point in log.points)
+    if swarm_samples(logs, end) < high:
+        return math.nan
+    total = count = 0.0
+    for log in logs:
+        for a, b in zip(log.points, log.points[1:]):
+            if low < swarm_samples(logs, b.time) <= high and not any(a.time < t <= b.time for t, _ in log.downloads):
+                total, count = total + b.loss_sum - a.loss_sum, count + b.losses - a.losses
+    return total / count if count else math.nan
 
 
 @dataclass
 class ModeResult:
+    """A mode's logs and byte counters. The measured window runs from shaping the links to stopping the trainers:
+    each trainer's figures are the difference of its first and last progress lines inside it, and its bytes are read
+    off its interface's counter (sampled twice a second) at those two lines' times."""
     mode: Mode
     logs: List[TrainerLog]
-    sent_bytes: int  # by all trainers while shaped
+    counters: List[tuple]  # (unix time, [bytes sent by each trainer's interface]) from shaping to stopping
     shaped_at: float  # unix time
+    stopped_at: float
+
+    def windows(self) -> List[tuple]:
+        return [log.window(self.shaped_at, self.stopped_at) for log in self.logs]
 
     @property
     def utilization(self) -> float:
-        return statistics.mean(log.summary[0] / log.summary[1] for log in self.logs)
+        return statistics.mean((b.compute - a.compute) / (b.wall - a.wall) for a, b in self.windows())
 
     @property
     def samples(self) -> int:
-        return sum(log.summary[2] for log in self.logs)
+        """Samples the trainers computed in the window."""
+        return sum(b.samples - a.samples for a, b in self.windows())
+
+    @property
+    def seconds(self) -> float:
+        return statistics.mean(b.wall - a.wall for a, b in self.windows())
 
     @property
     def samples_per_second(self) -> float:
-        return self.samples / statistics.mean(log.summary[1] for log in self.logs)
+        return sum((b.samples - a.samples) / (b.wall - a.wall) for a, b in self.windows())
+
+    def sent_bytes(self, trainer: int, moment: float) -> float:
+        """Bytes trainer ``trainer``'s interface had sent at ``moment``, interpolated between counter readings."""
+        times = [t for t, _ in self.counters]
+        values = [counts[trainer] for _, counts in self.counters]
+        if not times[0] <= moment <= times[-1]:
+            raise RuntimeError(f"no byte counter reading around {moment}")
+        return float(np.interp(moment, times, values))
 
     @property
     def bytes_per_sample(self) -> float:
-        return self.sent_bytes / self.samples
+        sent = sum(self.sent_bytes(i, b.time) - self.sent_bytes(i, a.time) for i, (a, b) in enumerate(self.windows()))
+        return sent / self.samples
+
+    def together_samples(self) -> List[int]:
+        """Samples each trainer had computed when the links were shaped (training apart before that)."""
+        return [a.samples for a, _ in self.windows()]
 
     def loss_at(self, samples: int) -> float:
-        """Mean logged loss of the trainers over their last quarter of ``samples`` (per trainer)."""
-        losses = [loss for log in self.logs for _, count, loss in log.points if 0.75 * samples < count <= samples]
-        return statistics.mean(losses) if losses else math.nan
+        return loss_at(self.logs, samples)
 
 
 def trainer_argv(mode: Mode, wan: WanNetwork, peer: int, initial_peers: Sequence[str], budget: int,
@@ -361,24 +442,26 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
                         and logs[0].view[1] == num_trainers)
             wait_until(together, logs, processes, 180, "the trainers to see each other at the same epoch")
             wan.shape(mode.rate_mbit)
-            shaped_at, sent_before = time.time(), wan.sent_bytes()
+            shaped_at = time.time()
+            counters = [(shaped_at, wan.sent_bytes())]
             progress(f"  training together; links {'bare' if mode.rate_mbit is None else f'{mode.rate_mbit:g} Mbit/s'}")
             deadline = None if mode.seconds is None else time.monotonic() + mode.seconds
             last_print = time.monotonic()
 
             def done() -> bool:
                 nonlocal last_print
+                counters.append((time.time(), wan.sent_bytes()))
+                wan.pids()  # noted, to remove their shared-memory files at close
                 if time.monotonic() - last_print > 15:
                     last_print = time.monotonic()
-                    progress(f"  samples per trainer: {[log.samples for log in logs]}, loss "
-                             f"{[log.points[-1][2] if log.points else None for log in logs]}")
+                    progress(f"  samples per trainer: {[log.samples for log in logs]}")
                 if deadline is not None:
                     return time.monotonic() > deadline
-                return any(log.samples >= budget for log in logs)
+                return swarm_samples(logs, time.time()) >= budget * len(logs)
 
             wait_until(done, logs, processes, 1800, "the sample budget")
+            stopped_at = counters[-1][0]
             wan.remember_sockets()
-            sent = sum(wan.sent_bytes()) - sum(sent_before)
             for process in processes:
                 process.send_signal(signal.SIGTERM)  # SIGINT may be ignored (started in the background)
             for process, log in zip(processes, logs):
@@ -387,19 +470,13 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
                 except subprocess.TimeoutExpired:
                     progress(f"  a trainer did not stop within 75 s of SIGTERM, killed (see {log.path})")
                 log.read()
-                if log.summary is None and log.points:
-                    progress(f"  {log.path.name} has no compute summary (killed while leaving): figures from its "
-                             f"last progress line")
-                    log.estimate_summary(shaped_at)
-                if log.summary is None:
-                    raise RuntimeError(f"a trainer stopped without its compute summary, see {log.path}")
         finally:
             for process in processes:
                 if process.poll() is None:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
             bootstrap.shutdown()
-    return ModeResult(mode, logs, sent, shaped_at)
+    return ModeResult(mode, logs, counters, shaped_at, stopped_at)
 
 
 def wait_until(condition, logs: Sequence[TrainerLog], processes: Sequence[subprocess.Popen], timeout: float,
@@ -426,26 +503,32 @@ def has_diloco_flags() -> bool:
     return "local_steps" in (REPO / "arguments.py").read_text()
 
 
-def table(results: Sequence[ModeResult], machine: str) -> List[str]:
-    common = min(min(log.samples for log in result.logs) for result in results if result.mode.seconds is None)
-    baseline = next(r for r in results if r.mode.name.startswith("sync") and r.mode.seconds is None)
-    sync_bytes = {r.mode.rate_mbit: r.bytes_per_sample for r in results
-                  if r.mode.name.startswith("sync") and r.mode.rate_mbit is not None}
-    base_loss = baseline.loss_at(common)
+def table(results: Sequence[ModeResult], budget: int, machine: str) -> List[str]:
+    baseline = next((r for r in results if r.mode.name.startswith("sync") and r.mode.seconds is None), None)
+    sync = {r.mode.rate_mbit: r for r in results if r.mode.name.startswith("sync") and r.mode.rate_mbit is not None}
+    base_loss = baseline.loss_at(budget) if baseline is not None else math.nan
     rows = [f"Two trainer peers, each in its own network namespace, link rate-limited in both directions (tc tbf, no "
-            f"added latency); {machine}. Loss: mean logged training loss over samples "
-            f"{int(0.75 * common)}-{common} of each trainer; sync mode's baseline loss from the bare-bridge run.", "",
-            "| mode | link | compute utilization | bytes sent / sample | vs sync, same link | samples/s | "
-            f"loss at {common} samples/trainer | vs sync |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+            f"added latency); {machine}. Utilization, samples/s and bytes: over the window from shaping the links to "
+            f"stopping. Loss: mean training loss of the micro-batches trained while the swarm's model went from "
+            f"{int(0.75 * budget)} to {budget} samples per trainer (samples a trainer computed before it downloaded the "
+            f"swarm's state are not counted); sync mode's from the bare-bridge run (its loss per sample does not "
+            f"depend on the link).", "",
+            "| mode | link | compute utilization | bytes sent / sample | vs sync, same link | samples/s (swarm) | "
+            f"loss at {budget} samples/trainer | vs sync | window | samples apart |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         link = "bridge (no limit)" if r.mode.rate_mbit is None else f"{r.mode.rate_mbit:g} Mbit/s"
-        ratio = sync_bytes.get(r.mode.rate_mbit)
-        ratio_text = f"{ratio / r.bytes_per_sample:.0f}x fewer" if ratio and r.bytes_per_sample > 0 else ""
-        loss = r.loss_at(common) if r.mode.seconds is None else math.nan
-        loss_text = f"{loss:.3f}" if math.isfinite(loss) else f"(timed run: {min(l.samples for l in r.logs)} samples)"
-        versus = f"{loss / base_loss - 1:+.1%}" if math.isfinite(loss) and r is not baseline else ""
+        reference = sync.get(r.mode.rate_mbit)
+        ratio_text = ("" if reference is None or reference is r or r.bytes_per_sample <= 0
+                      else f"{reference.bytes_per_sample / r.bytes_per_sample:,.0f}x fewer")
+        loss = r.loss_at(budget) if r.mode.seconds is None else math.nan
+        loss_text = f"{loss:.4f}" if math.isfinite(loss) else "(timed run)"
+        versus = f"{loss / base_loss:.3f}x" if math.isfinite(loss / base_loss) and r is not baseline else ""
         rows.append(f"| {r.mode.name} | {link} | {r.utilization:.1%} | {r.bytes_per_sample / 1e3:,.1f} KB | "
-                    f"{ratio_text} | {r.samples_per_second:.2f} | {loss_text} | {versus} |")
+                    f"{ratio_text} | {r.samples_per_second:.2f} | {loss_text} | {versus} | {r.seconds:.0f} s | "
+                    f"{'/'.join(map(str, r.together_samples()))} |")
+    rows += ["", "window: seconds measured per trainer; samples apart: samples each trainer had computed before the "
+                 "two trained together (the links were shaped then)."]
     return rows
 
 
@@ -457,10 +540,16 @@ def plot(results: Sequence[ModeResult], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(8, 4.5), dpi=80)
     for result in results:
-        points = sorted((t - result.shaped_at, loss) for log in result.logs for t, _, loss in log.points)
-        window = 5  # a moving mean over both trainers' lines
-        times = [t for t, _ in points][window - 1:]
-        losses = [statistics.mean(loss for _, loss in points[i:i + window]) for i in range(len(times))]
+        times, losses = [], []
+        for log in result.logs:  # the mean loss between consecutive progress lines, per trainer
+            for a, b in zip(log.points, log.points[1:]):
+                if b.losses > a.losses:
+                    times.append(b.time - result.shaped_at)
+                    losses.append((b.loss_sum - a.loss_sum) / (b.losses - a.losses))
+        order = sorted(range(len(times)), key=times.__getitem__)
+        window = 9  # a moving mean over both trainers' lines
+        times = [times[i] for i in order][window - 1:]
+        losses = [statistics.mean(losses[j] for j in order[i:i + window]) for i in range(len(times))]
         link = "bare" if result.mode.rate_mbit is None else f"{result.mode.rate_mbit:g} Mbit/s"
         axes.plot(times, losses, label=f"{result.mode.name} ({link})", linewidth=1.2)
     axes.set_xlabel("wall time since the links were shaped, s")
@@ -495,7 +584,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="*", default=None,
                         help="run only the modes whose 'name, link' contains one of these (e.g. 'bare' '20 Mbit')")
     parser.add_argument("--output_dir", default="outputs/wan",
-                        help="the trainers' logs (modeN/), results.json and the plot go here")
+                        help="the trainers' logs (modeN/), results.json, table.md and the plot go here "
+                             "(rewritten after each mode)")
     parser.add_argument("--plot", default=None, help="where to write the plot (default: OUTPUT_DIR/wan.png)")
     parser.add_argument("--network_check", action="store_true",
                         help="only build the network (2 namespaces), hold until Ctrl+C, then remove it")
@@ -532,8 +622,30 @@ def benchmark(args: argparse.Namespace) -> int:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     machine = f"{os.cpu_count()}-core CPU, torch threads 1 per trainer"
-    results = []
+    results: List[ModeResult] = []
     started = time.monotonic()
+
+    def report() -> List[str]:
+        """The table, plot and results.json of the modes run so far (rewritten after each mode)."""
+        rows = table(results, budget, machine)
+        if skipped:
+            rows += ["", "Not run (run_trainer.py has no --local_steps yet): " + "; ".join(m.name for m in skipped)]
+        plot_path = Path(args.plot) if args.plot else output / "wan.png"
+        plot(results, plot_path)
+        rows += ["", f"Plot: {plot_path}. {len(results)}/{len(modes)} modes, "
+                     f"{(time.monotonic() - started) / 60:.1f} min."]
+        (output / "results.json").write_text(json.dumps(
+            [{"mode": r.mode.name, "rate_mbit": r.mode.rate_mbit, "flags": r.mode.flags, "utilization": r.utilization,
+              "bytes_per_sample": r.bytes_per_sample, "samples_per_second": r.samples_per_second,
+              "window_seconds": r.seconds, "samples_in_window": r.samples, "samples_apart": r.together_samples(),
+              f"loss_at_{budget}": r.loss_at(budget) if r.mode.seconds is None else None,
+              "shaped_at": r.shaped_at, "stopped_at": r.stopped_at,
+              "points": [[dataclasses.astuple(point) for point in log.points] for log in r.logs]} for r in results],
+            indent=1))
+        (output / "table.md").write_text("\n".join(rows) + "\n")
+        return rows
+
+    rows = ["no mode matched --modes"]
     with tempfile.TemporaryDirectory(prefix="wan-") as scratch:
         for index, mode in enumerate(modes):
             link = "bare bridge" if mode.rate_mbit is None else f"{mode.rate_mbit:g} Mbit/s"
@@ -544,19 +656,9 @@ def benchmark(args: argparse.Namespace) -> int:
             results.append(result)
             progress(f"  utilization {result.utilization:.1%}, {result.bytes_per_sample / 1e3:,.1f} KB sent/sample, "
                      f"{result.samples_per_second:.2f} samples/s")
-    rows = table(results, machine)
-    if skipped:
-        rows += ["", "Not run (run_trainer.py has no --local_steps yet): " + "; ".join(m.name for m in skipped)]
-    plot_path = Path(args.plot) if args.plot else output / "wan.png"
-    plot(results, plot_path)
-    rows += ["", f"Plot: {plot_path}. Total time {(time.monotonic() - started) / 60:.1f} min."]
-    (output / "results.json").write_text(json.dumps(
-        [{"mode": r.mode.name, "rate_mbit": r.mode.rate_mbit, "utilization": r.utilization,
-          "bytes_per_sample": r.bytes_per_sample, "samples_per_second": r.samples_per_second,
-          "points": [log.points for log in r.logs]} for r in results], indent=1))
+            rows = report()
     print("\n".join(rows))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -50,15 +50,35 @@ def test_compute_utilization_is_the_time_inside_computing_over_the_wall_time(cap
         with progress.computing():
             clock[0] += 1.5
         clock[0] += 0.5
+        progress.count_losses([2.0])
     with pytest.raises(RuntimeError), progress.computing():  # a step that fails still counts its time
         clock[0] += 2.0
         raise RuntimeError
     assert progress.compute_seconds == pytest.approx(6.5) and progress.utilization() == pytest.approx(6.5 / 8)
+    progress.count_losses([3.0, 4.0])
     with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
         progress.maybe_report(optimizer_view(), 1.0)
-    assert caplog.records[0].getMessage().endswith("| 2 peers | 6 samples computed, compute 81.2%")
+    assert caplog.records[0].getMessage().endswith(
+        "| 2 peers | 6 samples computed, compute 81.2% (6.50 s of 8.00 s), mean loss 2.6000 over 5 micro-batches")
     assert progress.summary() == ("Compute utilization 81.2%: 6.5 s in forward, backward and inner steps of 8.0 s "
                                   "training (6 samples)")
+
+
+def test_time_waiting_inside_computing_is_not_compute(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("lean_transformer.swarm.progress.time.monotonic", lambda: clock[0])
+    progress = ProgressLine(every_seconds=5.0)
+    with progress.computing():  # a DiLoCo step: 1 s inner step, 3 s outer round (a nested wait too), 0.5 s more
+        clock[0] += 1.0
+        with progress.waiting():
+            clock[0] += 2.0
+            with progress.waiting():  # nested (a download inside an outer round): taken back once
+                clock[0] += 1.0
+        with progress.computing():
+            clock[0] += 0.5
+    with progress.waiting():  # outside computing(): nothing to take back
+        clock[0] += 1.0
+    assert progress.compute_seconds == pytest.approx(1.5) and progress.utilization() == pytest.approx(1.5 / 5.5)
 
 
 @pytest.mark.cuda

@@ -40,7 +40,7 @@ import contextlib
 import functools
 import logging
 import math
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence
 
 import hivemind
 import numpy as np
@@ -448,6 +448,7 @@ class DiLoCoOptimizer:
 
     outer_loop: OuterLoop
     local_steps: int
+    waiting: Callable[[], ContextManager] = contextlib.nullcontext  # wraps outer rounds and downloads (not compute)
 
     def attach_outer_loop(self, outer_loop: OuterLoop, local_steps: int) -> None:
         self.outer_loop, self.local_steps, self.steps_in_round = outer_loop, local_steps, 0
@@ -477,6 +478,10 @@ class DiLoCoOptimizer:
                 scheduler.step()
 
     def _update_global_epoch(self, grad_scaler) -> None:
+        with self.waiting():
+            self._end_round(grad_scaler)
+
+    def _end_round(self, grad_scaler) -> None:
         with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
             self.state_averager.step(wait_for_delayed_updates=True)
             alone = not self.auxiliary and self._trainers_in_swarm() <= 1
@@ -516,6 +521,10 @@ class DiLoCoOptimizer:
         super().shutdown()
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
+        with self.waiting():
+            self._load_state_from_peers(**kwargs)
+
+    def _load_state_from_peers(self, **kwargs: Any) -> None:
         super().load_state_from_peers(**kwargs)
         self.outer_loop.forget_pending()
         self.outer_loop.outer.reset_parameters()  # restart from the swarm's anchor

@@ -2,14 +2,17 @@
 the target batch and when the epoch should end, this peer's loss and speed (samples/s as hivemind measures it, and
 tokens/s since the last line), the number of peers and, on a GPU, the peak GPU memory so far; then the samples this
 peer has computed and its compute utilization: the fraction of the training loop's wall time spent in forward,
-backward and inner optimizer steps (the rest is waiting for the swarm: averaging, matchmaking, state downloads)."""
+backward and inner optimizer steps (the rest is waiting for the swarm: averaging, matchmaking, state downloads), with
+the compute and wall seconds behind it and the mean loss of the micro-batches trained on so far (cumulative since the
+loop started, so that a benchmark can take the difference of two lines: compute utilization, samples and mean loss
+over any window)."""
 from __future__ import annotations
 
 import logging
 import math
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import hivemind
 import torch
@@ -21,25 +24,50 @@ logger = logging.getLogger(__name__)
 class ProgressLine:
     """Logs ``format_progress`` at most every ``every_seconds`` (checked by the training loop once per local step);
     ``count_tokens`` after each micro-batch feeds its tokens/s and sample count, and the training loop wraps its
-    forward, backward and inner optimizer steps in ``computing()``. Wall time counts from construction."""
+    forward, backward and inner optimizer steps in ``computing()`` (time inside ``waiting()`` within it, e.g. an
+    outer all-reduce inside a DiLoCo step, is not compute) and reports the losses of the micro-batches it trains on
+    with ``count_losses``. Wall time counts from construction."""
 
     def __init__(self, every_seconds: float, device: Optional[torch.device] = None):
         self.every_seconds, self.device = every_seconds, device
         self.last_report = self.started = time.monotonic()
         self.tokens = self.samples = 0
         self.compute_seconds = 0.0
+        self.loss_sum, self.losses = 0.0, 0
+        self._computing_since: Optional[float] = None  # inside computing() and not inside waiting()
 
     def count_tokens(self, tokens: int, samples: int = 0) -> None:
         self.tokens += tokens
         self.samples += samples
 
+    def count_losses(self, losses: Sequence[float]) -> None:
+        self.loss_sum += sum(losses)
+        self.losses += len(losses)
+
     @contextmanager
     def computing(self) -> Iterator[None]:
-        start = time.monotonic()
+        if self._computing_since is not None:  # nested: the outer block counts
+            yield
+            return
+        self._computing_since = time.monotonic()
         try:
             yield
         finally:
-            self.compute_seconds += time.monotonic() - start
+            self.compute_seconds += time.monotonic() - self._computing_since
+            self._computing_since = None
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time inside is not compute, also within ``computing()``."""
+        if self._computing_since is None:
+            yield
+            return
+        self.compute_seconds += time.monotonic() - self._computing_since
+        self._computing_since = None
+        try:
+            yield
+        finally:
+            self._computing_since = time.monotonic()
 
     def utilization(self) -> float:
         """Compute seconds / wall seconds since construction (0 before any time has passed)."""
@@ -60,7 +88,10 @@ class ProgressLine:
         if self.device is not None and self.device.type == "cuda":
             peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
         line = format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes)
-        logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%}")
+        mean_loss_text = f"{self.loss_sum / self.losses:.4f}" if self.losses else "n/a"
+        logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%} "
+                    f"({self.compute_seconds:.2f} s of {now - self.started:.2f} s), mean loss {mean_loss_text} over "
+                    f"{self.losses} micro-batches")
 
 
 def format_progress(optimizer: hivemind.Optimizer, mean_loss: float, tokens_per_second: Optional[float] = None,

@@ -149,6 +149,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups,
                            save_tokenizer=lambda directory: task.save_tokenizer(str(directory)))
     progress = ProgressLine(training.progress_every, device)
+    if collaboration.local_steps:
+        optimizer.waiting = progress.waiting  # outer rounds and state downloads are not compute
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     warned_short_epochs = False
@@ -201,14 +203,18 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
             logger.warning(f"Skipped {accumulation} micro-batch(es) with non-finite loss or gradients (not counted)")
             continue
 
-        # report the samples to the swarm; this averages and steps when the swarm has reached the target batch
-        optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it
+        # report the samples to the swarm; this averages and steps when the swarm has reached the target batch. In
+        # DiLoCo mode it is a local inner step (compute), the outer round inside it is not (the optimizer waits in
+        # progress.waiting(), see below)
+        with progress.computing() if collaboration.local_steps else nullcontext():
+            optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it
         if scaler is not None:
             scaler.update()
         if not reuse_grad_buffers:
             optimizer.zero_grad()
         if finite or block_scaling is not None:  # a block's overflow drops that block, not the step
             work.loss_sum += sum(losses)
+            progress.count_losses(losses)
             work.mini_steps += accumulation
             work.samples += batch_size * accumulation
         else:
