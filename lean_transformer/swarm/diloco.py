@@ -55,6 +55,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
+from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,9 @@ class _SameResultRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class _Averager(CancelSafe, DecentralizedAverager):
-    """hivemind's DecentralizedAverager, safe to cancel, every peer getting the same average (same wire format)."""
+class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
+    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages (top-k payloads) whole, every
+    peer getting the same average (same wire format)."""
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id

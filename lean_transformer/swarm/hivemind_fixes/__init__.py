@@ -19,6 +19,10 @@ that the swarm code uses explicitly.
   a tensor part), hivemind closes the stream with the caller's data unread, p2pd resets it and the answer is lost:
   the caller sees an empty stream or a broken pipe. Reproduced by ``tests/test_stream_answers.py`` (and, as a rare
   failure, by ``tests/test_auth_averaging.py``). Drop when hivemind reads a request to its end before closing.
+- :mod:`.control_pipe`: an averager's background process reads its control pipe non-blocking, so a large message
+  whose sender pauses (a ``step`` whose ``gather`` carries DiLoCo's top-k payload, from a busy trainer) is lost
+  half-read and its caller waits for its timeout. Reproduced by ``tests/test_control_pipe.py``. Drop when hivemind
+  reads the pipe blocking (not in 1.1.12).
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
