@@ -33,7 +33,11 @@ TRAINERS = ("steady", "victim", "faulty")
 RUN = {**GATED_RUN, "target_batch_size": 12, "local_steps": 3, "matchmaking_time": 2, "learning_rate": 0.01,
        "warmup_steps": 2}
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-ALL_THREE = re.compile(r"Outer step with 3 peers \(round \d+\)\n(?:.*\n)*?.*Reached epoch (\d+)")
+# an outer step of all three that left this peer on the swarm's anchor: the epoch it moved to, reached with no state
+# download in between (a peer whose outer state was behind steps with the group, then downloads the swarm's)
+ALL_THREE = re.compile(r"Outer step with 3 peers \(round \d+\)\n(?:(?!.*(?:Outer step|Transitioning)).*\n)*?"
+                       r".*Transitioning to epoch (\d+)\n"
+                       r"(?:(?!.*(?:differs|Downloading)).*\n)*?.*Reached epoch \1\b")
 
 
 @dataclass
