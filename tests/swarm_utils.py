@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, List, Optional
 
 from lean_transformer.demo.local_swarm import ProcessTracker
 
@@ -51,3 +52,37 @@ def epoch_reports(log: str) -> Dict[int, EpochReport]:
     """The trainer's reports by epoch (a restarted trainer's log may hold an epoch twice: the later one wins)."""
     return {int(match[0]): EpochReport(int(match[0]), float(match[1]), int(match[2]), int(match[3]), int(match[4]))
             for match in _EPOCH_REPORT.findall(log)}
+
+
+def transitions(log: str) -> List[int]:
+    """The epochs a peer moved to, in order (hivemind's "Transitioning to epoch N")."""
+    return [int(epoch) for epoch in re.findall(r"Transitioning to epoch (\d+)", log)]
+
+
+def round_in_progress(log: str, started: str) -> Optional[int]:
+    """The epoch whose averaging round ``log`` shows begun and not finished (no transition to the next epoch yet), if
+    any; ``started``: the regex of the round's first line, its group 1 the epoch."""
+    epochs = re.findall(started, log)
+    if epochs and f"Transitioning to epoch {int(epochs[-1]) + 1}\n" not in log:
+        return int(epochs[-1])
+    return None
+
+
+def kill_during_round(peer, partner, started: str, timeout: float, min_epoch: int = 0) -> tuple[int, bool]:
+    """SIGKILL ``peer`` (a ``PeerProcess``) as soon as it and ``partner`` are both in the averaging round of the same
+    epoch >= ``min_epoch`` (see :func:`round_in_progress`). Returns the epoch and whether the round was still
+    unfinished for both right after the kill."""
+    def in_round(process) -> Optional[int]:
+        return round_in_progress(process.stderr, started)
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        epoch = in_round(peer)
+        if epoch is not None and epoch >= min_epoch and in_round(partner) == epoch:
+            peer.kill()
+            return epoch, in_round(peer) == in_round(partner) == epoch
+        if peer.process.poll() is not None:
+            break
+        time.sleep(0.01)
+    raise AssertionError(f"{peer.name} and {partner.name} were in no averaging round >= {min_epoch} together in "
+                         f"time:\n{peer.stderr[-3000:]}")

@@ -14,12 +14,13 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 import torch
 
 from aux_utils import REPO, PeerProcess, stop_all, wait_until
+from swarm_utils import kill_during_round, transitions
 from test_auth_averaging import RUN as GATED_RUN
 from test_auth_averaging import RUN_ID, _grad_schema_hash, _result
 
@@ -32,6 +33,7 @@ TRAINERS = ("steady", "victim", "faulty")
 # the model, task and run of test_auth_averaging (so that its visitor computes the right schema hash)
 RUN = {**GATED_RUN, "target_batch_size": 12, "local_steps": 3, "matchmaking_time": 2, "learning_rate": 0.01,
        "warmup_steps": 2}
+OUTER_ROUND_BEGINS = r"Epoch (\d+) ends: all-reducing pseudo-gradients"
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # an outer step of all three that left this peer on the swarm's anchor: the epoch it moved to, reached with no state
 # download in between (a peer whose outer state was behind steps with the group, then downloads the swarm's)
@@ -50,19 +52,6 @@ class DiLoCoFaults:
     stranger_probe: dict
     stranger_codes: dict
     exit_codes: List[int]
-
-
-def all_reducing(peer: PeerProcess) -> Optional[int]:
-    """The epoch whose outer all-reduce ``peer`` has begun and not finished, if any."""
-    log = peer.stderr
-    started = re.findall(r"Epoch (\d+) ends: all-reducing pseudo-gradients", log)
-    if started and f"Transitioning to epoch {int(started[-1]) + 1}\n" not in log:
-        return int(started[-1])
-    return None
-
-
-def newest_transition(peer: PeerProcess) -> int:
-    return max(map(int, re.findall(r"Transitioning to epoch (\d+)", peer.stderr)), default=0)
 
 
 def outer_state(root: Path, name: str, epoch: int) -> List[torch.Tensor]:
@@ -114,19 +103,12 @@ def diloco_faults(tmp_path_factory) -> DiLoCoFaults:
         stranger_probe = _result(peers["stranger"], "probe", timeout=60)
 
         # SIGKILL the victim once it and steady are both in the same epoch's outer all-reduce; restart it
-        deadline, killed_at, mid_round = time.monotonic() + 120, None, False
-        while killed_at is None and time.monotonic() < deadline and victim.process.poll() is None:
-            epoch = all_reducing(victim)
-            if epoch is not None and all_reducing(steady) == epoch:
-                victim.kill()
-                killed_at, mid_round = epoch, all_reducing(victim) == all_reducing(steady) == epoch
-            time.sleep(0.01)
-        assert killed_at is not None, f"victim and steady were in no outer all-reduce together:\n{victim.stderr[-3000:]}"
+        killed_at, mid_round = kill_during_round(victim, steady, OUTER_ROUND_BEGINS, timeout=120)
         killed = time.monotonic()
         peers["victim-restarted"] = PeerProcess("victim-restarted", trainer_argv("victim", maddrs), root, ENV)
         seconds_to_go_on = {}
         for survivor in (steady, faulty):
-            wait_until(lambda: newest_transition(survivor) > killed_at,
+            wait_until(lambda: max(transitions(survivor.stderr), default=0) > killed_at,
                        timeout=RUN["matchmaking_time"] + RUN["averaging_timeout"] + 30,
                        what=f"{survivor.name} to go on", interval=0.05)
             seconds_to_go_on[survivor.name] = time.monotonic() - killed

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from itertools import combinations, count
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import pytest
 
@@ -34,7 +34,7 @@ import pytest
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
-from swarm_utils import EpochReport, epoch_reports  # noqa: E402
+from swarm_utils import EpochReport, epoch_reports, kill_during_round, transitions  # noqa: E402
 
 from lean_transformer.demo.local_swarm import command_line  # noqa: E402
 
@@ -44,6 +44,7 @@ PREFIX = "@@ "  # marks the attacker's result lines on stdout
 SWARM = dict(target_batch_size=64, per_device_batch_size=4, max_sequence_length=32, matchmaking_time=3,
              averaging_timeout=10, startup_timeout=90, learning_rate=0.02, warmup_steps=2)
 NONFINITE_EVERY = 3
+STEP_BEGINS = r"Beginning optimizer step #(\d+)"  # a gradient averaging round starts
 
 
 def swarm_args(run_id: str, **overrides) -> List[str]:
@@ -63,11 +64,6 @@ def read_jsonl(path: Path) -> List[dict]:
 
 def newest_epoch(peer: PeerProcess) -> int:
     return max(epoch_reports(peer.stderr), default=0)
-
-
-def transitions(peer: PeerProcess) -> List[int]:
-    """The epochs ``peer`` has moved to, in order (hivemind's "Transitioning to epoch N")."""
-    return [int(epoch) for epoch in re.findall(r"Transitioning to epoch (\d+)", peer.stderr)]
 
 
 # ---------------------------------------------------------------- the swarm under faults
@@ -96,33 +92,6 @@ class FaultRun:
         return self.root / "metrics.jsonl"
 
 
-def round_in_progress(peer: PeerProcess) -> Optional[int]:
-    """The epoch whose optimizer step (and gradient averaging round) ``peer`` has begun and not finished, if any."""
-    log = peer.stderr
-    steps = re.findall(r"Beginning optimizer step #(\d+)", log)
-    if steps and f"Transitioning to epoch {int(steps[-1]) + 1}\n" not in log:
-        return int(steps[-1])
-    return None
-
-
-def kill_during_averaging_round(peer: PeerProcess, partner: PeerProcess, min_epoch: int, timeout: float
-                                ) -> tuple[int, bool]:
-    """SIGKILL ``peer`` as soon as it and ``partner`` are both in the optimizer step of the same epoch >=
-    ``min_epoch``, i.e. while that step's gradient averaging round is under way for both. Returns the epoch and
-    whether the round was still unfinished for both right after the kill."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        epoch = round_in_progress(peer)
-        if epoch is not None and epoch >= min_epoch and round_in_progress(partner) == epoch:
-            peer.kill()
-            return epoch, round_in_progress(peer) == round_in_progress(partner) == epoch
-        if peer.process.poll() is not None:
-            break
-        time.sleep(0.01)
-    raise AssertionError(f"{peer.name} and {partner.name} were in no averaging round >= {min_epoch} together in "
-                         f"time:\n{peer.stderr[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> FaultRun:
     root = tmp_path_factory.mktemp("faults")
@@ -145,14 +114,14 @@ def faults(tmp_path_factory) -> FaultRun:
 
         # once the three trainers have averaged together, kill the victim in the middle of a round and restart it
         steady.wait_for(r"Averaged gradients with [34] peers", timeout=180)
-        killed_at, mid_round = kill_during_averaging_round(victim, steady, max(2, newest_epoch(steady) + 1),
-                                                          timeout=120)
+        killed_at, mid_round = kill_during_round(victim, steady, STEP_BEGINS, timeout=120,
+                                                 min_epoch=max(2, newest_epoch(steady) + 1))
         killed = time.monotonic()
         restarted = PeerProcess("victim-restarted", victim_argv, root)
         peers.append(restarted)
         seconds_to_go_on = {}
         for survivor in (steady, faulty):
-            wait_until(lambda: max(transitions(survivor), default=0) > killed_at,
+            wait_until(lambda: max(transitions(survivor.stderr), default=0) > killed_at,
                        timeout=SWARM["averaging_timeout"] + 30, what=f"{survivor.name} to go on", interval=0.05)
             seconds_to_go_on[survivor.name] = time.monotonic() - killed
         joined = int(restarted.wait_for(r"Joined the swarm at epoch (\d+)", timeout=150).group(1))
@@ -184,7 +153,7 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
 
     # nothing lost: the survivors' epochs only went forward, the restarted victim joined at the swarm's epoch
     for survivor in (faults.steady, faults.faulty):
-        epochs = transitions(survivor)
+        epochs = transitions(survivor.stderr)
         assert epochs == sorted(epochs) and epochs[-1] >= faults.killed_at_epoch + 2, (survivor.name, epochs)
     joined = int(re.search(r"Joined the swarm at epoch (\d+)", faults.restarted.stderr).group(1))
     assert joined >= faults.killed_at_epoch
