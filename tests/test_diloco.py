@@ -3,10 +3,12 @@ real hivemind peers (separate processes on 127.0.0.1) averaging pseudo-gradients
 to identical parameters."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,106 @@ def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_compute
            f"b at {results['b']['weight'][0]:.6f}, by hand {expected:.6f}")
 
 
+@pytest.mark.swarm
+def test_a_reducer_that_dies_in_the_round_leaves_no_peer_with_a_partial_average(tmp_path, report):
+    """Three peers form a group (min_group_size 3); the third one sends its parts and receives the others' averages,
+    but answers none as a reducer, then crashes (SIGKILL of its process group). hivemind would give each survivor its
+    own values for the dead reducer's part, hence two different anchors; here the round fails on both (it cannot form
+    again without the third), and the anchors stay equal and unchanged."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PARTIAL_BARRIER=str(tmp_path))
+    procs = {name: None for name in ("a", "b", "dies")}
+    try:
+        procs["a"] = subprocess.Popen([sys.executable, __file__, "a", "partial"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env)
+        address = procs["a"].stdout.readline().strip()
+        assert address.startswith("/ip4/"), procs["a"].stderr.read()[-3000:] if procs["a"].poll() else address
+        for name in ("b", "dies"):
+            procs[name] = subprocess.Popen([sys.executable, __file__, name, "partial", address],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                           start_new_session=True)
+        outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    results = {}
+    for name in ("a", "b"):
+        out, err = outputs[name]
+        assert procs[name].returncode == 0, err[-3000:]
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    assert procs["dies"].returncode == -9 and "answered none: dying" in outputs["dies"][1], outputs["dies"][1][-3000:]
+    assert results["a"] == results["b"] == dict(group_sizes=[None], anchor_unchanged=True,
+                                                anchor_sha256=results["a"]["anchor_sha256"]), results
+    for name in ("a", "b"):
+        assert "were not averaged (a peer of the group failed during the round)" in outputs[name][1]
+    report("a group of 3 whose third peer crashed after sending its parts, before answering as a reducer: the round "
+           "failed on both survivors, anchors equal and unchanged (hivemind alone keeps each one's own values there)")
+
+
+PARTIAL_SIZE = 3000  # elements
+
+
+def partial_round_peer(name: str, address: str | None) -> None:
+    """A peer of the partial-round test; ``dies``: the peer that crashes half-way through the round."""
+    import asyncio
+    import signal
+
+    import hivemind
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from lean_transformer.swarm import diloco
+    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
+
+    if name == "dies":  # patched before the averager's process forks
+        init, accumulate = diloco._SameResultRunner.__init__, diloco._SameResultRunner._accumulate_parts_streaming
+        register = TensorPartContainer.register_processed_part
+
+        def remember_own_index(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.tensor_part_container.own_index = self.ordered_peer_ids.index(self.peer_id)
+
+        async def reduce_but_never_answer(self, stream, sender_index):
+            async for message in accumulate(self, stream, sender_index):
+                await asyncio.Event().wait()
+                yield message
+
+        def die_once_averaged_by_the_others(self, peer_index, part_index, part):
+            register(self, peer_index, part_index, part)
+            if all(self._outputs_registered_by_peer[index] == self.num_parts_by_peer[index]
+                   for index in range(self.group_size) if index != self.own_index):
+                print("sent every part, got the others' averages, answered none: dying", file=sys.stderr, flush=True)
+                os.killpg(0, signal.SIGKILL)  # the whole peer, its p2p daemon included, as in a crash
+
+        diloco._SameResultRunner.__init__ = remember_own_index
+        diloco._SameResultRunner._accumulate_parts_streaming = reduce_but_never_answer
+        TensorPartContainer.register_processed_part = die_once_averaged_by_the_others
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       initial_peers=[address] if address else None)
+    if address is None:
+        print(dht.get_visible_maddrs()[0], flush=True)
+    weight = torch.nn.Parameter(torch.full((PARTIAL_SIZE,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_partial", [weight.shape], matchmaking_time=3.0,
+                                      allreduce_timeout=8.0, target_group_size=3, min_group_size=3,
+                                      part_size_bytes=4 * PARTIAL_SIZE // 3)  # one part per peer, not one in all
+    rounds = OuterLoop(outer, averager)
+    with torch.no_grad():
+        weight.sub_(torch.linspace(-1.0, 1.0, PARTIAL_SIZE) * (2.0 if name == "a" else 0.5))
+    rounds.add_samples(4)
+    barrier = Path(os.environ["PARTIAL_BARRIER"])
+    (barrier / name).touch()
+    deadline = time.monotonic() + 60
+    while len(list(barrier.iterdir())) < 3:  # all three begin the round together, so the group forms
+        assert time.monotonic() < deadline, "the other peers did not start"
+        time.sleep(0.05)
+    group_sizes = [rounds.end_round()]
+    anchor = outer.anchor[0]
+    print(json.dumps(dict(group_sizes=group_sizes, anchor_unchanged=bool((anchor == 1.0).all()),
+                          anchor_sha256=hashlib.sha256(anchor.numpy().tobytes()).hexdigest())), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
 def peer(name: str, compression: str, address: str | None) -> None:
     import hivemind
     from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager, TopKErrorFeedback
@@ -208,4 +310,7 @@ def peer(name: str, compression: str, address: str | None) -> None:
 
 
 if __name__ == "__main__":
-    peer(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+    if sys.argv[2] == "partial":
+        partial_round_peer(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else None)
+    else:
+        peer(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

@@ -46,13 +46,13 @@ import hivemind
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
                                   serialize_torch_tensor)
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
@@ -256,7 +256,14 @@ class _SameResultRunner(AllReduceRunner):
 
 class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages (top-k payloads) whole, every
-    peer getting the same average (same wire format)."""
+    peer getting the same average (same wire format), and all of it or nothing.
+
+    hivemind accepts a partial result: where a reducer fails half-way (a peer killed in the round), each peer keeps
+    its *own* values for that reducer's part ("received 97.9% results"), so the peers' averages, hence their anchors,
+    differ. Here a round with any part missing fails instead (a missed round; hivemind retries it within the step's
+    deadline), and the buffers change only once every part has arrived, so a retry sends the peer's own
+    pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
+    during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round)."""
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -264,14 +271,19 @@ class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                tensor.copy_(averaged)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+            return
+        averaged = [tensor async for tensor in runner]
+        container = runner.tensor_part_container
+        if container.failed_size:
+            raise AllreduceException(f"{container.failed_size} of {container.total_size} values were not averaged "
+                                     f"(a peer of the group failed during the round)")
+        for tensor, average in zip(tensors, averaged):
+            tensor.copy_(average)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
 
 
 @functools.cache
