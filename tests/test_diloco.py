@@ -142,26 +142,17 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 @pytest.mark.swarm
 @pytest.mark.parametrize("compression", ["none", "blockwise8bit", "topk", "overlap"])
-def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, report):
+def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, tmp_path,
+                                                                                             report):
     """Uncompressed, the result is exact; block-wise 8-bit codes carry each value to within 1/127 of its block's
     absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2. Top-k of all
     values sends them as float16, in which these shifts are exact. Whatever the codec, both peers end bit-identical.
     With overlap (uncompressed), round t's average is applied at the end of round t+1: after 3 rounds the anchor has
     taken the outer steps of rounds 1 and 2, and each peer carries its own round-3 shift on top of it."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    first = subprocess.Popen([sys.executable, __file__, "a", compression], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        address = first.stdout.readline().strip()
-        assert address.startswith("/ip4/"), first.stderr.read()[-3000:] if first.poll() is not None else address
-        second = subprocess.run([sys.executable, __file__, "b", compression, address], capture_output=True,
-                                text=True, env=env, timeout=120)
-        out_a, err_a = first.communicate(timeout=120)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert second.returncode == 0 and first.returncode == 0, second.stderr[-3000:] + err_a[-3000:]
-    results = {"a": json.loads(out_a.strip().splitlines()[-1]), "b": json.loads(second.stdout.strip().splitlines()[-1])}
+    outputs = run_peers({"a": [compression], "b": [compression]}, tmp_path)
+    for code, _, err in outputs.values():
+        assert code == 0, err[-3000:]
+    results = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
 
     total = sum(samples for samples, _ in PEERS.values())
     means = [sum(samples * shifts[r] for samples, shifts in PEERS.values()) / total for r in range(2)]
@@ -184,32 +175,17 @@ def test_a_reducer_that_dies_in_the_round_leaves_no_peer_with_a_partial_average(
     but answers none as a reducer, then crashes (SIGKILL of its process group). hivemind would give each survivor its
     own values for the dead reducer's part, hence two different anchors; here the round fails on both (it cannot form
     again without the third), and the anchors stay equal and unchanged."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PARTIAL_BARRIER=str(tmp_path))
-    procs = {name: None for name in ("a", "b", "dies")}
-    try:
-        procs["a"] = subprocess.Popen([sys.executable, __file__, "a", "partial"], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env)
-        address = procs["a"].stdout.readline().strip()
-        assert address.startswith("/ip4/"), procs["a"].stderr.read()[-3000:] if procs["a"].poll() else address
-        for name in ("b", "dies"):
-            procs[name] = subprocess.Popen([sys.executable, __file__, name, "partial", address],
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                           start_new_session=True)
-        outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc is not None and proc.poll() is None:
-                proc.kill()
+    outputs = run_peers({"a": ["partial"], "b": ["partial"], "dies": ["partial"]}, tmp_path, new_session=("dies",))
     results = {}
     for name in ("a", "b"):
-        out, err = outputs[name]
-        assert procs[name].returncode == 0, err[-3000:]
+        code, out, err = outputs[name]
+        assert code == 0, err[-3000:]
         results[name] = json.loads(out.strip().splitlines()[-1])
-    assert procs["dies"].returncode == -9 and "answered none: dying" in outputs["dies"][1], outputs["dies"][1][-3000:]
+    assert outputs["dies"][0] == -9 and "answered none: dying" in outputs["dies"][2], outputs["dies"][2][-3000:]
     assert results["a"] == results["b"] == dict(group_sizes=[None], anchor_unchanged=True,
                                                 anchor_sha256=results["a"]["anchor_sha256"]), results
     for name in ("a", "b"):
-        assert "were not averaged (a peer of the group failed during the round)" in outputs[name][1]
+        assert "were not averaged (a peer of the group failed during the round)" in outputs[name][2]
     report("a group of 3 whose third peer crashed after sending its parts, before answering as a reducer: the round "
            "failed on both survivors, anchors equal and unchanged (hivemind alone keeps each one's own values there)")
 
@@ -217,12 +193,49 @@ def test_a_reducer_that_dies_in_the_round_leaves_no_peer_with_a_partial_average(
 PARTIAL_SIZE = 3000  # elements
 
 
-def partial_round_peer(name: str, address: str | None) -> None:
+def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
+    """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
+    others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RENDEZVOUS=str(rendezvous))
+    procs = {}
+    try:
+        for index, (name, rest) in enumerate(args.items()):
+            procs[name] = subprocess.Popen([sys.executable, __file__, name, *rest, "first" if index == 0 else "join"],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                           start_new_session=name in new_session)
+        outputs = {}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            outputs[name] = (proc.returncode, out, err)
+        return outputs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def start_dht(role: str) -> "hivemind.DHT":
+    """The peer's DHT: ``first`` starts the swarm and leaves its address in $RENDEZVOUS; ``join`` waits for it."""
+    import hivemind
+
+    address_file = Path(os.environ["RENDEZVOUS"]) / "address"
+    if role == "first":
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        address_file.with_suffix(".tmp").write_text(str(dht.get_visible_maddrs()[0]))
+        address_file.with_suffix(".tmp").rename(address_file)
+        return dht
+    deadline = time.monotonic() + 60
+    while not address_file.exists():
+        assert time.monotonic() < deadline, "the first peer did not start"
+        time.sleep(0.05)
+    return hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address_file.read_text()])
+
+
+def partial_round_peer(name: str, role: str) -> None:
     """A peer of the partial-round test; ``dies``: the peer that crashes half-way through the round."""
     import asyncio
     import signal
 
-    import hivemind
     from hivemind.averaging.partition import TensorPartContainer
 
     from lean_transformer.swarm import diloco
@@ -251,20 +264,18 @@ def partial_round_peer(name: str, address: str | None) -> None:
         diloco._SameResultRunner.__init__ = remember_own_index
         diloco._SameResultRunner._accumulate_parts_streaming = reduce_but_never_answer
         TensorPartContainer.register_processed_part = die_once_averaged_by_the_others
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       initial_peers=[address] if address else None)
-    if address is None:
-        print(dht.get_visible_maddrs()[0], flush=True)
+    dht = start_dht(role)
     weight = torch.nn.Parameter(torch.full((PARTIAL_SIZE,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
-    averager = PseudoGradientAverager(dht, "test_diloco_partial", [weight.shape], matchmaking_time=3.0,
-                                      allreduce_timeout=8.0, target_group_size=3, min_group_size=3,
+    averager = PseudoGradientAverager(dht, "test_diloco_partial", [weight.shape], matchmaking_time=2.0,
+                                      allreduce_timeout=5.0, target_group_size=3, min_group_size=3,
                                       part_size_bytes=4 * PARTIAL_SIZE // 3)  # one part per peer, not one in all
     rounds = OuterLoop(outer, averager)
     with torch.no_grad():
         weight.sub_(torch.linspace(-1.0, 1.0, PARTIAL_SIZE) * (2.0 if name == "a" else 0.5))
     rounds.add_samples(4)
-    barrier = Path(os.environ["PARTIAL_BARRIER"])
+    barrier = Path(os.environ["RENDEZVOUS"]) / "ready"
+    barrier.mkdir(exist_ok=True)
     (barrier / name).touch()
     deadline = time.monotonic() + 60
     while len(list(barrier.iterdir())) < 3:  # all three begin the round together, so the group forms
@@ -278,15 +289,11 @@ def partial_round_peer(name: str, address: str | None) -> None:
     dht.shutdown()
 
 
-def peer(name: str, compression: str, address: str | None) -> None:
-    import hivemind
+def peer(name: str, compression: str, role: str) -> None:
     from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager, TopKErrorFeedback
     from lean_transformer.swarm.optimizer import make_compression
 
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       initial_peers=[address] if address else None)
-    if address is None:
-        print(dht.get_visible_maddrs()[0], flush=True)
+    dht = start_dht(role)
     weight = torch.nn.Parameter(torch.full((3,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
@@ -311,6 +318,6 @@ def peer(name: str, compression: str, address: str | None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[2] == "partial":
-        partial_round_peer(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else None)
+        partial_round_peer(sys.argv[1], sys.argv[3])
     else:
-        peer(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+        peer(sys.argv[1], sys.argv[2], sys.argv[3])
