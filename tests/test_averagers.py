@@ -35,15 +35,15 @@ def run_cases(case: str) -> dict:
     """Both variants of ``case``, side by side; their results, with what their logs show."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     processes = {variant: subprocess.Popen([sys.executable, __file__, variant, case], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, env=env)
+                                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
                  for variant in ("hivemind", "lean_transformer")}
     results = {}
     for variant, process in processes.items():
         try:
             stdout, stderr = process.communicate(timeout=120)
         except subprocess.TimeoutExpired:  # hivemind's own averager, left broken by the race, may hang in shutdown
-            process.kill()
-            stdout, stderr = process.communicate()
+            os.killpg(process.pid, signal.SIGKILL)  # its DHT and p2p daemons too: they hold the pipes open
+            stdout, stderr = process.communicate(timeout=30)
         # the result is printed before shutdown; ours must also exit cleanly
         assert stdout.strip() and (variant == "hivemind" or process.returncode == 0), f"{variant}:\n{stderr[-3000:]}"
         results[variant] = dict(json.loads(stdout.strip().splitlines()[-1]), destroyed=DESTROYED in stderr,
@@ -132,11 +132,14 @@ def main(variant: str, case: str) -> None:
 
     result = dict(group_size=None, error=None)
     try:
-        result["group_size"] = len(steps[-1].result())
+        result["group_size"] = len(steps[-1].result(timeout=30))
     except Exception as e:
         result["error"] = repr(e)[:100]
     for step in steps:
-        step.exception()  # wait for each either way
+        try:
+            step.exception(timeout=30)  # wait for each either way
+        except TimeoutError:
+            result["error"] = result["error"] or "a step did not end within 30 s"
     time.sleep(0.5)  # for A's cancelled round, if it runs
     for name, peer in zip("ab", peers):
         with peer.get_tensors() as (tensor,):

@@ -89,11 +89,16 @@ def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
 
 
 def test_loss_falls_over_the_rounds(diloco_run):
+    """Each trainer ends below the swarm's first epoch loss (the untrained model's). Not below its own first one: a
+    trainer that joins later starts from the swarm's state, and an epoch's mean over a few micro-batches is noisy
+    (a late joiner once logged 2.78, 4.11, 3.28, 2.72 in its 4 epochs)."""
     _, _, trainers = diloco_run
-    for trainer in trainers:
-        losses = {int(e): float(loss) for e, loss in re.findall(r"Reached epoch (\d+): mean loss ([\d.]+)",
-                                                                trainer.stderr)}
-        assert losses[max(losses)] < losses[min(losses)] - 0.1, (trainer.name, losses)
+    losses = {trainer.name: {int(e): float(loss) for e, loss in re.findall(
+        r"Reached epoch (\d+): mean loss ([\d.]+)", trainer.stderr)} for trainer in trainers}
+    first_epoch = min(min(by_epoch) for by_epoch in losses.values())
+    untrained = max(by_epoch[first_epoch] for by_epoch in losses.values() if first_epoch in by_epoch)
+    for name, by_epoch in losses.items():
+        assert by_epoch[max(by_epoch)] < untrained - 0.1, (name, losses)
 
 
 def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
