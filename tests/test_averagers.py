@@ -45,7 +45,7 @@ def run_cases(case: str) -> dict:
             os.killpg(process.pid, signal.SIGKILL)  # its DHT and p2p daemons too: they hold the pipes open
             stdout, stderr = process.communicate(timeout=30)
         # the result is printed before shutdown; ours must also exit cleanly
-        assert stdout.strip() and (variant == "hivemind" or process.returncode == 0), f"{variant}:\n{stderr[-3000:]}"
+        assert stdout.strip() and (variant == "hivemind" or process.returncode == 0), f"{variant}:\n{stderr[-12000:]}"
         results[variant] = dict(json.loads(stdout.strip().splitlines()[-1]), destroyed=DESTROYED in stderr,
                                 zombie_result=ZOMBIE_RESULT in stderr)
     return results
@@ -82,6 +82,8 @@ def test_a_round_cancelled_before_its_allreduce_changes_nothing_in_ours(report):
 
 
 def main(variant: str, case: str) -> None:
+    import faulthandler
+
     import hivemind
     import torch
     from hivemind.optim import grad_averager
@@ -95,6 +97,7 @@ def main(variant: str, case: str) -> None:
         async def _collect_garbage(self, future: MPFuture) -> None:
             future.set_result(gc.collect())
 
+    faulthandler.dump_traceback_later(100)  # the stacks, where a run hangs (before run_cases' 120 s kill)
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
     dhts = [hivemind.DHT(start=True, host_maddrs=maddrs)]
     dhts.append(hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dhts[0].get_visible_maddrs()))
