@@ -81,6 +81,22 @@ def test_a_round_cancelled_before_its_allreduce_changes_nothing_in_ours(report):
 # ---------------------------------------------------------------- one variant, as a script
 
 
+def stop_outside_the_update_lock(pid: int) -> None:
+    """SIGSTOP a process, but not while it holds MPFuture's update lock (one lock shared by all of a peer's
+    processes): then this process's next MPFuture update would wait for it forever (seen under load, in
+    ``control.cancel()``)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    for _ in range(100):
+        os.kill(pid, signal.SIGSTOP)
+        if MPFuture._update_lock.acquire(timeout=0.1):
+            MPFuture._update_lock.release()
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} held MPFuture's update lock at every try")
+
+
 def main(variant: str, case: str) -> None:
     import faulthandler
 
@@ -112,7 +128,7 @@ def main(variant: str, case: str) -> None:
     if case == "gc":
         control = a.schedule_step(timeout=10)
         time.sleep(1.0)  # A has declared itself and waits for its scheduled time
-        os.kill(dhts[0].pid, signal.SIGSTOP)
+        stop_outside_the_update_lock(dhts[0].pid)
         try:
             control.cancel()
             time.sleep(1.0)  # the clean-up now awaits A's DHT
