@@ -8,11 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from aux_utils import wait_until
 
 from lean_transformer.swarm.diloco import OuterNesterov
 
@@ -20,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
 PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
+PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 
 
 def hand_nesterov(anchor: float, deltas: list) -> float:
@@ -190,9 +192,6 @@ def test_a_reducer_that_dies_in_the_round_leaves_no_peer_with_a_partial_average(
            "failed on both survivors, anchors equal and unchanged (hivemind alone keeps each one's own values there)")
 
 
-PARTIAL_SIZE = 3000  # elements
-
-
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
@@ -224,10 +223,7 @@ def start_dht(role: str) -> "hivemind.DHT":
         address_file.with_suffix(".tmp").write_text(str(dht.get_visible_maddrs()[0]))
         address_file.with_suffix(".tmp").rename(address_file)
         return dht
-    deadline = time.monotonic() + 60
-    while not address_file.exists():
-        assert time.monotonic() < deadline, "the first peer did not start"
-        time.sleep(0.05)
+    wait_until(address_file.exists, timeout=60, what="the first peer's address", interval=0.05)
     return hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address_file.read_text()])
 
 
@@ -277,10 +273,8 @@ def partial_round_peer(name: str, role: str) -> None:
     barrier = Path(os.environ["RENDEZVOUS"]) / "ready"
     barrier.mkdir(exist_ok=True)
     (barrier / name).touch()
-    deadline = time.monotonic() + 60
-    while len(list(barrier.iterdir())) < 3:  # all three begin the round together, so the group forms
-        assert time.monotonic() < deadline, "the other peers did not start"
-        time.sleep(0.05)
+    # all three begin the round together, so the group forms
+    wait_until(lambda: len(list(barrier.iterdir())) == 3, timeout=60, what="the other peers", interval=0.05)
     group_sizes = [rounds.end_round()]
     anchor = outer.anchor[0]
     print(json.dumps(dict(group_sizes=group_sizes, anchor_unchanged=bool((anchor == 1.0).all()),
