@@ -66,14 +66,18 @@ def epochs(peer: PeerProcess) -> dict[int, tuple[float, int]]:
 
 
 def test_bfloat16_pair_averages_host_gradients_and_learns(peers):
-    for name in ("a", "b"):
+    """Each trainer ends below the swarm's first epoch loss. Not below its own first one: a trainer that joins late
+    downloads the trained state and reports from epoch 2 on (CI: 5.05 then 4.86, while the swarm began at ~5.6)."""
+    reports = {name: epochs(peers[name]) for name in ("a", "b")}
+    for name, by_epoch in reports.items():
         peer = peers[name]
         assert peer.process.returncode == 0, peer.stderr[-3000:]
         assert "Averaged gradients with 2 peers" in peer.stderr, peer.stderr[-3000:]
-        reports = epochs(peer)
-        assert max(reports) == PAIR_EPOCHS and all(skipped == 0 for _, skipped in reports.values()), reports
-        first, last = min(reports), max(reports)
-        assert reports[last][0] < reports[first][0] - 0.2, reports
+        assert max(by_epoch) == PAIR_EPOCHS and all(skipped == 0 for _, skipped in by_epoch.values()), by_epoch
+    first_epoch = min(min(by_epoch) for by_epoch in reports.values())
+    untrained = max(by_epoch[first_epoch][0] for by_epoch in reports.values() if first_epoch in by_epoch)
+    for name, by_epoch in reports.items():
+        assert by_epoch[PAIR_EPOCHS][0] < untrained - 0.2, reports
 
 
 def test_float16_weights_train_with_loss_scaling_on_the_host(peers):
