@@ -10,6 +10,13 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.models.generation import sample_text
+from lean_transformer.models.gpt import CACHE_FIELD
+
+
+def cache_of(output) -> DynamicCache:
+    """The returned KV cache, under the field name of the installed transformers (see CACHE_FIELD)."""
+    return getattr(output, CACHE_FIELD)
+
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 GPT2_TINY = dict(vocab_size=97, n_positions=64, n_embd=32, n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -89,7 +96,7 @@ def test_cached_decoding_matches_full_forward(gpt_config, architecture):
         for start, end in [(0, 5), (5, 8), *((i, i + 1) for i in range(8, 12))]:
             out = model(input_ids[:, start:end], attention_mask=attention_mask[:, :end],
                         position_ids=position_ids[:, start:end], past_key_values=cache)
-            assert out.past_key_values is cache and cache.get_seq_length() == end
+            assert cache_of(out) is cache and cache.get_seq_length() == end
             got.append(out.logits)
     valid = attention_mask.bool()
     torch.testing.assert_close(torch.cat(got, 1)[valid], expected[valid], **TOL)
@@ -104,7 +111,7 @@ def test_default_positions_continue_after_the_cache(gpt_config, position_embeddi
     with torch.no_grad():
         expected = model(input_ids).logits
         first = model(input_ids[:, :7], use_cache=True)
-        second = model(input_ids[:, 7:], past_key_values=first.past_key_values)
+        second = model(input_ids[:, 7:], cache=cache_of(first))  # the name since transformers 5.24
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), expected, **TOL)
 
 
@@ -137,7 +144,11 @@ def test_unsupported_arguments_raise(gpt_config):
         model(input_ids, attention_mask=torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="position_ids"):
         model(input_ids, position_ids=torch.arange(5)[None])
-    cache = model(input_ids, use_cache=True).past_key_values
+    cache = cache_of(model(input_ids, use_cache=True))
+    with pytest.raises(ValueError, match="not both"):
+        model(input_ids, cache=cache, past_key_values=cache)
+    with pytest.raises(TypeError, match="cache must be a transformers Cache"):
+        model(input_ids, cache=[])
     with pytest.raises(ValueError, match="after 6 cached ones"):  # 6 + 30 > max_position_embeddings=32
         model(torch.randint(0, config.vocab_size, (2, 30)), past_key_values=cache)
     with pytest.raises(ValueError, match="not used by the model.*num_experts"):  # generate's own check of kwargs
@@ -150,7 +161,7 @@ def test_cache_with_recomputation_under_autograd_raises(gpt_config):
     with pytest.raises(ValueError, match="reversible=True or gradient_checkpointing"):
         model(input_ids, use_cache=True)
     with torch.no_grad():
-        assert model(input_ids, use_cache=True).past_key_values.get_seq_length() == 6
+        assert cache_of(model(input_ids, use_cache=True)).get_seq_length() == 6
 
 
 class _Bytes:
