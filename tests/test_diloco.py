@@ -22,6 +22,8 @@ LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
 PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
+SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
+SPARSE_SAMPLES = {"a": 1, "client": 3}  # the sparse test's trainers and their samples per round
 
 
 def hand_nesterov(anchor: float, deltas: list) -> float:
@@ -64,39 +66,41 @@ def test_bad_outer_settings_name_the_flag(kwargs, field):
 
 
 def test_topk_error_feedback_keeps_exactly_what_it_did_not_send():
-    from lean_transformer.swarm.diloco import TopKErrorFeedback
+    from lean_transformer.swarm.sparse_allreduce import TopKErrorFeedback
 
     shapes = [torch.Size([40, 5]), torch.Size([7])]
     topk = TopKErrorFeedback(shapes, fraction=0.1)
     generator = torch.Generator().manual_seed(1)
     rounds = [[torch.randn(shape, generator=generator, dtype=torch.float64).float() for shape in shapes]
               for _ in range(5)]
-    sent_total = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
+    sent_total = torch.zeros(207, dtype=torch.float64)
     for deltas in rounds:
-        sparse = topk.compress(deltas)
-        assert [len(indices) for indices, _ in sparse] == [20, 1]  # ceil(10%) of each tensor
-        parsed = TopKErrorFeedback.from_bytes(TopKErrorFeedback.to_bytes(sparse), shapes)
-        for (indices, values), (parsed_indices, parsed_values) in zip(sparse, parsed):
-            assert torch.equal(indices, parsed_indices) and torch.equal(values, parsed_values)
-        for total, dense in zip(sent_total, TopKErrorFeedback.densify(sparse, shapes)):
-            total += dense.double()
+        indices, values = topk.compress(deltas)
+        assert values.dtype == torch.float16 and (indices[:20] < 200).all() and (indices[20:] >= 200).all()
+        assert len(indices) == 21 and (indices[1:] > indices[:-1]).all()  # ceil(10%) of each tensor, sorted
+        sent_total[indices] += values.double()
         topk.commit()
-    for index, shape in enumerate(shapes):  # everything produced = everything sent + what is still kept
-        produced = sum(deltas[index].double() for deltas in rounds)
-        torch.testing.assert_close(sent_total[index] + topk.errors[index].double(), produced, rtol=0, atol=1e-5)
+    produced = sum(torch.cat([delta.double().flatten() for delta in deltas]) for deltas in rounds)
+    # everything produced = everything sent + what is still kept
+    torch.testing.assert_close(sent_total + topk.error.double(), produced, rtol=0, atol=1e-5)
     # a value that was never sent is kept whole; an uncommitted (failed) round leaves the error as it was
-    before = [error.clone() for error in topk.errors]
+    before = topk.error.clone()
     topk.compress([torch.full(shape, 1e3) for shape in shapes])
-    assert all(torch.equal(a, b) for a, b in zip(before, topk.errors))
+    assert torch.equal(before, topk.error)
 
 
-@pytest.mark.parametrize("payload, problem", [(b"", "cut short"), (b"\x01" + b"\x00" * 7 + b"\x00" * 7, "trailing"),
-                                              (b"\xff" * 8, "values for a tensor")])
-def test_a_malformed_topk_payload_is_refused(payload, problem):
-    from lean_transformer.swarm.diloco import TopKErrorFeedback
+@pytest.mark.parametrize("indices, values, problem", [
+    (torch.tensor([0, 1]), torch.zeros(2, dtype=torch.float16), "int32 indices and float16 values"),
+    (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(3, dtype=torch.float16), "2 indices for 3 values"),
+    (torch.tensor([0, 4], dtype=torch.int32), torch.zeros(2, dtype=torch.float16), "outside the range of 4"),
+    (torch.tensor([2, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.float16), "strictly increasing"),
+    (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, float("inf")], dtype=torch.float16), "non-finite"),
+])
+def test_a_malformed_sparse_part_is_refused(indices, values, problem):
+    from lean_transformer.swarm.sparse_allreduce import check_sparse_part
 
     with pytest.raises(ValueError, match=problem):
-        TopKErrorFeedback.from_bytes(payload, [torch.Size([4])])
+        check_sparse_part(indices, values, 4)
 
 
 def test_bytes_per_parameter_per_round(report):
@@ -109,7 +113,8 @@ def test_bytes_per_parameter_per_round(report):
     measured["topk 1%"] = wire_bytes_per_parameter(shapes, None, topk_fraction=0.01)
     assert 3.9 < measured["none"] < 4.1 and 1.9 < measured["float16"] < 2.1
     assert 0.95 < measured["uniform8bit"] < 1.1 and 0.95 < measured["blockwise8bit"] < 1.1
-    assert 0.11 < measured["topk 1%"] < 0.13  # 6 bytes a sent value, out and back
+    # 6 bytes an entry; half of 1% out, half of the union of two random 1% sets (1.99%) back
+    assert 0.088 < measured["topk 1%"] < 0.092
     report("2 peers, bytes sent + received per parameter per round: " +
            ", ".join(f"{name} {value:.3f}" for name, value in measured.items()))
 
@@ -192,6 +197,34 @@ def test_a_reducer_that_dies_in_the_round_leaves_no_peer_with_a_partial_average(
            "failed on both survivors, anchors equal and unchanged (hivemind alone keeps each one's own values there)")
 
 
+@pytest.mark.swarm
+def test_sparse_topk_all_reduce_with_a_client_mode_peer_and_an_aux_reducer(tmp_path, report):
+    """A trainer, a client-mode trainer (it reduces nothing) and an aux peer (it reduces, sends nothing) all-reduce
+    top-5% pseudo-gradients for two rounds. Each trainer's result must equal, bit for bit, the samples-weighted mean
+    of both trainers' top-k entries, computed here with their own error feedback (round 2 sends what round 1 left),
+    rounded to float16 as the reducers send it; and both trainers must hold the same average."""
+    from lean_transformer.swarm.sparse_allreduce import TopKErrorFeedback
+
+    outputs = run_peers({"a": ["sparse"], "client": ["sparse"], "aux": ["sparse"]}, tmp_path)
+    for code, _, err in outputs.values():
+        assert code == 0, err[-3000:]
+    results = {name: json.loads(outputs[name][1].strip().splitlines()[-1]) for name in ("a", "client")}
+    feedback = {name: TopKErrorFeedback([torch.Size([SPARSE_SIZE])], SPARSE_FRACTION) for name in SPARSE_SAMPLES}
+    for round_index in range(2):
+        total = torch.zeros(SPARSE_SIZE)
+        for name, samples in SPARSE_SAMPLES.items():
+            indices, values = feedback[name].compress([sparse_delta(name, round_index)])
+            feedback[name].commit()
+            total[indices] += values.float() * float(samples)
+        expected = (total / float(sum(SPARSE_SAMPLES.values()))).half().float()
+        for name, result in results.items():
+            assert result["group_sizes"][round_index] == 3, result
+            got = torch.tensor(result["averages"][round_index])
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"{name}, round {round_index + 1}")
+    report(f"3 peers (trainer, client-mode trainer, aux reducer), top-{SPARSE_FRACTION:.0%} of {SPARSE_SIZE} values, "
+           f"2 rounds: both trainers bit-identical to the hand-computed sparse mean with error feedback")
+
+
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
@@ -225,6 +258,40 @@ def start_dht(role: str) -> "hivemind.DHT":
         return dht
     wait_until(address_file.exists, timeout=60, what="the first peer's address", interval=0.05)
     return hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address_file.read_text()])
+
+
+def sparse_delta(name: str, round_index: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * round_index + sum(map(ord, name)))
+    return torch.randn(SPARSE_SIZE, generator=generator)
+
+
+def sparse_peer(name: str, role: str) -> None:
+    """A peer of the sparse top-k test: ``a`` (a trainer), ``client`` (a client-mode trainer) or ``aux``."""
+    from lean_transformer.swarm.diloco import PseudoGradientAverager
+
+    client_mode, auxiliary = name == "client", name == "aux"
+    if client_mode:  # a client-mode peer joins through the first peer and accepts no connections
+        address_file = Path(os.environ["RENDEZVOUS"]) / "address"
+        wait_until(address_file.exists, timeout=60, what="the first peer's address", interval=0.05)
+        import hivemind
+
+        dht = hivemind.DHT(start=True, client_mode=True, initial_peers=[address_file.read_text()])
+    else:
+        dht = start_dht(role)
+    averager = PseudoGradientAverager(dht, "test_diloco_sparse", [torch.Size([SPARSE_SIZE])], matchmaking_time=2.0,
+                                      allreduce_timeout=30.0, target_group_size=3, min_group_size=3,
+                                      topk_fraction=SPARSE_FRACTION, client_mode=client_mode, auxiliary=auxiliary)
+    group_sizes, averages = [], []
+    for round_index in range(2):
+        if auxiliary:
+            averager.finish(averager.start(None, 0))
+            continue
+        result = averager.average([sparse_delta(name, round_index)], SPARSE_SAMPLES[name])
+        group_sizes.append(None if result is None else result[1])
+        averages.append(None if result is None else result[0][0].tolist())
+    averager.shutdown()
+    dht.shutdown()
+    print(json.dumps(dict(group_sizes=group_sizes, averages=averages)), flush=True)
 
 
 def partial_round_peer(name: str, role: str) -> None:
@@ -284,7 +351,7 @@ def partial_round_peer(name: str, role: str) -> None:
 
 
 def peer(name: str, compression: str, role: str) -> None:
-    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager, TopKErrorFeedback
+    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
     from lean_transformer.swarm.optimizer import make_compression
 
     dht = start_dht(role)
@@ -293,7 +360,7 @@ def peer(name: str, compression: str, role: str) -> None:
     averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
                                       allreduce_timeout=30.0, target_group_size=2,
                                       compression=make_compression(compression if "8bit" in compression else "none"),
-                                      topk=TopKErrorFeedback([weight.shape], 1.0) if compression == "topk" else None)
+                                      topk_fraction=1.0 if compression == "topk" else None)
     overlap = compression == "overlap"
     rounds = OuterLoop(outer, averager, overlap=overlap)
     samples, shifts = PEERS[name]
@@ -313,5 +380,7 @@ def peer(name: str, compression: str, role: str) -> None:
 if __name__ == "__main__":
     if sys.argv[2] == "partial":
         partial_round_peer(sys.argv[1], sys.argv[3])
+    elif sys.argv[2] == "sparse":
+        sparse_peer(sys.argv[1], sys.argv[3])
     else:
         peer(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -21,8 +21,8 @@ Every peer must end a round with the same average, or the anchors drift apart. h
 ``own part + decompress(compress(average - own part))``, which differs between peers under a lossy codec; here the
 reducer sends the compressed average itself and decodes its own part the same way (:class:`_SameResultRunner`), so all
 peers apply bit-identical averages. Top-k (``outer_compression="topk"``) sends each peer's largest values with error
-feedback (:class:`TopKErrorFeedback`, SparseLoCo-style) through hivemind's all-gather (the ``gather`` payload of a
-matchmaking round); everyone sums the same payloads in the same order.
+feedback, SparseLoCo-style, through a sparse all-reduce over the same partition
+(:mod:`lean_transformer.swarm.sparse_allreduce`), whose reducers answer every peer with the same sparse average.
 
 With ``overlap`` the all-reduce of round t runs in the background while round t+1 trains, and its outer step is applied
 at the end of round t+1 (a one-round-delayed outer update): the anchor then moves by the swarm's average of round t,
@@ -30,8 +30,7 @@ and the peer carries its own round-(t+1) progress on top of the new anchor.
 
 Built from kept parts: the outer step is ``torch.optim.SGD(nesterov=True)`` on the anchor tensors, the all-reduce is
 hivemind's ``DecentralizedAverager`` (with the cancel fixes of :mod:`.hivemind_fixes.averagers`). Ours: the round
-bookkeeping, the same-result runner (hivemind has no such mode) and top-k with error feedback (no kept library does it
-over hivemind).
+bookkeeping and the same-result runner (hivemind has no such mode).
 """
 from __future__ import annotations
 
@@ -39,11 +38,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence
 
 import hivemind
-import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
@@ -56,6 +53,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
+from lean_transformer.swarm.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 
 logger = logging.getLogger(__name__)
 
@@ -138,77 +136,6 @@ class OuterNesterov:
         self.reset_parameters()
 
 
-class TopKErrorFeedback:
-    """Top-k sparsification with error feedback: each round sends the ``fraction`` largest-magnitude values of
-    ``pseudo-gradient + error`` (values as float16, indices as int32: 6 bytes a value), and keeps exactly what it did
-    not send (float16 rounding included) as the next round's error. ``commit()`` once the round succeeded; without
-    it (a failed round, whose progress folds into the next pseudo-gradient) the error stays as it was."""
-
-    def __init__(self, shapes: Sequence[torch.Size], fraction: float):
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction (--outer_topk_fraction) must be in (0, 1], got {fraction}")
-        self.fraction = fraction
-        self.errors = [torch.zeros(shape) for shape in shapes]
-        self._pending: Optional[List[torch.Tensor]] = None
-
-    @torch.no_grad()
-    def compress(self, deltas: Sequence[torch.Tensor]) -> List[tuple]:
-        """[(int32 indices, float16 values)] per tensor, of the flattened ``delta + error``."""
-        sparse, new_errors = [], []
-        for delta, error in zip(deltas, self.errors):
-            corrected = (delta.float() + error).flatten()
-            k = max(1, math.ceil(self.fraction * corrected.numel()))
-            indices = corrected.abs().topk(k, sorted=False).indices.sort().values
-            values = corrected[indices].to(torch.float16)
-            sent = torch.zeros_like(corrected)
-            sent[indices] = values.float()
-            new_errors.append((corrected - sent).view_as(error))
-            sparse.append((indices.to(torch.int32), values))
-        self._pending = new_errors
-        return sparse
-
-    def commit(self) -> None:
-        if self._pending is not None:
-            self.errors, self._pending = self._pending, None
-
-    @staticmethod
-    def densify(sparse: Sequence[tuple], shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
-        dense = []
-        for (indices, values), shape in zip(sparse, shapes):
-            tensor = torch.zeros(math.prod(shape))
-            tensor[indices.long()] = values.float()
-            dense.append(tensor.view(shape))
-        return dense
-
-    @staticmethod
-    def to_bytes(sparse: Sequence[tuple]) -> bytes:
-        parts = []
-        for indices, values in sparse:
-            parts += [np.int64(len(indices)).tobytes(), indices.numpy().tobytes(), values.numpy().tobytes()]
-        return b"".join(parts)
-
-    @staticmethod
-    def from_bytes(payload: bytes, shapes: Sequence[torch.Size]) -> List[tuple]:
-        """Parse a peer's payload; ValueError if it does not fit ``shapes``."""
-        sparse, offset = [], 0
-        for shape in shapes:
-            if offset + 8 > len(payload):
-                raise ValueError("top-k payload cut short")
-            count = int(np.frombuffer(payload, np.int64, 1, offset)[0])
-            offset += 8
-            if not 0 < count <= math.prod(shape) or offset + 6 * count > len(payload):
-                raise ValueError(f"top-k payload: {count} values for a tensor of {math.prod(shape)}")
-            indices = torch.from_numpy(np.frombuffer(payload, np.int32, count, offset).copy())
-            values = torch.from_numpy(np.frombuffer(payload, np.float16, count, offset + 4 * count).copy())
-            offset += 6 * count
-            if indices.min() < 0 or indices.max() >= math.prod(shape) or not torch.isfinite(values).all():
-                raise ValueError("top-k payload: an index out of range or a non-finite value")
-            sparse.append((indices, values))
-        if offset != len(payload):
-            raise ValueError("top-k payload: trailing bytes")
-        return sparse
-
-
 class _SameResultRunner(AllReduceRunner):
     """hivemind's all-reduce (same wire format), except that each reducer returns the compressed *average* of its part
     (not average - sender's part) and decodes its own part through the same codec: every peer ends with the same
@@ -255,8 +182,9 @@ class _SameResultRunner(AllReduceRunner):
 
 
 class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
-    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages (top-k payloads) whole, every
-    peer getting the same average (same wire format), and all of it or nothing.
+    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
+    same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
+    :mod:`lean_transformer.swarm.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
 
     hivemind accepts a partial result: where a reducer fails half-way (a peer killed in the round), each peer keeps
     its *own* values for that reducer's part ("received 97.9% results"), so the peers' averages, hence their anchors,
@@ -265,8 +193,14 @@ class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
     pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
     during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round)."""
 
+    def __init__(self, *args: Any, topk_fraction: Optional[float] = None, **kwargs: Any):
+        self.topk_fraction, self.topk = topk_fraction, None  # set before hivemind starts the averager's process
+        super().__init__(*args, **kwargs)
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        if self.topk_fraction is not None:
+            return await self._run_sparse_allreduce(tensors, group_info, group_id, **kwargs)
         runner = _SameResultRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
@@ -282,6 +216,28 @@ class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
                                      f"(a peer of the group failed during the round)")
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+    async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight, **_) -> None:
+        modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]
+        runner = SparseAllReduce(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
+                                 ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
+                                 total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout)
+        self._running_groups[group_id].set_result(runner)
+        if self.mode == AveragingMode.AUX:
+            await runner.run(None, None)
+            return
+        if self.topk is None:
+            self.topk = TopKErrorFeedback([tensor.shape for tensor in tensors], self.topk_fraction)
+        loop = asyncio.get_running_loop()
+        indices, values = await loop.run_in_executor(None, self.topk.compress, tensors)
+        average = await runner.run(indices, values)
+        self.topk.commit()
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(average[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
@@ -303,22 +259,24 @@ class PseudoGradientAverager:
     ``start(pseudo_gradients, samples, tag)`` begins a round in the background; ``finish(round)`` returns the swarm's
     weighted mean, the group size and the group's tags (each peer's ``tag``, all-gathered: the outer loop sends the
     fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
-    ``average`` does both. With ``topk`` (a :class:`TopKErrorFeedback`) the peers all-gather sparse payloads instead.
+    ``average`` does both. With ``topk_fraction`` the peers send top-k values with error feedback (a sparse
+    all-reduce) instead of ``compression``.
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging).
     """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
                  matchmaking_time: float = 5.0, allreduce_timeout: float = 60.0,
-                 compression: CompressionBase = NoCompression(), topk: Optional[TopKErrorFeedback] = None,
+                 compression: CompressionBase = NoCompression(), topk_fraction: Optional[float] = None,
                  gate: Any = None, **averager_opts):
-        self.shapes, self.topk = [torch.Size(shape) for shape in shapes], topk
+        self.shapes = [torch.Size(shape) for shape in shapes]
         averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:
             averager_opts["gate"] = gate
-        buffers = [torch.zeros(1)] if topk is not None else [torch.zeros(shape) for shape in self.shapes]
-        self.averager = averager_class(buffers, dht, start=True, prefix=prefix, min_matchmaking_time=matchmaking_time,
-                                       allreduce_timeout=allreduce_timeout, compression=compression,
-                                       **averager_opts)
+        if topk_fraction is not None and not 0 < topk_fraction <= 1:
+            raise ValueError(f"topk_fraction (--outer_topk_fraction) must be in (0, 1], got {topk_fraction}")
+        self.averager = averager_class([torch.zeros(shape) for shape in self.shapes], dht, start=True, prefix=prefix,
+                                       min_matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout,
+                                       compression=compression, topk_fraction=topk_fraction, **averager_opts)
         self.timeout = matchmaking_time + allreduce_timeout
         self.auxiliary = averager_opts.get("auxiliary", False)
 
@@ -327,14 +285,10 @@ class PseudoGradientAverager:
             return self.averager.step(timeout=self.timeout, wait=False)
         if samples <= 0:
             raise ValueError(f"samples must be positive, got {samples}")
-        gather = dict(tag=tag, topk=None)
-        if self.topk is not None:
-            gather["topk"] = (float(samples), TopKErrorFeedback.to_bytes(self.topk.compress(pseudo_gradients)))
-        else:
-            with self.averager.get_tensors() as buffers:
-                for buffer, delta in zip(buffers, pseudo_gradients):
-                    buffer.copy_(delta)
-        return self.averager.step(weight=float(samples), gather=gather, timeout=self.timeout, wait=False)
+        with self.averager.get_tensors() as buffers:
+            for buffer, delta in zip(buffers, pseudo_gradients):
+                buffer.copy_(delta)
+        return self.averager.step(weight=float(samples), gather=dict(tag=tag), timeout=self.timeout, wait=False)
 
     def finish(self, control: Any) -> Optional[tuple]:
         try:
@@ -347,27 +301,8 @@ class PseudoGradientAverager:
         if gathered is None or self.auxiliary:
             return None
         tags = [data.get("tag") for data in gathered.values() if isinstance(data, dict)]
-        if self.topk is None:
-            with self.averager.get_tensors() as buffers:
-                return [buffer.clone() for buffer in buffers], len(gathered), tags
-        return self._average_payloads(gathered), len(gathered), tags
-
-    def _average_payloads(self, gathered: dict) -> Optional[List[torch.Tensor]]:
-        """The samples-weighted mean of the peers' top-k payloads, summed in the group's order (the same on every
-        peer); the weights are the ones each peer sent with its payload."""
-        total = [torch.zeros(shape) for shape in self.shapes]
-        weight_sum = 0.0
-        for item in gathered.values():
-            payload = item.get("topk") if isinstance(item, dict) else None
-            if payload is None:  # an aux peer
-                continue
-            weight, data = payload
-            sparse = TopKErrorFeedback.from_bytes(data, self.shapes)
-            for accumulator, (indices, values) in zip(total, sparse):
-                accumulator.view(-1).index_add_(0, indices.long(), values.float() * float(weight))
-            weight_sum += float(weight)
-        self.topk.commit()
-        return [accumulator / weight_sum for accumulator in total]
+        with self.averager.get_tensors() as buffers:
+            return [buffer.clone() for buffer in buffers], len(gathered), tags
 
     def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int, tag: Any = None) -> Optional[tuple]:
         return self.finish(self.start(pseudo_gradients, samples, tag))
@@ -550,14 +485,18 @@ class DiLoCoOptimizer:
 def wire_bytes_per_parameter(shapes: Sequence[torch.Size], compression: Optional[CompressionBase],
                              topk_fraction: float = 0.01, group_size: int = 2) -> float:
     """Bytes one peer sends plus receives per parameter in one outer round, from the serialized size of random
-    pseudo-gradients: with a hivemind codec (``compression``) a peer sends (n-1)/n of the vector and receives as much
-    back; with top-k (``compression=None``) it sends its payload to the n-1 others and receives theirs."""
+    pseudo-gradients, with equal shares of the vector per reducer: with a hivemind codec (``compression``) a peer
+    sends (n-1)/n of the vector and receives as much back; with top-k (``compression=None``) it sends (n-1)/n of its
+    top-k entries and receives (n-1)/n of the union of the group's (6 bytes an entry: int32 index, float16 value)."""
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, generator=generator) for shape in shapes]
     total = sum(tensor.numel() for tensor in tensors)
+    share = (group_size - 1) / group_size
     if compression is None:
-        payload = TopKErrorFeedback.to_bytes(TopKErrorFeedback(shapes, topk_fraction).compress(tensors))
-        return 2 * (group_size - 1) * len(payload) / total
+        chosen = [TopKErrorFeedback(shapes, topk_fraction).compress(
+            [torch.randn(shape, generator=generator) for shape in shapes])[0] for _ in range(group_size)]
+        union = torch.unique(torch.cat(chosen))
+        return share * 6 * (len(chosen[0]) + len(union)) / total
     infos = [CompressionInfo.from_tensor(tensor, key=index) for index, tensor in enumerate(tensors)]
     sent = sum(len(compression.compress(tensor, info).SerializeToString()) for tensor, info in zip(tensors, infos))
-    return 2 * (group_size - 1) / group_size * sent / total
+    return 2 * share * sent / total

@@ -18,8 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from lean_transformer.swarm.auth.keys import load_public_key
-from lean_transformer.swarm.diloco import (NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager,
-                                           TopKErrorFeedback)
+from lean_transformer.swarm.diloco import NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager, with_averagers
 from lean_transformer.swarm.host_grad_averager import with_host_gradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
@@ -134,15 +133,16 @@ def build_outer_averager(dht: hivemind.DHT, network: NetworkSettings, collaborat
     """The pseudo-gradient all-reduce of ``--local_steps`` mode: ``--outer_compression`` (a hivemind codec, or top-k
     with error feedback), the averaging gate of an authorized swarm, aux peers joining without a pseudo-gradient."""
     shapes = [anchor.shape for anchor in outer.anchor]
-    topk, compression = None, NoCompression()
+    topk_fraction, compression = None, NoCompression()
     if collaboration.outer_compression == "topk":
-        topk = TopKErrorFeedback(shapes, collaboration.outer_topk_fraction)
+        topk_fraction = collaboration.outer_topk_fraction
     else:
         compression = make_compression(collaboration.outer_compression, collaboration.size_adaptive_threshold)
     return PseudoGradientAverager(dht, f"{network.run_id}_outer", shapes,
                                   matchmaking_time=collaboration.matchmaking_time,
-                                  allreduce_timeout=collaboration.averaging_timeout, compression=compression, topk=topk,
-                                  client_mode=network.client_mode, auxiliary=auxiliary, **averager_opts)
+                                  allreduce_timeout=collaboration.averaging_timeout, compression=compression,
+                                  topk_fraction=topk_fraction, client_mode=network.client_mode, auxiliary=auxiliary,
+                                  **averager_opts)
 
 
 def open_averaging_gate(dht: hivemind.DHT, network: NetworkSettings, private_key: RSAPrivateKey) -> AveragingGate:

@@ -1,0 +1,227 @@
+"""Top-k pseudo-gradients with error feedback (SparseLoCo-style), all-reduced sparsely over hivemind's partition.
+
+Each peer sends the ``fraction`` largest values of each pseudo-gradient tensor (plus what earlier rounds left unsent,
+the *error*), as int32 indices and float16 values. The group's reducers split the flattened parameter vector into
+contiguous ranges by hivemind's load balancing, as its dense all-reduce does (client-mode peers reduce nothing; aux
+peers reduce and send nothing). Each sender sends every reducer the entries of its top-k that fall in that reducer's
+range, with its weight; the reducer sums the weighted values of all senders, divides by the total weight and answers
+every sender with the same sparse average (the union of the senders' indices, float16 values). Its own share goes
+through the same float16 rounding, so every peer ends with bit-identical averages, and a peer sends about its
+payload and receives about the union, not the n-1 payloads of an all-gather.
+
+Why not the first version's transport, hivemind's matchmaking ``gather``: the leader relays every member's payload to
+every member (n payloads each), inside matchmaking requests whose timeout is a few seconds; at 20 Mbit/s a 1.5 MB
+payload did not fit and the first outer round never formed a group (README, "Training over slow links"). Here the
+payloads travel in the all-reduce phase, under the round's all-reduce timeout. No kept library all-reduces sparse
+tensors over hivemind; the wire messages are hivemind's own (``AveragingData``), served by the averager's
+``rpc_aggregate_part`` (see :class:`lean_transformer.swarm.diloco._Averager`).
+
+A round with any reducer or sender missing fails as a whole (a missed round: hivemind retries it within its deadline),
+and the error feedback changes only when a round succeeded (``commit``).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import as_aiter
+
+from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
+
+Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
+
+
+class TopKErrorFeedback:
+    """Top-k sparsification with error feedback over a list of tensors seen as one flat vector: ``compress`` picks the
+    ``fraction`` largest magnitudes of each tensor of ``delta + error`` and returns their flat indices (int64, sorted)
+    and float16 values; it keeps exactly what it did not send (float16 rounding included) as the next error once
+    ``commit()`` is called (a round that succeeded). Without ``commit`` (a failed round, whose progress folds into
+    the next pseudo-gradient) the error stays as it was."""
+
+    def __init__(self, shapes: Sequence[torch.Size], fraction: float):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction (--outer_topk_fraction) must be in (0, 1], got {fraction}")
+        self.fraction, self.shapes = fraction, [torch.Size(shape) for shape in shapes]
+        self.error = torch.zeros(sum(math.prod(shape) for shape in self.shapes))
+        self._pending: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def compress(self, deltas: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        corrected = torch.cat([delta.detach().float().flatten() for delta in deltas]) + self.error
+        chosen, offset = [], 0
+        for shape in self.shapes:
+            size = math.prod(shape)
+            k = max(1, math.ceil(self.fraction * size))
+            chosen.append(corrected[offset:offset + size].abs().topk(k, sorted=False).indices.sort().values + offset)
+            offset += size
+        indices = torch.cat(chosen)
+        values = corrected[indices].to(torch.float16)
+        corrected[indices] -= values.float()  # what was not sent, rounding included
+        self._pending = corrected
+        return indices, values
+
+    def commit(self) -> None:
+        if self._pending is not None:
+            self.error, self._pending = self._pending, None
+
+
+def part_bounds(peer_fractions: Sequence[float], total_size: int) -> List[int]:
+    """Where each peer's range of the flat vector starts, and the end: ``len(peer_fractions) + 1`` offsets."""
+    total_fraction = sum(peer_fractions)
+    if not total_fraction > 0:
+        raise AllreduceException("no peer in the group can reduce (all are in client mode)")
+    bounds, cumulative = [0], 0.0
+    for fraction in peer_fractions:
+        cumulative += fraction
+        bounds.append(round(cumulative / total_fraction * total_size))
+    bounds[-1] = total_size
+    return bounds
+
+
+def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
+
+
+def check_sparse_part(indices: torch.Tensor, values: torch.Tensor, size: int) -> Sparse:
+    """The pair, if it is a valid sparse part of a range of ``size`` values; ValueError naming the problem if not."""
+    if indices.dtype != torch.int32 or values.dtype != torch.float16 or indices.dim() != 1 or values.dim() != 1:
+        raise ValueError(f"a sparse part must be 1-d int32 indices and float16 values, got {indices.dtype} "
+                         f"{tuple(indices.shape)} and {values.dtype} {tuple(values.shape)}")
+    if len(indices) != len(values):
+        raise ValueError(f"{len(indices)} indices for {len(values)} values")
+    if len(indices) and (indices.min() < 0 or indices.max() >= size):
+        raise ValueError(f"an index outside the range of {size} values")
+    if len(indices) > 1 and not (indices[1:] > indices[:-1]).all():
+        raise ValueError("indices not strictly increasing")
+    if not torch.isfinite(values).all():
+        raise ValueError("a non-finite value")
+    return indices, values
+
+
+class SparseAllReduce:
+    """One sparse all-reduce round of a formed group (see the module docstring); hivemind's averager serves it like
+    its own ``AllReduceRunner``: incoming parts for ``group_id`` go to :meth:`rpc_aggregate_part`.
+
+    ``run(indices, values)`` (flat int64 indices, float16 values; ``None`` for an aux peer) returns the group's
+    weighted average as a dense float32 vector of ``total_size`` (``None`` for an aux peer) or raises
+    ``AllreduceException``. Every wait is bounded by ``timeout`` seconds.
+    """
+
+    def __init__(self, *, p2p: P2P, servicer_type: type[ServicerBase], prefix: Optional[str], group_id: bytes,
+                 ordered_peer_ids: Sequence[PeerID], modes: Sequence[AveragingMode], peer_fractions: Sequence[float],
+                 total_size: int, weight: float, timeout: float):
+        if len(modes) != len(ordered_peer_ids) or len(peer_fractions) != len(ordered_peer_ids):
+            raise AllreduceException("the group's modes or fractions do not match its peers")
+        self.p2p, self.servicer_type, self.prefix, self.group_id = p2p, servicer_type, prefix, group_id
+        self.peer_id, self.total_size, self.weight, self.timeout = p2p.peer_id, total_size, weight, timeout
+        self.senders = {peer for peer, mode in zip(ordered_peer_ids, modes) if mode != AveragingMode.AUX}
+        bounds = part_bounds(peer_fractions, total_size)
+        self.ranges: Dict[PeerID, Tuple[int, int]] = {
+            peer: (start, end) for peer, start, end in zip(ordered_peer_ids, bounds[:-1], bounds[1:]) if end > start}
+        start, end = self.ranges.get(self.peer_id, (0, 0))
+        self._sum, self._touched = torch.zeros(end - start), torch.zeros(end - start, dtype=torch.bool)
+        self._weight, self._arrived = 0.0, set()
+        self._result: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._result.add_done_callback(lambda future: future.cancelled() or future.exception())  # retrieved
+        if not self.senders or self.peer_id not in self.ranges:
+            self._result.set_result(None)  # nothing to reduce here
+
+    async def run(self, indices: Optional[torch.Tensor], values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        try:
+            if indices is None:  # an aux peer: reduce its range for the others
+                await asyncio.wait_for(asyncio.shield(self._result), self.timeout)
+                return None
+            if self.peer_id not in self.senders:
+                raise AllreduceException("a peer without a part to send (an aux peer) was given one")
+            exchanges = [self._exchange(peer, start, end, indices, values)
+                         for peer, (start, end) in self.ranges.items()]
+            averages = await asyncio.wait_for(asyncio.gather(*exchanges), self.timeout)
+        except asyncio.TimeoutError:
+            raise AllreduceException(f"the sparse all-reduce did not finish within {self.timeout} s") from None
+        finally:
+            self._fail(AllreduceException("the local round ended before every sender arrived"))
+        dense = torch.zeros(self.total_size)
+        for (start, _), (part_indices, part_values) in zip(self.ranges.values(), averages):
+            dense[start + part_indices.long()] = part_values.float()
+        return dense
+
+    async def _exchange(self, peer: PeerID, start: int, end: int, indices: torch.Tensor, values: torch.Tensor
+                        ) -> Sparse:
+        """Send ``peer`` the entries of its range, get back its sparse average."""
+        first, last = torch.searchsorted(indices, torch.tensor([start, end])).tolist()
+        part = ((indices[first:last] - start).to(torch.int32), values[first:last])
+        if peer == self.peer_id:
+            self._accumulate(peer, self.weight, *part)
+            return await asyncio.shield(self._result)
+        stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_aggregate_part(as_aiter(
+            averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                        weight=self.weight, tensor_part=_serialize(part[0])),
+            averaging_pb2.AveragingData(tensor_part=_serialize(part[1]))))
+        answers = [answer async for answer in stream]
+        if len(answers) != 2 or answers[0].code != averaging_pb2.AVERAGED_PART:
+            codes = [averaging_pb2.MessageCode.Name(answer.code) for answer in answers]
+            raise AllreduceException(f"reducer {peer} answered {codes} instead of a sparse average")
+        try:
+            return check_sparse_part(deserialize_torch_tensor(answers[0].tensor_part),
+                            deserialize_torch_tensor(answers[1].tensor_part), end - start)
+        except ValueError as error:
+            raise AllreduceException(f"reducer {peer} sent a bad average: {error}") from None
+
+    def _accumulate(self, sender: PeerID, weight: float, indices: torch.Tensor, values: torch.Tensor) -> None:
+        if sender not in self.senders or sender in self._arrived:
+            raise ValueError(f"{sender} is not a sender of this group, or sent twice")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight {weight}")
+        if self._result.done():
+            raise ValueError("the round has ended")
+        indices, values = check_sparse_part(indices, values, len(self._sum))
+        self._sum.index_add_(0, indices.long(), values.float() * weight)
+        self._touched[indices.long()] = True
+        self._weight += weight
+        self._arrived.add(sender)
+        if self._arrived == self.senders:
+            union = self._touched.nonzero().flatten()
+            average = self._sum[union] / self._weight if self._weight > 0 else torch.zeros(len(union))
+            self._result.set_result((union.to(torch.int32), average.to(torch.float16)))
+
+    def _fail(self, error: Exception) -> None:
+        if not self._result.done():
+            self._result.set_exception(error)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A sender's part of this peer's range (two messages: indices with the weight, then values); answers the
+        range's sparse average once every sender's part arrived. A bad part fails the round for the whole group."""
+        async for answer in answer_then_drain(self._answer(stream, context.remote_id), stream):
+            yield answer
+
+    async def _answer(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender: PeerID
+                      ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        try:
+            head = await asyncio.wait_for(anext(stream), self.timeout)
+            if head.group_id != self.group_id:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+                return
+            body = await asyncio.wait_for(anext(stream), self.timeout)
+            if head.code != averaging_pb2.PART_FOR_AVERAGING or self.peer_id not in self.ranges:
+                raise ValueError(f"unexpected {averaging_pb2.MessageCode.Name(head.code)}")
+            self._accumulate(sender, head.weight, deserialize_torch_tensor(head.tensor_part),
+                             deserialize_torch_tensor(body.tensor_part))
+        except (ValueError, TypeError, RuntimeError, StopAsyncIteration, asyncio.TimeoutError) as error:
+            self._fail(AllreduceException(f"sender {sender}: {error!r}"))
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        try:
+            indices, values = await asyncio.wait_for(asyncio.shield(self._result), self.timeout)
+        except (AllreduceException, asyncio.TimeoutError):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            return
+        yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=_serialize(indices))
+        yield averaging_pb2.AveragingData(tensor_part=_serialize(values))
