@@ -4,7 +4,8 @@ bfloat16 or float16 (``--model_dtype``), on the CPU, in real hivemind swarms on 
 - "pair": two trainers with bfloat16 weights and 2 micro-batches per local step average their host gradients
   through hivemind for 3 epochs;
 - "fp16": one trainer alone with float16 weights for 3 epochs, its loss scaled and its gradients unscaled on the host;
-- two bad combinations stop with one error line naming the flag.
+- two bad combinations stop with one error line naming the flag;
+- DiLoCo (``--local_steps``): lone trainers with and without host gradients take the same steps.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from aux_utils import REPO, PeerProcess
 
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.swarm
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # the loss falls by ~0.7 nats in the first 3 epochs on either peer kind (the tests want 0.2)
 PAIR_EPOCHS, FP16_EPOCHS = 3, 3
+DILOCO_EPOCHS = 4  # outer rounds of the lone DiLoCo trainers
 EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+) over (\d+) mini-steps \((\d+) samples, (\d+) skipped")
 
 
@@ -99,3 +102,45 @@ def test_bad_combinations_name_the_flag(tmp_path, extra, message):
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+
+
+def test_diloco_local_steps_take_the_same_steps_with_host_gradients(tmp_path, report):
+    """--offload_gradients is a memory option in DiLoCo mode too: a lone trainer (float32 weights, 2 micro-batches per
+    local LAMB step, 3 local steps per outer round, the same identity hence the same data) ends with the same weights
+    whether its gradients are accumulated in .grad or on the host; with bfloat16 weights, or float16 weights and the
+    loss scale unscaled on the host (host gradients, float32 master copies), it learns."""
+    from safetensors.torch import load_file
+
+    from lean_transformer.swarm.auth import load_identity_key
+
+    identity = tmp_path / "peer.id"
+    load_identity_key(identity, create=True)
+    runs = {"grad": ["--offload_gradients", "false"], "host": ["--offload_gradients", "true"],
+            "bf16": ["--offload_gradients", "true", "--model_dtype", "bfloat16"],
+            "fp16": ["--offload_gradients", "true", "--model_dtype", "float16"]}
+    peers = {name: PeerProcess(name, trainer_argv(f"diloco_{name}", name, tmp_path, [], DILOCO_EPOCHS, 16,
+                                                  "--local_steps", "3", "--identity_path", str(identity), *extra),
+                               tmp_path, ENV)
+             for name, extra in runs.items()}
+    try:
+        for peer in peers.values():
+            peer.wait(240)
+    finally:
+        for peer in peers.values():
+            peer.kill()
+    for name, peer in peers.items():
+        assert peer.process.returncode == 0, peer.stderr[-3000:]
+        assert peer.stderr.count("Outer step with 1 peer") == DILOCO_EPOCHS, peer.stderr[-3000:]
+    weights = {name: load_file(max((tmp_path / name / "backups").glob("epoch-*")) / "model.safetensors")
+               for name in ("grad", "host")}
+    assert weights["grad"].keys() == weights["host"].keys()
+    for key, value in weights["grad"].items():
+        torch.testing.assert_close(weights["host"][key], value, rtol=0, atol=0, msg=key)
+    losses = {}
+    for name in ("bf16", "fp16"):
+        by_epoch = epochs(peers[name])
+        assert sorted(by_epoch) == list(range(1, DILOCO_EPOCHS + 1)), by_epoch
+        assert by_epoch[DILOCO_EPOCHS][0] < by_epoch[1][0] - 0.2, by_epoch
+        losses[name] = f"{by_epoch[1][0]:.3f} -> {by_epoch[DILOCO_EPOCHS][0]:.3f}"
+    report(f"DiLoCo, lone trainer, {DILOCO_EPOCHS} outer rounds of 3 local steps: weights bit-identical with "
+           f"--offload_gradients true and false; loss with bfloat16 weights {losses['bf16']}, float16 {losses['fp16']}")

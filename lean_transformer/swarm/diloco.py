@@ -51,6 +51,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
+from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
@@ -393,11 +394,16 @@ class OuterLoop:
 class DiLoCoOptimizer:
     """Mixed in front of a ``hivemind.Optimizer`` built with ``use_local_updates=True`` and the outer state as its
     ``extra_tensors`` (see :func:`lean_transformer.swarm.optimizer.build_optimizer`): each ``step`` is one local inner
-    step (and advances the inner LR schedule by one step), each of hivemind's epochs ends with an outer round."""
+    step (and advances the inner LR schedule by one step), each of hivemind's epochs ends with an outer round.
+
+    With :meth:`attach_host_gradients` (``--offload_gradients``: a GPU's default), the model's gradients leave the
+    device during backward straight into the offloaded optimizer's float32 ``.grad`` buffers: no gradient stays on
+    the device, and low-precision weights (``--model_dtype``) step through hivemind's float32 master copies."""
 
     outer_loop: OuterLoop
     local_steps: int
     waiting: Callable[[], ContextManager] = contextlib.nullcontext  # wraps outer rounds and downloads (not compute)
+    host_grads: Optional[HostGradients] = None
 
     def attach_outer_loop(self, outer_loop: OuterLoop, local_steps: int) -> None:
         self.outer_loop, self.local_steps, self.steps_in_round = outer_loop, local_steps, 0
@@ -405,13 +411,29 @@ class DiLoCoOptimizer:
         outer_loop.outer.bind([param for group in self.state_averager.optimizer.param_groups
                                for param in group["params"]])
 
+    def attach_host_gradients(self) -> HostGradients:
+        """Accumulate the model's gradients on the host, in the offloaded optimizer's ``.grad`` (see above)."""
+        if not self.offload_optimizer:
+            raise ValueError("offload_optimizer: host gradients feed the offloaded optimizer, so they need it")
+        masters = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+        buffers = [torch.zeros(master.shape, dtype=torch.float32) for master in masters]
+        for master, buffer in zip(masters, buffers):
+            master.grad = buffer  # hivemind's local step never zeroes the offloaded optimizer's gradients
+        self.host_grads = HostGradients(self.state_averager.main_parameters, buffers)
+        self._schema_hash = self._compute_schema_hash()  # hivemind checks that the .grad tensors stay these
+        return self.host_grads
+
     def step(self, closure=None, batch_size: Optional[int] = None, grad_scaler=None):
         epoch = self.local_epoch
         if not self.auxiliary:  # before the step: the round it may end includes these samples
             self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
-            if self.offload_optimizer:  # hivemind leaves this to its gradient averager, which local updates lack
+            if self.host_grads is not None:
+                self.host_grads.zero_untouched_()  # waits for the copies in flight
+            elif self.offload_optimizer:  # hivemind leaves this to its gradient averager, which local updates lack
                 self.state_averager._load_local_grads_into_optimizer_()
         result = super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        if self.host_grads is not None:
+            self.host_grads.reset()  # the next local step's first gradients overwrite the buffers
         if not self.auxiliary:
             if self.local_epoch == epoch:
                 self.steps_in_round += 1
@@ -465,6 +487,8 @@ class DiLoCoOptimizer:
         return count
 
     def shutdown(self) -> None:
+        if self.host_grads is not None:
+            self.host_grads.remove_hooks()
         self.outer_loop.forget_pending()
         self.outer_loop.averager.shutdown()
         super().shutdown()

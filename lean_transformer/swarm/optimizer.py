@@ -67,14 +67,15 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
     ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
     token is published first (its averaging partners look it up) and the class gets gated averagers. With
     ``host_gradients``, the model's gradients leave the device during backward into the gradient averager's host
-    buffers (:mod:`lean_transformer.swarm.host_grad_averager`; needs ``offload_optimizer``, no delays).
+    buffers (:mod:`lean_transformer.swarm.host_grad_averager`; needs ``offload_optimizer``, no delays), or with
+    --local_steps into the offloaded optimizer's (``DiLoCoOptimizer.attach_host_gradients``).
     """
     averager_opts = averager_options(network, collaboration)
     gradient_averager, state_averager = GradientAverager, TrainingStateAverager
     if network.auth_token_path is not None:
         averager_opts["gate"] = open_averaging_gate(dht, network, private_key)
         gradient_averager, state_averager = GatedGradientAverager, GatedTrainingStateAverager
-    if host_gradients:
+    if host_gradients and collaboration.local_steps == 0:
         gradient_averager = with_host_gradients(gradient_averager)
     optimizer_class = with_averagers(optimizer_class, gradient_averager, state_averager)
     params = task.param_groups(model)
@@ -119,6 +120,8 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
         averager = build_outer_averager(dht, network, collaboration, outer, averager_opts, auxiliary=auxiliary)
         optimizer.attach_outer_loop(OuterLoop(outer, averager, overlap=collaboration.outer_overlap),
                                     collaboration.local_steps)
+        if host_gradients:
+            optimizer.attach_host_gradients()
     return optimizer
 
 

@@ -157,7 +157,10 @@ class SparseAllReduce:
         first, last = torch.searchsorted(indices, torch.tensor([start, end])).tolist()
         part = ((indices[first:last] - start).to(torch.int32), values[first:last])
         if peer == self.peer_id:
-            self._accumulate(peer, self.weight, *part)
+            try:
+                self._accumulate(peer, self.weight, *part)
+            except ValueError as error:  # e.g. a bad sender failed the round first
+                raise AllreduceException(f"own part: {error}") from None
             return await asyncio.shield(self._result)
         stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_aggregate_part(as_aiter(

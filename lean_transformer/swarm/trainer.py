@@ -73,9 +73,10 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     dtype, host_gradients = model_dtype(training, device), offload_gradients(training, device)
     if training.block_grad_scaling:
         check_block_grad_scaling(training, dtype, host_gradients)
-    if collaboration.local_steps > 0 and (host_gradients or training.fp16):
-        raise ValueError(f"--local_steps: local optimizer steps need neither "
-                         f"{'--offload_gradients' if host_gradients else '--fp16'} (not built for DiLoCo mode yet)")
+    if collaboration.local_steps > 0 and training.fp16 and not host_gradients:
+        raise ValueError("--local_steps: --fp16 in DiLoCo mode needs --offload_gradients true (the loss scale is "
+                         "unscaled on the host; neither hivemind's GradScaler nor --block_grad_scaling is built for "
+                         "local steps)")
     if host_gradients:
         try:
             check_host_gradient_options(collaboration.offload_optimizer, collaboration.delay_optimizer_step,
@@ -139,7 +140,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
     # host gradients (see offload_gradients) are unscaled on the host, hivemind's GradScaler only unscales .grad
-    host_grads = getattr(optimizer.grad_averager, "host_grads", None)
+    host_grads = getattr(optimizer.grad_averager, "host_grads", None) or getattr(optimizer, "host_grads", None)
     float16 = training.fp16 or next(model.parameters()).dtype == torch.float16
     loss_scale = DynamicLossScale() if float16 and host_grads is not None else None
     global_scale = training.fp16 and host_grads is None and block_scaling is None
@@ -323,6 +324,8 @@ def discard_local_gradients(optimizer: hivemind.Optimizer, reuse_grad_buffers: b
         optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
     else:
         optimizer.zero_grad()
+        if getattr(optimizer, "host_grads", None) is not None:  # DiLoCo's host gradients: the next ones overwrite
+            optimizer.host_grads.reset()
 
 
 def cancel_averaging_in_flight(optimizer: hivemind.Optimizer) -> None:
