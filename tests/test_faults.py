@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 import pytest
+import torch
 
 # aux_utils and swarm_utils when run as a script; arguments.py and tasks/ (at the repository root) in any case
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
@@ -45,6 +46,20 @@ SWARM = dict(target_batch_size=64, per_device_batch_size=4, max_sequence_length=
              averaging_timeout=10, startup_timeout=90, learning_rate=0.02, warmup_steps=2)
 NONFINITE_EVERY = 3
 STEP_BEGINS = r"Beginning optimizer step #(\d+)"  # a gradient averaging round starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_gradients_are_finite_finds_one_bad_value(dtype, bad):
+    from lean_transformer.swarm.trainer import gradients_are_finite
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)).to(dtype)
+    assert gradients_are_finite(model)  # no gradient yet
+    model[2].requires_grad_(False)  # a parameter without a gradient is skipped
+    model(torch.randn(2, 5, dtype=dtype)).sum().backward()
+    if bad is not None:
+        model[1].weight.grad[2, 3] = bad
+    assert gradients_are_finite(model) == (bad is None)
 
 
 def swarm_args(run_id: str, **overrides) -> List[str]:
