@@ -87,6 +87,12 @@ def test_topk_error_feedback_keeps_exactly_what_it_did_not_send():
     before = topk.error.clone()
     topk.compress([torch.full(shape, 1e3) for shape in shapes])
     assert torch.equal(before, topk.error)
+    # a value beyond float16's range is sent as its largest finite value, the rest kept
+    indices, values = topk.compress([torch.full(shape, 1e6) for shape in shapes])
+    topk.commit()
+    assert torch.equal(values, torch.full_like(values, 65504.0))
+    torch.testing.assert_close(topk.error[indices].double(), before[indices].double() + 1e6 - 65504.0, rtol=0,
+                               atol=0.1)
 
 
 @pytest.mark.parametrize("indices, values, problem", [
@@ -95,12 +101,17 @@ def test_topk_error_feedback_keeps_exactly_what_it_did_not_send():
     (torch.tensor([0, 4], dtype=torch.int32), torch.zeros(2, dtype=torch.float16), "outside the range of 4"),
     (torch.tensor([2, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.float16), "strictly increasing"),
     (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, float("inf")], dtype=torch.float16), "non-finite"),
+    (torch.arange(40, dtype=torch.int32), torch.zeros(40, dtype=torch.float16), "160 bytes for a range of 4"),
 ])
 def test_a_malformed_sparse_part_is_refused(indices, values, problem):
-    from lean_transformer.swarm.sparse_allreduce import check_sparse_part
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto.runtime_pb2 import CompressionType
+
+    from lean_transformer.swarm.sparse_allreduce import read_sparse_part
 
     with pytest.raises(ValueError, match=problem):
-        check_sparse_part(indices, values, 4)
+        read_sparse_part(serialize_torch_tensor(indices, CompressionType.NONE),
+                         serialize_torch_tensor(values, CompressionType.NONE), 4)
 
 
 def test_bytes_per_parameter_per_round(report):

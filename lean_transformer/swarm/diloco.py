@@ -327,6 +327,7 @@ class OuterLoop:
         self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
         self.samples_since_anchor = self.rounds = 0
         self.behind = False  # a groupmate's outer state was ahead of ours: download the swarm's
+        self.nothing_to_apply = False  # overlap: the last round only sent (no earlier round was in flight)
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
 
@@ -365,6 +366,7 @@ class OuterLoop:
         base = self._base if self._base is not None else self.outer.anchor
         progress = [b - p.float() for b, p in zip(base, parameters)]  # this round's own progress
         group_size, samples = None, self.samples_since_anchor
+        self.nothing_to_apply = self._pending is None
         if self._pending is not None:
             control, sent, sent_samples, sent_tag = self._pending
             result = self.averager.finish(control)
@@ -462,7 +464,9 @@ class DiLoCoOptimizer:
             if self.offload_optimizer:
                 self.state_averager._apply_optimizer_parameters_()
             if not self.auxiliary:
-                if group_size is None:
+                if group_size is None and self.outer_loop.nothing_to_apply:
+                    logger.info("First outer round sent in the background: its step applies when the next one ends")
+                elif group_size is None:
                     logger.info("Outer round missed: this peer's progress folds into the next round")
                 else:
                     logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "

@@ -35,6 +35,7 @@ from hivemind.utils.asyncio import as_aiter
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
 class TopKErrorFeedback:
@@ -61,8 +62,8 @@ class TopKErrorFeedback:
             chosen.append(corrected[offset:offset + size].abs().topk(k, sorted=False).indices.sort().values + offset)
             offset += size
         indices = torch.cat(chosen)
-        values = corrected[indices].to(torch.float16)
-        corrected[indices] -= values.float()  # what was not sent, rounding included
+        values = corrected[indices].clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)  # no inf from a large value
+        corrected[indices] -= values.float()  # what was not sent, rounding and clamping included
         self._pending = corrected
         return indices, values
 
@@ -86,6 +87,15 @@ def part_bounds(peer_fractions: Sequence[float], total_size: int) -> List[int]:
 
 def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
+
+
+def read_sparse_part(indices: runtime_pb2.Tensor, values: runtime_pb2.Tensor, size: int) -> Sparse:
+    """Deserialize a sparse part of a range of ``size`` values, refusing one too large to be valid before it is
+    allocated; ValueError naming the problem."""
+    for tensor, itemsize in ((indices, 4), (values, 2)):
+        if len(tensor.buffer) > itemsize * size + 64:
+            raise ValueError(f"a part of {len(tensor.buffer)} bytes for a range of {size} values")
+    return check_sparse_part(deserialize_torch_tensor(indices), deserialize_torch_tensor(values), size)
 
 
 def check_sparse_part(indices: torch.Tensor, values: torch.Tensor, size: int) -> Sparse:
@@ -172,19 +182,18 @@ class SparseAllReduce:
             codes = [averaging_pb2.MessageCode.Name(answer.code) for answer in answers]
             raise AllreduceException(f"reducer {peer} answered {codes} instead of a sparse average")
         try:
-            return check_sparse_part(deserialize_torch_tensor(answers[0].tensor_part),
-                            deserialize_torch_tensor(answers[1].tensor_part), end - start)
+            return read_sparse_part(answers[0].tensor_part, answers[1].tensor_part, end - start)
         except ValueError as error:
             raise AllreduceException(f"reducer {peer} sent a bad average: {error}") from None
 
     def _accumulate(self, sender: PeerID, weight: float, indices: torch.Tensor, values: torch.Tensor) -> None:
-        if sender not in self.senders or sender in self._arrived:
-            raise ValueError(f"{sender} is not a sender of this group, or sent twice")
+        """Add a checked sparse part of this peer's range (``check_sparse_part``) from ``sender``."""
+        if sender in self._arrived:
+            raise ValueError(f"{sender} sent twice")
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight {weight}")
         if self._result.done():
             raise ValueError("the round has ended")
-        indices, values = check_sparse_part(indices, values, len(self._sum))
         self._sum.index_add_(0, indices.long(), values.float() * weight)
         self._touched[indices.long()] = True
         self._weight += weight
@@ -212,11 +221,16 @@ class SparseAllReduce:
             if head.group_id != self.group_id:
                 yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
                 return
+            if sender not in self.senders:  # a stranger, or an aux peer: refused, the round goes on
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
             body = await asyncio.wait_for(anext(stream), self.timeout)
-            if head.code != averaging_pb2.PART_FOR_AVERAGING or self.peer_id not in self.ranges:
+            if head.code != averaging_pb2.PART_FOR_AVERAGING:
                 raise ValueError(f"unexpected {averaging_pb2.MessageCode.Name(head.code)}")
-            self._accumulate(sender, head.weight, deserialize_torch_tensor(head.tensor_part),
-                             deserialize_torch_tensor(body.tensor_part))
+            if self.peer_id not in self.ranges:
+                raise ValueError("this peer reduces no range")
+            self._accumulate(sender, head.weight, *read_sparse_part(head.tensor_part, body.tensor_part,
+                                                                   len(self._sum)))
         except (ValueError, TypeError, RuntimeError, StopAsyncIteration, asyncio.TimeoutError) as error:
             self._fail(AllreduceException(f"sender {sender}: {error!r}"))
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
