@@ -12,7 +12,7 @@ import pytest
 from aux_utils import PeerProcess, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.agreement import first_difference, settings_digest
+from lean_transformer.swarm.agreement import AgreementRecord, first_difference, settings_digest, swarm_mismatch
 
 TINY = dict(run_id="agreement", host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4,
             max_sequence_length=32, target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10,
@@ -92,3 +92,22 @@ def test_digest_and_first_difference():
     assert settings_digest(ours) != settings_digest({**ours, "b": '"y"'})
     assert first_difference(ours, {**ours, "b": '"y"'}) == "b"
     assert first_difference(ours, {"a": "1"}) == "b" and first_difference(ours, dict(ours)) is None
+
+
+def record(since: float, **settings: str) -> AgreementRecord:
+    return AgreementRecord(digest=settings_digest(settings), since=since, settings=settings)
+
+
+def test_only_the_oldest_peer_sets_the_swarm_settings():
+    """A newcomer compares with the oldest record only: a refused newcomer's record, still listed, that is older
+    than this peer but younger than the swarm does not refuse a correct peer, nor name its own setting to a wrong
+    one (both happened before: the first older record that differed won)."""
+    swarm, ours = record(10.0, lr="0.1", batch="16"), record(30.0, lr="0.1", batch="16")
+    refused = record(20.0, lr="0.1", batch="32")
+    assert swarm_mismatch(ours, [refused.model_dump(), swarm.model_dump()]) is None
+    wrong_lr = record(30.0, lr="0.5", batch="16")
+    error = swarm_mismatch(wrong_lr, [refused.model_dump(), swarm.model_dump()])
+    assert "--lr: this peer has 0.5, the swarm has 0.1" in str(error)
+    assert swarm_mismatch(swarm, [refused.model_dump(), wrong_lr.model_dump()]) is None  # the oldest goes on
+    forged = dict(record(1.0, lr="9").model_dump(), digest=settings_digest({"lr": "0.1", "batch": "16"}))
+    assert swarm_mismatch(ours, [forged, {"junk": 1}, swarm.model_dump()]) is None  # malformed records are ignored

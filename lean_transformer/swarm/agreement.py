@@ -6,9 +6,11 @@ silently averages incompatible updates. The application passes those settings as
 names being the flags a user would change); every peer publishes them with their digest under ``{run_id}_agreement``
 (a subkey owned by its RSA key, like its metrics), and compares them with the records of the others.
 
-The swarm's settings are those of its oldest live peer: a peer whose settings differ from an older peer's stops
+The swarm's settings are those of its oldest live peer: a peer whose settings differ from the oldest peer's stops
 with one line naming the first field that differs and both values (:class:`SettingsMismatchError`), while the older
-peers go on. Records live ``ttl`` seconds and are renewed every ``period`` seconds, so the settings of a swarm that
+peers go on. Only the oldest peer counts: a misconfigured newcomer's record outlives its refusal by up to ``ttl``
+seconds, and must not refuse the newcomers after it (seen in ``tests/test_agreement.py``: of five misconfigured
+newcomers started at once, one was refused for another's setting). Records live ``ttl`` seconds and are renewed every ``period`` seconds, so the settings of a swarm that
 has emptied out do not bind a new one for long. Malformed records are ignored.
 """
 from __future__ import annotations
@@ -52,6 +54,31 @@ def first_difference(ours: Mapping[str, str], theirs: Mapping[str, str]) -> Opti
     return next((name for name in sorted(set(ours) | set(theirs)) if ours.get(name) != theirs.get(name)), None)
 
 
+def swarm_mismatch(ours: AgreementRecord, others: list) -> Optional[SettingsMismatchError]:
+    """The error for a peer with record ``ours``, if the oldest valid record among ``others`` (raw DHT values) is
+    older and has other settings. Only the oldest counts: a misconfigured newcomer, refused but still listed for a
+    while, must not refuse the peers that come after it."""
+    valid = []
+    for value in others:
+        try:
+            other = AgreementRecord.model_validate(value)
+        except ValidationError:
+            continue
+        if other.digest == settings_digest(other.settings):  # else a forged or corrupt record
+            valid.append(other)
+    if not valid:
+        return None
+    oldest = min(valid, key=lambda record: (record.since, record.digest))
+    if oldest.digest == ours.digest or (oldest.since, oldest.digest) >= (ours.since, ours.digest):
+        return None
+    name = first_difference(ours.settings, oldest.settings)
+    started = time.strftime("%H:%M:%S", time.localtime(oldest.since))
+    return SettingsMismatchError(
+        f"--{name}: this peer has {ours.settings.get(name, 'nothing')}, the swarm has "
+        f"{oldest.settings.get(name, 'nothing')} (a peer running since {started}); every peer of a run must use the "
+        f"same value")
+
+
 class SwarmAgreement:
     """Publishes this peer's settings and watches the others' in a background thread (every ``period`` s).
 
@@ -82,27 +109,14 @@ class SwarmAgreement:
                        expiration_time=get_dht_time() + self.ttl, return_future=True)
 
     def check(self) -> None:
-        """Raise SettingsMismatchError if an older live peer of the run has other settings."""
+        """Raise SettingsMismatchError if the oldest live peer of the run is older than this one and has other
+        settings."""
         entry = self.dht.get(self.key, latest=True)
         records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
-        for owner, item in records.items():
-            if owner == self.public_key:
-                continue
-            try:
-                other = AgreementRecord.model_validate(item.value)
-            except (ValidationError, AttributeError):
-                continue
-            older = (other.since, other.digest) < (self.record.since, self.record.digest)
-            if other.digest == self.record.digest or not older:
-                continue
-            name = first_difference(self.settings, other.settings)
-            if name is None:  # equal settings under another digest: a forged or corrupt record
-                continue
-            started = time.strftime("%H:%M:%S", time.localtime(other.since))
-            raise SettingsMismatchError(
-                f"--{name}: this peer has {self.settings.get(name, 'nothing')}, the swarm has "
-                f"{other.settings.get(name, 'nothing')} (a peer running since {started}); every peer of a run must "
-                f"use the same value")
+        others = [item.value for owner, item in records.items() if owner != self.public_key and hasattr(item, "value")]
+        mismatch = swarm_mismatch(self.record, others)
+        if mismatch is not None:
+            raise mismatch
 
     def raise_if_mismatched(self) -> None:
         if self.mismatch is not None:
