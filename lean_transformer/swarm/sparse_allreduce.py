@@ -177,7 +177,11 @@ class SparseAllReduce:
             averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
                                         weight=self.weight, tensor_part=_serialize(part[0])),
             averaging_pb2.AveragingData(tensor_part=_serialize(part[1]))))
-        answers = [answer async for answer in stream]
+        answers = []
+        async for answer in stream:
+            answers.append(answer)
+            if len(answers) > 2:  # a reducer that goes on sending: no need to read it all
+                break
         if len(answers) != 2 or answers[0].code != averaging_pb2.AVERAGED_PART:
             codes = [averaging_pb2.MessageCode.Name(answer.code) for answer in answers]
             raise AllreduceException(f"reducer {peer} answered {codes} instead of a sparse average")
