@@ -48,6 +48,29 @@ def test_outer_step_matches_a_hand_computed_nesterov_update():
     torch.testing.assert_close(weight.data, torch.full((2, 3), hand_nesterov(1.0, deltas)), rtol=1e-4, atol=1e-5)
 
 
+def test_the_anchor_fingerprint_is_the_same_for_any_thread_count_and_sees_one_ulp():
+    """Peers compare fingerprints to find who is out of date: equal anchors must give equal fingerprints on machines
+    with any number of threads (a float64 sum's last digit changed between 4 and 8 threads on these tensors)."""
+    from lean_transformer.swarm.diloco import OuterLoop
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(shape, generator=generator))
+               for shape in ([2560, 640], [2560, 640], [12576, 640])]
+    rounds = OuterLoop(OuterNesterov(weights), averager=None)
+    threads = torch.get_num_threads()
+    try:
+        fingerprints = []
+        for count in (1, 2, 4, 8):
+            torch.set_num_threads(count)
+            fingerprints.append(rounds.fingerprint())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(fingerprint == fingerprints[0] for fingerprint in fingerprints), fingerprints
+    anchor = rounds.outer.anchor[2]
+    anchor[7, 7] = torch.nextafter(anchor[7, 7], torch.tensor(float("inf")))  # one unit in the last place
+    assert rounds.fingerprint() != fingerprints[0]
+
+
 def test_state_tensors_round_trip_gives_a_newcomer_the_same_next_step():
     old, new = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.full((4,), 9.0))
     outer_old, outer_new = OuterNesterov([old]), OuterNesterov([new])

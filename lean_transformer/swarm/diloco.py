@@ -349,8 +349,12 @@ class OuterLoop:
         return self._end_overlapped_round(alone)
 
     def fingerprint(self) -> list:
-        """[outer steps, checksum of the anchor]: peers that applied the same outer steps have the same one."""
-        return [float(self.outer.steps), float(sum(anchor.double().sum() for anchor in self.outer.anchor))]
+        """[outer steps, checksum of the anchor]: peers that applied the same outer steps to the same anchor have the
+        same one, bit for bit. The checksum adds the anchor's float32 bit patterns as integers, which no summation
+        order changes; a float64 sum's last digit changed with the thread count (8 threads against 1-4, on 25M
+        values), so peers with different core counts saw each other as out of date and re-downloaded the state."""
+        checksum = sum(int(anchor.view(torch.int32).sum(dtype=torch.int64)) for anchor in self.outer.anchor)
+        return [float(self.outer.steps), checksum % (1 << 62)]  # within msgpack's integers
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Sequence[Any] = (),
                  keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None) -> int:
