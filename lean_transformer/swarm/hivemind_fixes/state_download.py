@@ -13,17 +13,24 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
   next one fails or refuses, so one peer's metadata can be paired with another peer's tensors.
 - **A served state can be torn.** ``get_current_state`` hands out the optimizer's own CPU tensors (``.cpu()`` does not
   copy) and streams them after releasing its lock, while the next optimizer step updates them in place.
+- **A donor drops off the list at every re-declaration.** A peer that shares its state stores its entry in the DHT
+  with an expiration of ``declare_state_period`` and stores the next one only when that expires, so for the length
+  of a DHT store (a few ms on loopback, seconds on a loaded or slow peer) the swarm has no donor. A newcomer that
+  looks then joins without the swarm's state and trains on its own until its first step notices (seen once in CI: a
+  late peer joined at its local epoch 1, the swarm being at 3).
 - **Nothing is validated.** A state of another shape (a peer with another ``--min_8bit_size``), dtype, or with NaN in
   it is loaded as is, or fails deep inside ``load_state_dict``; ``hivemind.Optimizer.load_state_from_peers`` then
   retries forever without saying why.
 
-Here the server takes its snapshot under the optimizer's lock and sends copies with their count, and the receiver
+Here a donor's entry outlives its next re-declaration by one period, the server takes its snapshot under the
+optimizer's lock and sends copies with their count, and the receiver
 tries peers in hivemind's order, each with fresh metadata, and checks every state against its own layout (count,
 shapes, dtypes, optimizer structure, finite values, epoch) before it touches the model or optimizer. A bad state is
 logged in one line and the next peer is tried; no peer with a fitting state leaves the receiver where it was, within
 the download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN,
-wrongly typed, oversized and foreign-structured states, and a peer that steps while it serves). Drop when hivemind
-checks a downloaded state's length and ends a cut stream with an error (not fixed in 1.1.12).
+wrongly typed, oversized and foreign-structured states, and a peer that steps while it serves) and
+``tests/test_state_declaration.py`` (the gap, against hivemind's own averager). Drop when hivemind checks a downloaded
+state's length, ends a cut stream with an error and overlaps its declarations (not fixed in 1.1.12).
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 logger = get_logger(__name__)
@@ -110,6 +118,25 @@ def optimizer_skeleton(flat_metadata: Any) -> Optional[tuple[tuple[str, Any], ..
 class ValidatedStateSharing:
     """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in."""
 
+    async def _declare_for_download_periodically(self) -> None:
+        """Executed in the averager's process: keep this peer on the DHT's list of donors with no gap, each entry
+        valid for two periods and renewed every period (or at once when the priority or sharing changes)."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        sharing_was_allowed = self.allow_state_sharing
+        while True:
+            if self.allow_state_sharing or sharing_was_allowed:  # a peer that stops sharing overwrites its entry
+                store = self.dht.store(key, subkey=self.peer_id.to_bytes(),
+                                       value=self.state_sharing_priority if self.allow_state_sharing else None,
+                                       expiration_time=get_dht_time() + 2 * self.declare_state_period,
+                                       return_future=True)
+                asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period))
+                sharing_was_allowed = self.allow_state_sharing
+            self._state_updated.clear()
+            try:
+                await asyncio.wait_for(self._state_updated.wait(), timeout=self.declare_state_period)
+            except asyncio.TimeoutError:
+                pass
+
     def get_current_state(self):
         """Executed in the host process for a peer that downloads our state: a snapshot between two optimizer steps,
         copied, so that streaming it cannot tear, with the tensor count that lets the receiver detect a cut."""
@@ -169,7 +196,9 @@ class ValidatedStateSharing:
                     except Exception:  # a malformed key in the DHT record
                         continue
             ranked.pop(self.peer_id, None)
-            if ranked:
+            if not ranked:
+                logger.info("No peer shares its state: this peer keeps its own")
+            else:
                 bound = "" if timeout is None else f", at most {timeout:g} s"
                 logger.info(f"Downloading the swarm's state: {len(ranked)} peer(s) share one (best first{bound})")
             for peer in sorted(ranked, key=ranked.get, reverse=True):

@@ -1,0 +1,84 @@
+"""A peer that shares its state stays on the DHT's list of donors without a gap (:mod:`.hivemind_fixes.state_download`).
+
+Each variant runs as a script in its own process (hivemind objects install signal handlers): a donor, a DHT and an
+averager that shares its state and re-declares it every second, and a second DHT that reads the list of donors every
+20 ms for 4 seconds. hivemind's averager lets its entry expire before it stores the next one, so the entry's
+remaining lifetime falls to zero once a period (and the list is empty until the new store lands); ours keeps at least
+one period left.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.swarm
+REPO = Path(__file__).resolve().parent.parent
+PERIOD = 1.0
+
+
+def test_a_donor_stays_listed_between_its_declarations(report):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    processes = {variant: subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                 for variant in ("hivemind", "lean_transformer")}
+    results = {}
+    for variant, process in processes.items():
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, f"{variant}:\n{stderr[-3000:]}"
+        results[variant] = json.loads(stdout.strip().splitlines()[-1])
+    ours, theirs = results["lean_transformer"], results["hivemind"]
+    assert ours["polls"] > 50 and ours["missing"] == 0 and ours["least_left"] > 0.5 * PERIOD, ours
+    assert theirs["least_left"] < 0.2 * PERIOD, theirs  # hivemind's entry runs out before it is renewed
+    report(f"donor re-declared every {PERIOD:g} s, list read every 20 ms for {4 * PERIOD:g} s: hivemind's entry had "
+           f"{theirs['least_left']:.3f} s left at worst, missing from {theirs['missing']} of {theirs['polls']} reads; "
+           f"ours {ours['least_left']:.3f} s, missing from {ours['missing']} of {ours['polls']}")
+
+
+def main(variant: str) -> None:
+    import hivemind
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
+
+    averager_class = DecentralizedAverager
+    if variant == "lean_transformer":
+        averager_class = type("Donor", (ValidatedStateSharing, DecentralizedAverager), {})
+    maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    donor_dht = hivemind.DHT(start=True, host_maddrs=maddrs)
+    reader = hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=donor_dht.get_visible_maddrs())
+    donor = averager_class([torch.zeros(4)], dht=donor_dht, prefix="donors", target_group_size=2,
+                           declare_state_period=PERIOD, start=True)
+    subkey = donor.peer_id.to_bytes()
+    try:
+        deadline = time.monotonic() + 10
+        while reader.get("donors.all_averagers", latest=True) is None:  # the first declaration
+            assert time.monotonic() < deadline, "the donor never declared itself"
+            time.sleep(0.02)
+        polls, missing, least_left = 0, 0, float("inf")
+        end = time.monotonic() + 4 * PERIOD
+        while time.monotonic() < end:
+            found = reader.get("donors.all_averagers", latest=True)
+            entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+            polls += 1
+            if entry is None:
+                missing += 1
+            else:
+                least_left = min(least_left, entry.expiration_time - get_dht_time())
+            time.sleep(0.02)
+        print(json.dumps(dict(polls=polls, missing=missing, least_left=least_left)))
+    finally:
+        donor.shutdown()
+        reader.shutdown()
+        donor_dht.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
