@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import transformers
 from hivemind.utils.logging import use_hivemind_log_handler
@@ -44,5 +44,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The command: :func:`main`, then an exit that hivemind's daemon threads cannot abort."""
+    from lean_transformer.swarm.shutdown import exit_after_clean_shutdown
+    exit_after_clean_shutdown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -25,3 +25,45 @@ else:
 def test_an_abandoned_critical_section_exits_non_zero(section, code, message):
     run = subprocess.run([sys.executable, "-c", PEER, section], capture_output=True, text=True, timeout=60)
     assert run.returncode == code and message in run.stderr, run.stderr[-2000:]
+
+
+EXITING = """
+import atexit, sys, threading, time
+import torch
+from lean_transformer.swarm.shutdown import exit_after_clean_shutdown
+
+def torch_forever():  # like hivemind's daemon thread that copies this peer's state for a downloading peer
+    tensor = torch.randn(20_000_000)
+    while True:
+        tensor.clone()
+
+def finish_late():
+    time.sleep(0.5)
+    print("non-daemon thread finished", flush=True)
+
+torch.set_num_threads(1)
+atexit.register(print, "exit handlers ran")
+threading.Thread(target=torch_forever, daemon=True).start()
+threading.Thread(target=finish_late).start()
+time.sleep(0.3)
+print("clean shutdown done", end="")  # unflushed
+if sys.argv[1] == "ours":
+    exit_after_clean_shutdown(3)
+sys.exit(3)
+"""
+
+
+def test_a_daemon_thread_in_torch_does_not_abort_a_clean_exit(report):
+    runs = {variant: subprocess.run([sys.executable, "-c", EXITING, variant], capture_output=True, text=True,
+                                    timeout=60) for variant in ("python", "ours")}
+    ours = runs["ours"]
+    assert ours.returncode == 3, ours.stderr[-2000:]
+    assert ours.stdout == "clean shutdown donenon-daemon thread finished\nexit handlers ran\n", ours.stdout
+    assert "terminate called" not in ours.stderr
+    python = runs["python"]
+    if sys.version_info < (3, 14):  # CPython < 3.14 ends such a thread with pthread_exit: the process aborts
+        assert python.returncode == -6 and "terminate called without an active exception" in python.stderr, \
+            (python.returncode, python.stderr[-2000:])
+    report(f"daemon thread in a torch op at exit: a plain exit ended with code {python.returncode} "
+           f"({python.stderr.strip().splitlines()[-1] if python.stderr.strip() else 'no message'}), "
+           f"exit_after_clean_shutdown with code {ours.returncode}, its exit handlers run")

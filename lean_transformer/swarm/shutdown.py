@@ -11,6 +11,7 @@ whose work is then lost: a supervisor (Docker's ``--stop-timeout``, systemd) mus
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NoReturn, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,24 @@ def exit_now(code: int) -> None:
     """Stop this process's children and exit at once, whatever the other threads are doing (hivemind's threads can
     keep an interpreter from exiting after an error in the main thread)."""
     terminate_descendants()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_after_clean_shutdown(code: int) -> NoReturn:
+    """End a peer's process as a normal exit does (non-daemon threads joined, exit handlers run, streams flushed),
+    but without the interpreter's finalization, whatever daemon threads are doing.
+
+    What is wrong upstream: CPython before 3.14 ends a daemon thread that wants the GIL back once finalization has
+    begun with ``pthread_exit``; if that thread is inside C++ code (a torch op of hivemind's thread that serves this
+    peer's state, say), the unwinding meets a ``noexcept`` frame and the process aborts ("terminate called without an
+    active exception", exit code -6) after a clean shutdown. Seen once in the local demo's test, a trainer leaving
+    after SIGTERM; reproduced by ``tests/test_shutdown.py`` with a daemon thread in a torch loop. Fixed in CPython
+    3.14 (gh-87135: such threads hang instead); this can go when 3.14 is the oldest Python we support.
+    """
+    threading._shutdown()  # the interpreter's first exit step: join the non-daemon threads
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
