@@ -233,7 +233,7 @@ class ValidatedStateSharing:
         """One peer's whole response: (metadata, tensors), metadata None if it sent nothing. A response larger than
         ``layout`` allows is abandoned as it arrives (ValueError), so a peer cannot fill this peer's memory."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), chunk_timeout)  # dial
         metadata, tensors, parts, part_bytes = None, [], [], 0
         iterator = stream.__aiter__()
         while True:
