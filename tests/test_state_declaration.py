@@ -2,9 +2,10 @@
 
 Each variant runs as a script in its own process (hivemind objects install signal handlers): a donor, a DHT and an
 averager that shares its state and re-declares it every second, and a second DHT that reads the list of donors every
-20 ms for 4 seconds. hivemind's averager lets its entry expire before it stores the next one, so the entry's
-remaining lifetime falls to zero once a period (and the list is empty until the new store lands); ours keeps at least
-one period left.
+20 ms for 4 seconds, then once more after the donor shuts down. hivemind's averager lets its entry expire before it
+stores the next one, so the entry's remaining lifetime falls to zero once a period (and the list is empty until the
+new store lands), and leaves it behind when it shuts down (until it expires); ours keeps at least one period left
+and takes it off.
 """
 from __future__ import annotations
 
@@ -35,9 +36,12 @@ def test_a_donor_stays_listed_between_its_declarations(report):
     ours, theirs = results["lean_transformer"], results["hivemind"]
     assert ours["polls"] > 50 and ours["missing"] == 0 and ours["least_left"] > 0.5 * PERIOD, ours
     assert theirs["least_left"] < 0.2 * PERIOD, theirs  # hivemind's entry runs out before it is renewed
+    assert not ours["listed_after_leaving"] and ours["leaving"] < ours["least_left"], ours  # taken off, not expired
     report(f"donor re-declared every {PERIOD:g} s, list read every 20 ms for {4 * PERIOD:g} s: hivemind's entry had "
            f"{theirs['least_left']:.3f} s left at worst, missing from {theirs['missing']} of {theirs['polls']} reads; "
-           f"ours {ours['least_left']:.3f} s, missing from {ours['missing']} of {ours['polls']}")
+           f"ours {ours['least_left']:.3f} s, missing from {ours['missing']} of {ours['polls']}; read "
+           f"{ours['leaving']:.2f} s after the donor began to shut down, ours was off the list, hivemind's "
+           f"{'still on it' if theirs['listed_after_leaving'] else 'expired meanwhile'}")
 
 
 def main(variant: str) -> None:
@@ -73,7 +77,13 @@ def main(variant: str) -> None:
             else:
                 least_left = min(least_left, entry.expiration_time - get_dht_time())
             time.sleep(0.02)
-        print(json.dumps(dict(polls=polls, missing=missing, least_left=least_left)))
+        leaving = time.monotonic()
+        donor.shutdown()
+        found = reader.get("donors.all_averagers", latest=True)
+        entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+        listed_after_leaving = entry is not None and isinstance(entry.value, (int, float))
+        print(json.dumps(dict(polls=polls, missing=missing, least_left=least_left, leaving=time.monotonic() - leaving,
+                              listed_after_leaving=listed_after_leaving)))
     finally:
         donor.shutdown()
         reader.shutdown()

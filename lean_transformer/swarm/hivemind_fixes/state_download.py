@@ -13,24 +13,26 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
   next one fails or refuses, so one peer's metadata can be paired with another peer's tensors.
 - **A served state can be torn.** ``get_current_state`` hands out the optimizer's own CPU tensors (``.cpu()`` does not
   copy) and streams them after releasing its lock, while the next optimizer step updates them in place.
-- **A donor drops off the list at every re-declaration.** A peer that shares its state stores its entry in the DHT
+- **A donor drops off the list at every re-declaration, and stays on it when it leaves.** A peer that shares its
+  state stores its entry in the DHT
   with an expiration of ``declare_state_period`` and stores the next one only when that expires, so for the length
   of a DHT store (a few ms on loopback, seconds on a loaded or slow peer) the swarm has no donor. A newcomer that
   looks then joins without the swarm's state and trains on its own until its first step notices (seen once in CI: a
-  late peer joined at its local epoch 1, the swarm being at 3).
+  late peer joined at its local epoch 1, the swarm being at 3). A donor that shuts down leaves its entry behind.
 - **Nothing is validated.** A state of another shape (a peer with another ``--min_8bit_size``), dtype, or with NaN in
   it is loaded as is, or fails deep inside ``load_state_dict``; ``hivemind.Optimizer.load_state_from_peers`` then
   retries forever without saying why.
 
-Here a donor's entry outlives its next re-declaration by one period, the server takes its snapshot under the
-optimizer's lock and sends copies with their count, and the receiver
-tries peers in hivemind's order, each with fresh metadata, and checks every state against its own layout (count,
-shapes, dtypes, optimizer structure, finite values, epoch) before it touches the model or optimizer. A bad state is
-logged in one line and the next peer is tried; no peer with a fitting state leaves the receiver where it was, within
-the download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN,
-wrongly typed, oversized and foreign-structured states, and a peer that steps while it serves) and
-``tests/test_state_declaration.py`` (the gap, against hivemind's own averager). Drop when hivemind checks a downloaded
-state's length, ends a cut stream with an error and overlaps its declarations (not fixed in 1.1.12).
+Here a donor's entry outlives its next re-declaration by one period, and a donor that leaves takes it off; the
+server takes its snapshot under the optimizer's lock and sends copies with their count; the receiver tries peers in
+hivemind's order, each with fresh metadata, and checks every state against its own layout (count, shapes, dtypes,
+optimizer structure, finite values, epoch) before it touches the model or optimizer. A bad state is logged in one
+line and the next peer is tried; no peer with a fitting state leaves the receiver where it was, within the
+download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN, wrongly
+typed, oversized and foreign-structured states, and a peer that steps while it serves) and
+``tests/test_state_declaration.py`` (the gap and the leaving donor, against hivemind's own averager). Drop when
+hivemind checks a downloaded state's length, ends a cut stream with an error, overlaps its declarations and unlists a
+leaving donor (not fixed in 1.1.12).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 logger = get_logger(__name__)
 
 MIN_CHUNK_TIMEOUT = 10.0  # seconds to wait for the next part of a state, whatever the (short) request timeout
+UNLIST_TIMEOUT = 2.0  # seconds a leaving donor waits for the DHT to take it off the list
 
 
 @dataclass(frozen=True)
@@ -118,17 +121,19 @@ def optimizer_skeleton(flat_metadata: Any) -> Optional[tuple[tuple[str, Any], ..
 class ValidatedStateSharing:
     """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in."""
 
+    def _declare_as_donor(self, sharing: bool) -> MPFuture:
+        """Store this peer's entry in the DHT's list of donors (``None`` takes it off), valid for two periods."""
+        return self.dht.store(f"{self._matchmaking.group_key_manager.prefix}.all_averagers",
+                              subkey=self.peer_id.to_bytes(), value=self.state_sharing_priority if sharing else None,
+                              expiration_time=get_dht_time() + 2 * self.declare_state_period, return_future=True)
+
     async def _declare_for_download_periodically(self) -> None:
         """Executed in the averager's process: keep this peer on the DHT's list of donors with no gap, each entry
         valid for two periods and renewed every period (or at once when the priority or sharing changes)."""
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         sharing_was_allowed = self.allow_state_sharing
         while True:
             if self.allow_state_sharing or sharing_was_allowed:  # a peer that stops sharing overwrites its entry
-                store = self.dht.store(key, subkey=self.peer_id.to_bytes(),
-                                       value=self.state_sharing_priority if self.allow_state_sharing else None,
-                                       expiration_time=get_dht_time() + 2 * self.declare_state_period,
-                                       return_future=True)
+                store = self._declare_as_donor(self.allow_state_sharing)
                 asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period))
                 sharing_was_allowed = self.allow_state_sharing
             self._state_updated.clear()
@@ -136,6 +141,16 @@ class ValidatedStateSharing:
                 await asyncio.wait_for(self._state_updated.wait(), timeout=self.declare_state_period)
             except asyncio.TimeoutError:
                 pass
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """Executed in the averager's process: a donor that leaves takes itself off the list first (within a bound),
+        so that newcomers do not try it for the two periods its entry would live on."""
+        if not self.client_mode and self.allow_state_sharing:
+            try:
+                await asyncio.wait_for(self._declare_as_donor(sharing=False), timeout=UNLIST_TIMEOUT)
+            except Exception as error:  # the swarm forgets the entry when it expires
+                logger.debug(f"Could not take this peer off the list of donors: {error!r}")
+        await super()._shutdown(timeout)
 
     def get_current_state(self):
         """Executed in the host process for a peer that downloads our state: a snapshot between two optimizer steps,
