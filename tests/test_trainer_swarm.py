@@ -182,6 +182,7 @@ def test_late_peer_loads_the_swarm_state_and_continues(scenario: Scenario):
     assert joined >= scenario.late_started_at_epoch >= 3, log[-3000:]  # the swarm's newer state won over the local one
     assert max(epoch_losses(log)) > joined
     assert "Averaged gradients with 2 peers" in log
+    assert "Downloading parameters from peer" not in log  # hivemind's gradient averager downloads no gradients
 
 
 def test_sigterm_exits_cleanly_within_30_seconds(scenario: Scenario):
