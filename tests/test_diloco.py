@@ -182,6 +182,36 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 
 @pytest.mark.swarm
+def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anchor():
+    """With overlap: a round sent in the background that finds no group, then two rounds alone (the other trainers
+    left). The first alone round steps with its own progress plus the missed round's; the second with its own only,
+    measured from the anchor the parameters restarted from."""
+    import hivemind
+    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    weight = torch.nn.Parameter(torch.zeros(3))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_overlap_alone", [weight.shape], matchmaking_time=0.5,
+                                      allreduce_timeout=2.0)
+    try:
+        rounds = OuterLoop(outer, averager, overlap=True)
+        group_sizes = []
+        for shift, alone in ((1.0, False), (2.0, True), (4.0, True)):
+            with torch.no_grad():
+                weight.sub_(shift)
+            rounds.add_samples(8)
+            group_sizes.append(rounds.end_round(alone=alone))
+        assert group_sizes == [None, 1, 1]
+        expected = hand_nesterov(0.0, [1.0 + 2.0, 4.0])
+        torch.testing.assert_close(outer.anchor[0], torch.full((3,), expected), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(weight.data, outer.anchor[0], rtol=0, atol=0)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.swarm
 @pytest.mark.parametrize("compression", ["none", "blockwise8bit", "overlap"])  # top-k: the sparse test below
 def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, tmp_path,
                                                                                              report):

@@ -380,7 +380,7 @@ class OuterLoop:
                 progress = [p + s for p, s in zip(progress, sent)]
                 samples += sent_samples
         if alone:
-            self._pending = None
+            self._pending, self._base = None, None  # the parameters restart from the new anchor
             self.samples_since_anchor = samples
             return self._applied(progress, 1)
         tag = self.fingerprint()
