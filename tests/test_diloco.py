@@ -3,12 +3,14 @@ real hivemind peers (separate processes on 127.0.0.1) averaging pseudo-gradients
 to identical parameters."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -153,18 +155,28 @@ def test_bytes_per_parameter_per_round(report):
            ", ".join(f"{name} {value:.3f}" for name, value in measured.items()))
 
 
-@pytest.mark.swarm
-def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
+@contextlib.contextmanager
+def lone_outer_loop(overlap: bool) -> Iterator[tuple]:
+    """(weight, outer state, outer loop) of a peer with no groupmates: every round it sends finds no group
+    (min_group_size 2) within 0.5 s of matchmaking."""
     import hivemind
     from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     weight = torch.nn.Parameter(torch.zeros(3))
-    outer = OuterNesterov([weight])
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_alone", [weight.shape], matchmaking_time=0.5,
-                                      allreduce_timeout=2.0)  # min_group_size 2: alone, every round misses
+                                      allreduce_timeout=2.0)
     try:
-        rounds = OuterLoop(outer, averager)
+        yield weight, outer, OuterLoop(outer, averager, overlap=overlap)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.swarm
+def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
+    with lone_outer_loop(overlap=False) as (weight, outer, rounds):
         results = []
         for step in range(4):
             with torch.no_grad():
@@ -176,9 +188,6 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
         assert rounds.samples_since_anchor == 32
         torch.testing.assert_close(outer.pseudo_gradients()[0], torch.full((3,), 4.0), rtol=0, atol=0)
         torch.testing.assert_close(weight.data, torch.full((3,), -4.0), rtol=0, atol=0)
-    finally:
-        averager.shutdown()
-        dht.shutdown()
 
 
 @pytest.mark.swarm
@@ -186,16 +195,7 @@ def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anch
     """With overlap: a round sent in the background that finds no group, then two rounds alone (the other trainers
     left). The first alone round steps with its own progress plus the missed round's; the second with its own only,
     measured from the anchor the parameters restarted from."""
-    import hivemind
-    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
-
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    weight = torch.nn.Parameter(torch.zeros(3))
-    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
-    averager = PseudoGradientAverager(dht, "test_diloco_overlap_alone", [weight.shape], matchmaking_time=0.5,
-                                      allreduce_timeout=2.0)
-    try:
-        rounds = OuterLoop(outer, averager, overlap=True)
+    with lone_outer_loop(overlap=True) as (weight, outer, rounds):
         group_sizes = []
         for shift, alone in ((1.0, False), (2.0, True), (4.0, True)):
             with torch.no_grad():
@@ -206,9 +206,6 @@ def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anch
         expected = hand_nesterov(0.0, [1.0 + 2.0, 4.0])
         torch.testing.assert_close(outer.anchor[0], torch.full((3,), expected), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(weight.data, outer.anchor[0], rtol=0, atol=0)
-    finally:
-        averager.shutdown()
-        dht.shutdown()
 
 
 @pytest.mark.swarm
