@@ -15,8 +15,8 @@ from typing import Literal, Optional, Sequence, Union
 from transformers import HfArgumentParser
 
 from lean_transformer.swarm.cli import OneLineErrors
-from lean_transformer.swarm.dht import validate_maddrs, validate_run_id
-from lean_transformer.swarm.hub import is_hub_repo_id
+from lean_transformer.swarm.protocol.dht import validate_maddrs, validate_run_id
+from lean_transformer.swarm.storage.hub import is_hub_repo_id
 
 Compression = Literal["size_adaptive", "none", "float16", "scaled_float16", "uniform8bit", "quantile8bit",
                       "blockwise8bit"]
@@ -401,7 +401,7 @@ class AuxPeerArguments:
         "help": "Seconds between checks for an averaging round to join, with --assist_in_averaging."})
 
     def __post_init__(self):
-        from lean_transformer.swarm.hub import looks_like_repo_id
+        from lean_transformer.swarm.storage.hub import looks_like_repo_id
 
         for name in ("refresh_period", "assist_refresh_period", "history_window", "keep_checkpoints"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")

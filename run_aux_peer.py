@@ -30,8 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments], argv,
         description=__doc__)
 
-    from lean_transformer.swarm.aux_peer import run_aux_peer
-    from lean_transformer.swarm.dht import SwarmConnectionError
+    from lean_transformer.swarm.peers.aux_peer import run_aux_peer
+    from lean_transformer.swarm.protocol.dht import SwarmConnectionError
     from tasks import get_task
 
     run_config = {name: value for args in (network, collaboration, task_args, training, aux)
@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def cli() -> NoReturn:
     """The command: :func:`main`, then an exit that hivemind's daemon threads cannot abort."""
-    from lean_transformer.swarm.shutdown import exit_after_clean_shutdown
+    from lean_transformer.swarm.peers.shutdown import exit_after_clean_shutdown
     exit_after_clean_shutdown(main())
 
 

@@ -25,10 +25,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     network, collaboration, training, task_args = parse_arguments(
         [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], argv, description=__doc__)
 
-    from lean_transformer.swarm.backups import NonFiniteParametersError
-    from lean_transformer.swarm.dht import SwarmConnectionError
-    from lean_transformer.swarm.shutdown import exit_now
-    from lean_transformer.swarm.trainer import train
+    from lean_transformer.swarm.peers.backups import NonFiniteParametersError
+    from lean_transformer.swarm.protocol.dht import SwarmConnectionError
+    from lean_transformer.swarm.peers.shutdown import exit_now
+    from lean_transformer.swarm.peers.trainer import train
     from tasks import get_task
 
     try:
@@ -46,7 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def cli() -> NoReturn:
     """The command: :func:`main`, then an exit that hivemind's daemon threads cannot abort."""
-    from lean_transformer.swarm.shutdown import exit_after_clean_shutdown
+    from lean_transformer.swarm.peers.shutdown import exit_after_clean_shutdown
     exit_after_clean_shutdown(main())
 
 

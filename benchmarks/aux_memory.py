@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from lean_transformer.swarm.shutdown import descendant_pids
+from lean_transformer.swarm.peers.shutdown import descendant_pids
 
 REPO = Path(__file__).resolve().parent.parent
 SWARM = ["--run_id", "bench-aux-memory", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--target_batch_size", "16",

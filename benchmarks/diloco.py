@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lean_transformer import LeanGPTForCausalLM  # noqa: E402
-from lean_transformer.demo.markov import MarkovCorpus  # noqa: E402
-from lean_transformer.swarm.diloco import wire_bytes_per_parameter  # noqa: E402
-from lean_transformer.swarm.optimizer import make_compression  # noqa: E402
+from lean_transformer.data.markov import MarkovCorpus  # noqa: E402
+from lean_transformer.swarm.averaging.diloco import wire_bytes_per_parameter  # noqa: E402
+from lean_transformer.swarm.averaging.optimizer import make_compression  # noqa: E402
 from tasks.causal_lm import PackedBatcher  # noqa: E402
 from tasks.tokenizer import ByteTokenizer  # noqa: E402
 

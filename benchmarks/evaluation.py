@@ -1,6 +1,6 @@
 """What evaluation and export cost the aux peer per checkpoint, side by side in one process: writing the checkpoint
 (the model with ``save_pretrained`` + the tokenizer: the baseline, work it did before) against evaluating it on the
-held-out batches (``--eval_batches`` forward passes, ``lean_transformer.swarm.evaluation.evaluate``), and the bytes a
+held-out batches (``--eval_batches`` forward passes, ``lean_transformer.swarm.monitoring.evaluation.evaluate``), and the bytes a
 default Hub upload sends (model, config, tokenizer) against an upload with ``--upload_training_state`` (+ the 8-bit
 LAMB state after one step, the LR schedule and the epoch, as ``save_training_state`` writes them). CPU, fp32.
 Times are wall time, best of ``--repeats`` interleaved rounds.
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from arguments import AuxTrainingArguments, TaskArguments  # noqa: E402
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM  # noqa: E402
 from lean_transformer.optim import CPULAMB8Bit  # noqa: E402
-from lean_transformer.swarm.evaluation import evaluate  # noqa: E402
-from lean_transformer.swarm.training_state import TRAINING_STATE_FILE  # noqa: E402
+from lean_transformer.swarm.monitoring.evaluation import evaluate  # noqa: E402
+from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE  # noqa: E402
 from tasks.causal_lm import CausalLMTask  # noqa: E402
 
 SHAPES = {"tiny (the demo's, tasks/configs/tiny_gpt.json)": None,

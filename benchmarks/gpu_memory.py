@@ -149,7 +149,7 @@ def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optiona
     from hivemind.optim.grad_averager import GradientAverager
 
     from lean_transformer.optim import CPULAMB8Bit
-    from lean_transformer.swarm.host_grad_averager import HostGradientAverager
+    from lean_transformer.swarm.averaging.host_grad_averager import HostGradientAverager
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -253,7 +253,7 @@ def host_bytes() -> None:
     import hivemind
 
     from lean_transformer.optim import CPULAMB8Bit
-    from lean_transformer.swarm.host_grad_averager import HostGradientAverager
+    from lean_transformer.swarm.averaging.host_grad_averager import HostGradientAverager
 
     cfg = config(512, 8, 8)
     print("\nHost bytes per parameter (COUNTED: unique tensor storages hivemind and our classes hold; a "

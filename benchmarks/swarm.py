@@ -40,9 +40,9 @@ sys.path.insert(0, str(REPO))
 
 from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments  # noqa: E402
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM  # noqa: E402
-from lean_transformer.swarm.dht import build_dht, visible_maddrs  # noqa: E402
-from lean_transformer.swarm.metrics import make_validators  # noqa: E402
-from lean_transformer.swarm.optimizer import build_optimizer, make_compression  # noqa: E402
+from lean_transformer.swarm.protocol.dht import build_dht, visible_maddrs  # noqa: E402
+from lean_transformer.swarm.protocol.metrics import make_validators  # noqa: E402
+from lean_transformer.swarm.averaging.optimizer import build_optimizer, make_compression  # noqa: E402
 from tasks import get_task  # noqa: E402
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -421,7 +421,7 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
     ``logdir``, the trainers' outputs to ``workdir``."""
     import hivemind
 
-    from lean_transformer.swarm.dht import visible_maddrs
+    from lean_transformer.swarm.protocol.dht import visible_maddrs
 
     logdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

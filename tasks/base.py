@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import PretrainedConfig, PreTrainedModel
 
-from lean_transformer.swarm.settings import Batch, Batcher
+from lean_transformer.swarm.protocol.settings import Batch, Batcher
 from tasks.data import make_text_source
 from tasks.schedules import learning_rate_factor, sequence_length
 from tasks.tokenizer import load_tokenizer
@@ -29,7 +29,7 @@ __all__ = ["Batch", "Batcher", "CONFIGS_DIR", "Task"]
 
 class Task(ABC):
     """One training objective. Subclasses set the class attributes and turn documents into batches. Instances
-    satisfy the library's :class:`~lean_transformer.swarm.settings.TrainingTask` protocol."""
+    satisfy the library's :class:`~lean_transformer.swarm.protocol.settings.TrainingTask` protocol."""
 
     name: ClassVar[str]
     default_config: ClassVar[str]  # file name in tasks/configs/
@@ -85,7 +85,7 @@ class Task(ABC):
         self.tokenizer.save_pretrained(directory)
 
     def swarm_settings(self, collaboration: CollaborationArguments) -> dict[str, Any]:
-        """What every peer of a run must agree on (see lean_transformer.swarm.agreement), named by flag."""
+        """What every peer of a run must agree on (see lean_transformer.swarm.protocol.agreement), named by flag."""
         args = self.training_args
         settings = {f"model_config_path ({name})": value for name, value in sorted(self.config.to_diff_dict().items())
                     if name not in ("transformers_version",)}

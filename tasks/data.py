@@ -15,7 +15,7 @@ import random
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Optional, TypeVar
 
-from lean_transformer.demo.markov import MarkovCorpus
+from lean_transformer.data.markov import MarkovCorpus
 
 if TYPE_CHECKING:
     from arguments import TaskArguments

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import torch
 
 from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
-from lean_transformer.swarm.dht import build_dht, initial_peers_line, peer_private_key
-from lean_transformer.swarm.metrics import make_validators
-from lean_transformer.swarm.optimizer import build_optimizer
+from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
+from lean_transformer.swarm.protocol.metrics import make_validators
+from lean_transformer.swarm.averaging.optimizer import build_optimizer
 from tasks import get_task
 
 

@@ -12,7 +12,7 @@ import pytest
 from aux_utils import PeerProcess, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.agreement import AgreementRecord, first_difference, settings_digest, swarm_mismatch
+from lean_transformer.swarm.protocol.agreement import AgreementRecord, first_difference, settings_digest, swarm_mismatch
 
 TINY = dict(run_id="agreement", host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4,
             max_sequence_length=32, target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10,

@@ -115,7 +115,7 @@ def test_gated_averagers_keep_hivemind_rpc_protocol():
     from hivemind.optim.state_averager import TrainingStateAverager
 
     from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager, GatedTrainingStateAverager
-    from lean_transformer.swarm.diloco import pseudo_gradient_averager_class
+    from lean_transformer.swarm.averaging.diloco import pseudo_gradient_averager_class
 
     for parent, gated in ((GradientAverager, GatedGradientAverager), (TrainingStateAverager,
                                                                       GatedTrainingStateAverager),
@@ -136,7 +136,7 @@ def _averager_stub(node, member: str, service: str):
     from hivemind.p2p import PeerID
 
     from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
-    from lean_transformer.swarm.diloco import pseudo_gradient_averager_class
+    from lean_transformer.swarm.averaging.diloco import pseudo_gradient_averager_class
 
     averager = GatedGradientAverager if service == "grad_averager" else pseudo_gradient_averager_class(gated=True)
     return averager.get_stub(node.p2p, PeerID.from_base58(member), namespace=f"{RUN_ID}_{service}")
@@ -239,7 +239,7 @@ def _visitor_main(argv: List[str]) -> None:
     dht = hivemind.DHT(start=True, initial_peers=args.initial_peers, identity_path=args.identity,
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[validator], authorizer=authorizer,
                        ensure_bootstrap_success=authorized)  # a stranger's bootstrap fails: the DHT refuses it
-    if authorized:  # what every member does at start (lean_transformer.swarm.optimizer.build_optimizer)
+    if authorized:  # what every member does at start (lean_transformer.swarm.averaging.optimizer.build_optimizer)
         publish_access_token(dht, RUN_ID, args.token, validator.local_public_key)
     if args.plant:
         planted = dht.store(access_token_key(RUN_ID, PeerID.from_base58(args.plant[0])),

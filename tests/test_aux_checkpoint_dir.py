@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from aux_utils import wait_until
-from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 
 
 def write_files(contents: dict):
@@ -67,7 +67,7 @@ def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path:
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+        from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 
         store = CheckpointDir({str(tmp_path / "ckpt")!r}, keep_last=2)
         store.save(1, lambda d: (d / "model.bin").write_bytes(b"1" * 100_000))

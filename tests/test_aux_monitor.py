@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lean_transformer.swarm.aggregation import EpochCollector, SwarmStats, aggregate
-from lean_transformer.swarm.plot import redraw_plot
-from lean_transformer.swarm.run_history import RunHistory, read_rows
+from lean_transformer.swarm.monitoring.aggregation import EpochCollector, SwarmStats, aggregate
+from lean_transformer.swarm.monitoring.plot import redraw_plot
+from lean_transformer.swarm.monitoring.run_history import RunHistory, read_rows
 
 from aux_utils import assert_valid_png, wait_for_wandb_history
 
@@ -123,7 +123,7 @@ def test_wandb_offline_run_holds_the_rows(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    from lean_transformer.swarm.wandb_log import WandbLogger
+    from lean_transformer.swarm.monitoring.wandb_log import WandbLogger
 
     rng = random.Random(6)
     rows = [aggregate(epoch, [random_record(rng, epoch)], now=float(epoch)) for epoch in range(3)]

@@ -26,10 +26,10 @@ from aux_utils import PeerProcess, assert_valid_png, closed_port, read_wandb_his
 from grad_peer import check_rounds
 from swarm_utils import epoch_reports
 from lean_transformer import LeanGPTForCausalLM
-from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.evaluation import evaluate
-from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+from lean_transformer.swarm.monitoring.evaluation import evaluate
+from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
 from tasks.causal_lm import CausalLMTask
 from tasks.tokenizer import ByteTokenizer
 

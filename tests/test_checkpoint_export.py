@@ -10,9 +10,9 @@ from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arguments import TaskArguments, TrainingArguments
-from lean_transformer.demo.markov import MarkovCorpus
-from lean_transformer.swarm.hub import resolve_checkpoint, upload_arguments
-from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+from lean_transformer.data.markov import MarkovCorpus
+from lean_transformer.swarm.storage.hub import resolve_checkpoint, upload_arguments
+from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
 from tasks.causal_lm import CausalLMTask
 from tasks.tokenizer import ByteTokenizer
 

@@ -76,7 +76,7 @@ def test_whole_messages_reads_it_whole_and_leaves_the_descriptor_non_blocking():
 def test_the_outer_all_reduce_averagers_read_their_control_pipe_whole():
     from hivemind.averaging import DecentralizedAverager
 
-    from lean_transformer.swarm.diloco import pseudo_gradient_averager_class
+    from lean_transformer.swarm.averaging.diloco import pseudo_gradient_averager_class
 
     for gated in (False, True):
         averager_class = pseudo_gradient_averager_class(gated)

@@ -1,4 +1,4 @@
-"""DiLoCo's outer loop (lean_transformer.swarm.diloco): the outer step against a hand-computed Nesterov update, and two
+"""DiLoCo's outer loop (lean_transformer.swarm.averaging.diloco): the outer step against a hand-computed Nesterov update, and two
 real hivemind peers (separate processes on 127.0.0.1) averaging pseudo-gradients weighted by samples, then stepping
 to identical parameters."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from aux_utils import wait_until
 
-from lean_transformer.swarm.diloco import OuterNesterov
+from lean_transformer.swarm.averaging.diloco import OuterNesterov
 
 REPO = Path(__file__).resolve().parent.parent
 LR, MOMENTUM = 0.7, 0.9
@@ -53,7 +53,7 @@ def test_outer_step_matches_a_hand_computed_nesterov_update():
 def test_the_anchor_fingerprint_is_the_same_for_any_thread_count_and_sees_one_ulp():
     """Peers compare fingerprints to find who is out of date: equal anchors must give equal fingerprints on machines
     with any number of threads (a float64 sum's last digit changed between 4 and 8 threads on these tensors)."""
-    from lean_transformer.swarm.diloco import OuterLoop
+    from lean_transformer.swarm.averaging.diloco import OuterLoop
 
     generator = torch.Generator().manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(shape, generator=generator))
@@ -91,7 +91,7 @@ def test_bad_outer_settings_name_the_flag(kwargs, field):
 
 
 def test_topk_error_feedback_keeps_exactly_what_it_did_not_send():
-    from lean_transformer.swarm.sparse_allreduce import TopKErrorFeedback
+    from lean_transformer.swarm.averaging.sparse_allreduce import TopKErrorFeedback
 
     shapes = [torch.Size([40, 5]), torch.Size([7])]
     topk = TopKErrorFeedback(shapes, fraction=0.1)
@@ -132,7 +132,7 @@ def test_a_malformed_sparse_part_is_refused(indices, values, problem):
     from hivemind.compression import serialize_torch_tensor
     from hivemind.proto.runtime_pb2 import CompressionType
 
-    from lean_transformer.swarm.sparse_allreduce import read_sparse_part
+    from lean_transformer.swarm.averaging.sparse_allreduce import read_sparse_part
 
     with pytest.raises(ValueError, match=problem):
         read_sparse_part(serialize_torch_tensor(indices, CompressionType.NONE),
@@ -140,8 +140,8 @@ def test_a_malformed_sparse_part_is_refused(indices, values, problem):
 
 
 def test_bytes_per_parameter_per_round(report):
-    from lean_transformer.swarm.diloco import wire_bytes_per_parameter
-    from lean_transformer.swarm.optimizer import make_compression
+    from lean_transformer.swarm.averaging.diloco import wire_bytes_per_parameter
+    from lean_transformer.swarm.averaging.optimizer import make_compression
 
     shapes = [torch.Size([512, 512]), torch.Size([512])]
     measured = {name: wire_bytes_per_parameter(shapes, make_compression(name))
@@ -160,7 +160,7 @@ def lone_outer_loop(overlap: bool) -> Iterator[tuple]:
     """(weight, outer state, outer loop) of a peer with no groupmates: every round it sends finds no group
     (min_group_size 2) within 0.5 s of matchmaking."""
     import hivemind
-    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     weight = torch.nn.Parameter(torch.zeros(3))
@@ -264,7 +264,7 @@ def test_sparse_topk_all_reduce_with_a_client_mode_peer_and_an_aux_reducer(tmp_p
     top-5% pseudo-gradients for two rounds. Each trainer's result must equal, bit for bit, the samples-weighted mean
     of both trainers' top-k entries, computed here with their own error feedback (round 2 sends what round 1 left),
     rounded to float16 as the reducers send it; and both trainers must hold the same average."""
-    from lean_transformer.swarm.sparse_allreduce import TopKErrorFeedback
+    from lean_transformer.swarm.averaging.sparse_allreduce import TopKErrorFeedback
 
     outputs = run_peers({"a": ["sparse"], "client": ["sparse"], "aux": ["sparse"]}, tmp_path)
     for code, _, err in outputs.values():
@@ -328,7 +328,7 @@ def sparse_delta(name: str, round_index: int) -> torch.Tensor:
 
 def sparse_peer(name: str, role: str) -> None:
     """A peer of the sparse top-k test: ``a`` (a trainer), ``client`` (a client-mode trainer) or ``aux``."""
-    from lean_transformer.swarm.diloco import PseudoGradientAverager
+    from lean_transformer.swarm.averaging.diloco import PseudoGradientAverager
 
     client_mode, auxiliary = name == "client", name == "aux"
     if client_mode:  # a client-mode peer joins through the first peer and accepts no connections
@@ -363,7 +363,7 @@ def partial_round_peer(name: str, role: str) -> None:
     from hivemind.averaging.partition import TensorPartContainer
 
     from lean_transformer.swarm import diloco
-    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
     if name == "dies":  # patched before the averager's process forks
         init, accumulate = diloco._SameResultRunner.__init__, diloco._SameResultRunner._accumulate_parts_streaming
@@ -412,8 +412,8 @@ def partial_round_peer(name: str, role: str) -> None:
 
 
 def peer(name: str, compression: str, role: str) -> None:
-    from lean_transformer.swarm.diloco import OuterLoop, PseudoGradientAverager
-    from lean_transformer.swarm.optimizer import make_compression
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.averaging.optimizer import make_compression
 
     dht = start_dht(role)
     weight = torch.nn.Parameter(torch.full((3,), 1.0))

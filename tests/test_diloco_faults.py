@@ -25,7 +25,7 @@ from test_auth_averaging import RUN as GATED_RUN
 from test_auth_averaging import RUN_ID, _grad_schema_hash, _result
 
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 

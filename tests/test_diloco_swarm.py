@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from aux_utils import PeerProcess, stop_all, wait_until
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.checkpoint_dir import CheckpointDir
-from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 

@@ -51,7 +51,7 @@ STEP_BEGINS = r"Beginning optimizer step #(\d+)"  # a gradient averaging round s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
 def test_gradients_are_finite_finds_one_bad_value(dtype, bad):
-    from lean_transformer.swarm.trainer import gradients_are_finite
+    from lean_transformer.swarm.peers.trainer import gradients_are_finite
 
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)).to(dtype)
     assert gradients_are_finite(model)  # no gradient yet
@@ -258,7 +258,7 @@ def complete_backups(folder: Path) -> List[int]:
     from transformers.utils.logging import disable_progress_bar
 
     from lean_transformer import LeanGPTForCausalLM
-    from lean_transformer.swarm.training_state import read_epoch
+    from lean_transformer.swarm.storage.training_state import read_epoch
 
     disable_progress_bar()
     epochs = []
@@ -395,7 +395,7 @@ def attack_metrics(argv: List[str]) -> None:
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils import get_dht_time
 
-    from lean_transformer.swarm.metrics import MAX_RECORD_BYTES, LocalMetrics, metrics_key
+    from lean_transformer.swarm.protocol.metrics import MAX_RECORD_BYTES, LocalMetrics, metrics_key
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--run_id", required=True)

@@ -58,7 +58,7 @@ def allreduce_case() -> dict:
     import hivemind
     import torch
 
-    from lean_transformer.swarm.host_grad_averager import HostGradientAverager
+    from lean_transformer.swarm.averaging.host_grad_averager import HostGradientAverager
 
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
     dhts = [hivemind.DHT(start=True, host_maddrs=maddrs)]
@@ -101,7 +101,7 @@ def optimizer_case() -> dict:
 
     from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM
     from lean_transformer.optim import CPULAMB8Bit
-    from lean_transformer.swarm.host_grad_averager import HostGradientAverager
+    from lean_transformer.swarm.averaging.host_grad_averager import HostGradientAverager
 
     config = LeanGPTConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=48, max_position_embeddings=32, hidden_dropout_prob=0.0,

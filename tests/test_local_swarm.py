@@ -52,7 +52,7 @@ def _cmdline(pid: str) -> bytes:
 
 def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path, report):
     from lean_transformer import LeanGPTForCausalLM
-    from lean_transformer.swarm.training_state import read_epoch
+    from lean_transformer.swarm.storage.training_state import read_epoch
 
     run, watcher = start_local_swarm(tmp_path, "--duration", "20")
     try:

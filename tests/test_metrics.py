@@ -21,7 +21,7 @@ def signed_record(value, subkey: bytes, signer):
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils import MSGPackSerializer
 
-    from lean_transformer.swarm.metrics import metrics_key
+    from lean_transformer.swarm.protocol.metrics import metrics_key
 
     record = DHTRecord(DHTID.generate(source=metrics_key(RUN_ID)).to_bytes(), MSGPackSerializer.dumps(subkey),
                        MSGPackSerializer.dumps(value), expiration_time=1e10)
@@ -37,7 +37,7 @@ if __name__ != "__main__":
     from pydantic import ValidationError
 
     from aux_utils import REPO
-    from lean_transformer.swarm.metrics import LocalMetrics, MetricsValidator, make_validators
+    from lean_transformer.swarm.protocol.metrics import LocalMetrics, MetricsValidator, make_validators
 
     @pytest.fixture(scope="module")
     def keys():
@@ -137,7 +137,7 @@ def _honest() -> None:
     """A full peer with the run's validators: publishes its record, then reads all records when asked."""
     import hivemind
 
-    from lean_transformer.swarm.metrics import LocalMetrics, fetch_metrics, make_validators, publish_metrics
+    from lean_transformer.swarm.protocol.metrics import LocalMetrics, fetch_metrics, make_validators, publish_metrics
 
     signature_validator, metrics_validator = make_validators(RUN_ID)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -158,7 +158,7 @@ def _attacker(victim_key: str, initial_peers: list[str]) -> None:
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils import get_dht_time
 
-    from lean_transformer.swarm.metrics import metrics_key
+    from lean_transformer.swarm.protocol.metrics import metrics_key
 
     class SignsEverything(RSASignatureValidator):
         """Signs every record with its own key, even records owned by someone else."""

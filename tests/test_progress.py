@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lean_transformer.swarm.progress import ProgressLine, format_progress
+from lean_transformer.swarm.peers.progress import ProgressLine, format_progress
 
 
 def optimizer_view(samples: int = 96, peers: int = 2) -> SimpleNamespace:
@@ -28,11 +28,11 @@ def test_line_shows_tokens_per_second_and_peak_gpu_memory():
 
 def test_tokens_per_second_counts_the_tokens_since_the_last_line(caplog, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("lean_transformer.swarm.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("lean_transformer.swarm.peers.progress.time.monotonic", lambda: clock[0])
     progress = ProgressLine(every_seconds=5.0, device=torch.device("cpu"))
     progress.count_tokens(4000)
     clock[0] = 104.0
-    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
+    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.peers.progress"):
         progress.maybe_report(optimizer_view(), 1.0)  # too early: nothing
         progress.count_tokens(6000)
         clock[0] = 110.0
@@ -43,7 +43,7 @@ def test_tokens_per_second_counts_the_tokens_since_the_last_line(caplog, monkeyp
 
 def test_compute_utilization_is_the_time_inside_computing_over_the_wall_time(caplog, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("lean_transformer.swarm.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("lean_transformer.swarm.peers.progress.time.monotonic", lambda: clock[0])
     progress = ProgressLine(every_seconds=5.0)
     for _ in range(3):  # 3 steps: 1.5 s computing, then 0.5 s waiting for the swarm
         progress.count_tokens(128, samples=2)
@@ -56,7 +56,7 @@ def test_compute_utilization_is_the_time_inside_computing_over_the_wall_time(cap
         raise RuntimeError
     assert progress.compute_seconds == pytest.approx(6.5) and progress.utilization() == pytest.approx(6.5 / 8)
     progress.count_losses([3.0, 4.0])
-    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
+    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.peers.progress"):
         progress.maybe_report(optimizer_view(), 1.0)
     assert caplog.records[0].getMessage().endswith(
         "| 2 peers | 6 samples computed, compute 81.2% (6.50 s of 8.00 s), mean loss 2.6000 over 5 micro-batches")
@@ -66,7 +66,7 @@ def test_compute_utilization_is_the_time_inside_computing_over_the_wall_time(cap
 
 def test_time_waiting_inside_computing_is_not_compute(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("lean_transformer.swarm.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("lean_transformer.swarm.peers.progress.time.monotonic", lambda: clock[0])
     progress = ProgressLine(every_seconds=5.0)
     with progress.computing():  # a DiLoCo step: 1 s inner step, 3 s outer round (a nested wait too), 0.5 s more
         clock[0] += 1.0
@@ -86,7 +86,7 @@ def test_time_waiting_inside_computing_is_not_compute(monkeypatch):
 def test_cuda_peer_shows_its_peak_memory(caplog):
     block = torch.empty(2 ** 28, dtype=torch.uint8, device="cuda")  # 0.25 GiB
     progress = ProgressLine(every_seconds=0.0, device=torch.device("cuda"))
-    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.progress"):
+    with caplog.at_level(logging.INFO, logger="lean_transformer.swarm.peers.progress"):
         progress.maybe_report(optimizer_view(), 1.0)
     peak = float(caplog.records[0].getMessage().split("peak GPU ")[1].split()[0])
     assert peak >= 0.25

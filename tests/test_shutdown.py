@@ -9,7 +9,7 @@ import pytest
 
 PEER = """
 import os, signal, sys, time
-from lean_transformer.swarm.shutdown import GracefulShutdown
+from lean_transformer.swarm.peers.shutdown import GracefulShutdown
 shutdown = GracefulShutdown(timeout=0.5)
 os.kill(os.getpid(), signal.SIGTERM)
 if sys.argv[1] == "critical":
@@ -30,7 +30,7 @@ def test_an_abandoned_critical_section_exits_non_zero(section, code, message):
 EXITING = """
 import atexit, sys, threading, time
 import torch
-from lean_transformer.swarm.shutdown import exit_after_clean_shutdown
+from lean_transformer.swarm.peers.shutdown import exit_after_clean_shutdown
 
 def torch_forever():  # like hivemind's daemon thread that copies this peer's state for a downloading peer
     tensor = torch.randn(20_000_000)

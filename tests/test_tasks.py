@@ -15,7 +15,7 @@ from arguments import TaskArguments, TrainingArguments
 from tasks import get_task
 from tasks.causal_lm import PackedBatcher
 from tasks.data import FileSource, HuggingFaceSource, make_text_source
-from lean_transformer.demo.markov import MarkovCorpus
+from lean_transformer.data.markov import MarkovCorpus
 from tasks.mlm import IGNORE_INDEX, SentencePairBatcher
 from tasks.schedules import learning_rate_factor, sequence_length
 from tasks.tokenizer import ByteTokenizer, HFTokenizer

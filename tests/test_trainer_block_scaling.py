@@ -1,4 +1,4 @@
-"""The trainer's ``--block_grad_scaling`` glue (``swarm/block_scaling.py``) on a tiny LeanGPT under float16 autocast
+"""The trainer's ``--block_grad_scaling`` glue (``swarm/averaging/block_scaling.py``) on a tiny LeanGPT under float16 autocast
 on the CPU: one block whose gradients are 2^20 times larger overflows, so one global scale (torch's GradScaler)
 skips the whole step, while the per-block path zeroes that block alone; every other gradient equals GradScaler's
 on a model whose overflowing block passes no gradient back (what the per-block path does for that step), and the
@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.grad_scaling import _GradGain
 from lean_transformer import LeanGPTForCausalLM
-from lean_transformer.swarm.block_scaling import SwarmBlockScaling
-from lean_transformer.swarm.trainer import format_scales
+from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
+from lean_transformer.swarm.peers.trainer import format_scales
 
 GAIN = 2.0 ** 20  # block HOT's inner gradients are this much larger than the plain block's
 HOT, SCALE = 2, 2.0 ** 10  # block 2: layer 1's attention; every block starts at SCALE
@@ -136,7 +136,7 @@ def test_an_overflow_outside_the_blocks_halves_the_loss_scale_only(models):
 
 
 def test_the_trainer_refuses_what_block_scaling_cannot_scale(gpt_config):
-    from lean_transformer.swarm.trainer import make_block_scaling
+    from lean_transformer.swarm.peers.trainer import make_block_scaling
 
     chunked = LeanGPTForCausalLM(gpt_config())
     chunked.set_optimizations(backward_chunks=2)

@@ -7,7 +7,7 @@ import torch
 from hivemind.compression import CompressionInfo, TensorRole, deserialize_torch_tensor
 
 from lean_transformer.swarm.hivemind_fixes.numpy_decode import numpy_rejects_one_element_int
-from lean_transformer.swarm.optimizer import ParametersOnly, make_compression
+from lean_transformer.swarm.averaging.optimizer import ParametersOnly, make_compression
 
 # choice -> (bytes per value of a large float32 tensor, largest error relative to the tensor's std)
 EXPECTED = {"none": (4, 0.0), "float16": (2, 1e-3), "scaled_float16": (2, 1e-3), "uniform8bit": (1, 0.25),

@@ -155,7 +155,7 @@ def test_averaging_matches_one_peer_with_twice_the_batch(scenario: Scenario):
     """Two peers with batch b and one peer with batch 2b reach the same held-out loss after the same epochs."""
     from lean_transformer import LeanGPTForCausalLM
     from tasks.causal_lm import PackedBatcher
-    from lean_transformer.demo.markov import MarkovCorpus
+    from lean_transformer.data.markov import MarkovCorpus
     from tasks.tokenizer import ByteTokenizer
 
     batcher = PackedBatcher(MarkovCorpus.generate(0).documents(seed=123_456), ByteTokenizer())
@@ -261,7 +261,7 @@ def test_mixed_precision_training(lone_peers, name):
 
 
 def test_short_epochs_get_one_line_of_advice():
-    from lean_transformer.swarm.trainer import short_epoch_warning
+    from lean_transformer.swarm.peers.trainer import short_epoch_warning
 
     advice = short_epoch_warning(target_batch_size=64, matchmaking_time=1.0, samples_per_second=150, num_peers=2)
     assert advice is not None and "--target_batch_size 320 or more" in advice and "\n" not in advice

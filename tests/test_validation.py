@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 import tasks.data
 from arguments import AuxTrainingArguments, CollaborationArguments, TaskArguments
-from lean_transformer.swarm.aggregation import SwarmStats
-from lean_transformer.swarm.evaluation import Evaluation, evaluate
-from lean_transformer.swarm.plot import redraw_plot
-from lean_transformer.swarm.run_history import RunHistory, read_evaluations, read_rows
+from lean_transformer.swarm.monitoring.aggregation import SwarmStats
+from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
+from lean_transformer.swarm.monitoring.plot import redraw_plot
+from lean_transformer.swarm.monitoring.run_history import RunHistory, read_evaluations, read_rows
 from tasks.causal_lm import CausalLMTask
 from tasks.data import is_held_out, make_text_source
 from tasks.mlm import MLMTask
@@ -160,7 +160,7 @@ def test_wandb_logs_validation_loss_against_the_epoch(tmp_path: Path, monkeypatc
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    from lean_transformer.swarm.wandb_log import WandbLogger
+    from lean_transformer.swarm.monitoring.wandb_log import WandbLogger
 
     rng = random.Random(0)
     rows = [stats(epoch, rng.uniform(1, 5)) for epoch in range(4)]

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from lean_transformer.demo.markov import MarkovCorpus
-from lean_transformer.swarm.checkpoint_dir import CheckpointDir
+from lean_transformer.data.markov import MarkovCorpus
+from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.cli import OneLineErrorParser
-from lean_transformer.swarm.run_history import read_evaluations, read_rows
-from lean_transformer.swarm.shutdown import descendant_pids
+from lean_transformer.swarm.monitoring.run_history import read_evaluations, read_rows
+from lean_transformer.swarm.peers.shutdown import descendant_pids
 
 PEER_MODULES = ("run_aux_peer", "run_trainer")  # the application's entry points; started, never imported
 MARKER_FILE = "local_swarm.json"  # marks an output directory as ours, so that a new run may replace it
@@ -423,7 +423,7 @@ class LocalSwarm:
             if evaluations:
                 lines.append(f"validation loss {evaluations[-1].validation_loss:.4f} nats/token on held-out documents "
                              f"(the checkpoint of epoch {evaluations[-1].epoch})")
-            from lean_transformer.swarm.plot import redraw_plot
+            from lean_transformer.swarm.monitoring.plot import redraw_plot
 
             redraw_plot(rows, self.metrics_path.with_suffix(".png"), title="local swarm", evaluations=evaluations)
         else:

@@ -20,7 +20,7 @@ Built on hooks rather than inside ``torch.amp.GradScaler`` because that scaler h
 hooks only scale gradients, so forward results are unchanged, and with every scale equal to one power of two the
 unscaled gradients equal ``GradScaler``'s (a test checks it).
 
-Usage (a plain training loop; the trainer's ``--block_grad_scaling`` is :mod:`lean_transformer.swarm.block_scaling`)::
+Usage (a plain training loop; the trainer's ``--block_grad_scaling`` is :mod:`lean_transformer.swarm.averaging.block_scaling`)::
 
     scaler = BlockGradScaler.for_lean_model(model)
     with torch.autocast("cuda", dtype=torch.float16):

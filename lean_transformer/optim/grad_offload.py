@@ -14,7 +14,7 @@ A tied embedding's output-head gradient arrives first and separately (``modules/
 wait on the device through the whole backward for the lookup's part); both parts are added into the same buffer.
 
 The buffers can be given (e.g. hivemind's shared-memory averaging tensors, see
-:mod:`lean_transformer.swarm.host_grad_averager`), so the gradients are accumulated, averaged and handed to the
+:mod:`lean_transformer.swarm.averaging.host_grad_averager`), so the gradients are accumulated, averaged and handed to the
 optimizer in one float32 copy. torch offers no such hook-driven host accumulator (FSDP's CPU offload keeps the
 whole model sharded and needs a process group), hence this module.
 """

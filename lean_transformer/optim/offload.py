@@ -6,7 +6,7 @@ the optimizer state live in host RAM. Each ``step()`` runs the wrapped optimizer
 host gradients as their ``.grad``, and copies the updated weights back, rounded to the model's dtype.
 
 This is the swarm-free twin of the trainer's path (hivemind.Optimizer with ``offload_optimizer`` and
-:mod:`lean_transformer.swarm.host_grad_averager`): both take gradients from the same ``HostGradients``; hivemind
+:mod:`lean_transformer.swarm.averaging.host_grad_averager`): both take gradients from the same ``HostGradients``; hivemind
 keeps its own master weights and optimizer, so the two share that class rather than this one.
 """
 

@@ -11,7 +11,7 @@ and a peer ID is the hash of the peer's identity key, the very key its access to
   state download request only if the caller's peer ID has a token there that the swarm authority signed, that has not
   expired and whose key hashes to that peer ID (:class:`AveragingGate`); anyone else gets the protocol's refusal.
 
-:func:`lean_transformer.swarm.optimizer.build_optimizer` runs both gated averagers (the gate passed in its
+:func:`lean_transformer.swarm.averaging.optimizer.build_optimizer` runs both gated averagers (the gate passed in its
 ``averager_opts``) only when authorization is configured; an open swarm speaks hivemind's own protocol unchanged.
 """
 from __future__ import annotations

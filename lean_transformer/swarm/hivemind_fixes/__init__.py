@@ -23,16 +23,16 @@ that the swarm code uses explicitly.
   whose sender pauses (a ``step`` whose ``gather`` carries DiLoCo's top-k payload, from a busy trainer) is lost
   half-read and its caller waits for its timeout. Reproduced by ``tests/test_control_pipe.py``. Drop when hivemind
   reads the pipe blocking (not in 1.1.12).
-- Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.optimizer.averager_options`): with hivemind's
+- Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
   Drop when hivemind bounds its matchmaking requests by the window itself.
-- Local updates with an offloaded optimizer (in :class:`lean_transformer.swarm.diloco.DiLoCoOptimizer`): with
+- Local updates with an offloaded optimizer (in :class:`lean_transformer.swarm.averaging.diloco.DiLoCoOptimizer`): with
   ``use_local_updates=True`` hivemind never copies the model's gradients into its offloaded optimizer (it leaves that
   to a gradient averager, which this mode has none of), so every local step would apply zero gradients; the DiLoCo
   optimizer copies them before each local step. Covered by ``tests/test_diloco_swarm.py`` (the loss falls). Drop when
   hivemind loads local gradients itself in that mode.
-- Leaving during a round (in :func:`lean_transformer.swarm.trainer.cancel_averaging_in_flight`): hivemind's
+- Leaving during a round (in :func:`lean_transformer.swarm.peers.trainer.cancel_averaging_in_flight`): hivemind's
   ``Optimizer.shutdown`` cancels the pre-scheduled round again and raises ``InvalidStateError`` if we cancelled it
   first; we forget it after cancelling. Covered by the SIGTERM tests (``tests/test_trainer_swarm.py``).
 """

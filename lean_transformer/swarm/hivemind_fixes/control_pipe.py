@@ -13,7 +13,7 @@ and the read ends as soon as the rest is written.
 
 Reproduced deterministically by ``tests/test_control_pipe.py`` (a sender that pauses mid-message). Drop when hivemind
 reads its control pipe blocking (not in 1.1.12). Since top-k payloads travel in the all-reduce
-(:mod:`lean_transformer.swarm.sparse_allreduce`), no control message of ours comes near the socket buffer's size;
+(:mod:`lean_transformer.swarm.averaging.sparse_allreduce`), no control message of ours comes near the socket buffer's size;
 the fix stays on the pseudo-gradient averager so that a large ``gather`` cannot silently lose a round again.
 """
 from __future__ import annotations

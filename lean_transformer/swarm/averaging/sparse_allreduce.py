@@ -14,7 +14,7 @@ every member (n payloads each), inside matchmaking requests whose timeout is a f
 payload did not fit and the first outer round never formed a group (README, "Training over slow links"). Here the
 payloads travel in the all-reduce phase, under the round's all-reduce timeout. No kept library all-reduces sparse
 tensors over hivemind; the wire messages are hivemind's own (``AveragingData``), served by the averager's
-``rpc_aggregate_part`` (see :class:`lean_transformer.swarm.diloco._Averager`).
+``rpc_aggregate_part`` (see :class:`lean_transformer.swarm.averaging.diloco._Averager`).
 
 A round with any reducer or sender missing fails as a whole (a missed round: hivemind retries it within its deadline),
 and the error feedback changes only when a round succeeded (``commit``).

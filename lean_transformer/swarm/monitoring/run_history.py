@@ -12,8 +12,8 @@ from collections import deque
 from pathlib import Path
 from typing import Deque, Iterable, Iterator, Optional, Union
 
-from lean_transformer.swarm.aggregation import SwarmStats
-from lean_transformer.swarm.evaluation import Evaluation
+from lean_transformer.swarm.monitoring.aggregation import SwarmStats
+from lean_transformer.swarm.monitoring.evaluation import Evaluation
 
 logger = logging.getLogger(__name__)
 

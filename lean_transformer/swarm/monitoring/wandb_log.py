@@ -6,8 +6,8 @@ import netrc
 import os
 from typing import Any, Mapping, Optional, Union
 
-from lean_transformer.swarm.aggregation import SwarmStats
-from lean_transformer.swarm.evaluation import Evaluation
+from lean_transformer.swarm.monitoring.aggregation import SwarmStats
+from lean_transformer.swarm.monitoring.evaluation import Evaluation
 
 logger = logging.getLogger(__name__)
 

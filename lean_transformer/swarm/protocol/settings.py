@@ -48,7 +48,7 @@ class CollaborationSettings(Protocol):
     state_compression: str
     size_adaptive_threshold: int
     metrics_expiration: float
-    local_steps: int  # 0: average gradients every step; H > 0: DiLoCo (lean_transformer.swarm.diloco)
+    local_steps: int  # 0: average gradients every step; H > 0: DiLoCo (lean_transformer.swarm.averaging.diloco)
     outer_lr: float
     outer_momentum: float
     outer_overlap: bool
@@ -65,7 +65,7 @@ class TrainingSettings(Protocol):
     gradient_accumulation_steps: int
     fp16: bool
     bf16: bool
-    block_grad_scaling: bool  # with fp16: a gradient scale per residual block instead of one (swarm/block_scaling.py)
+    block_grad_scaling: bool  # with fp16: a gradient scale per residual block instead of one (swarm/averaging/block_scaling.py)
     model_dtype: str  # auto, bfloat16, float16 or float32
     offload_gradients: str  # auto, true or false
     checkpoint_attention_core: bool

@@ -3,7 +3,7 @@
 Each iteration computes ``gradient_accumulation_steps`` micro-batches locally (with AMP if asked) and hands their
 gradients to ``hivemind.Optimizer.step``, which accumulates them with the swarm's toward ``target_batch_size``; once
 the swarm has enough, the peers average gradients and step LAMB together, and the epoch advances. With
-``--local_steps`` (DiLoCo, :mod:`lean_transformer.swarm.diloco`) each ``step`` is a local LAMB step instead, and an
+``--local_steps`` (DiLoCo, :mod:`lean_transformer.swarm.averaging.diloco`) each ``step`` is a local LAMB step instead, and an
 epoch is an outer round. At every new epoch the peer publishes its metrics, checks its parameters (restoring a local
 backup if they turned non-finite) and backs up when it is time.
 """
@@ -21,20 +21,20 @@ import torch
 from transformers import PreTrainedModel
 
 from lean_transformer.optim.loss_scale import DynamicLossScale
-from lean_transformer.swarm.agreement import SwarmAgreement
-from lean_transformer.swarm.backups import LocalBackups
-from lean_transformer.swarm.block_scaling import SwarmBlockScaling
-from lean_transformer.swarm.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
-from lean_transformer.swarm.host_grad_averager import check_host_gradient_options
-from lean_transformer.swarm.hub import resolve_checkpoint
-from lean_transformer.swarm.metrics import LocalMetrics, make_validators, publish_metrics
-from lean_transformer.swarm.optimizer import build_optimizer
-from lean_transformer.swarm.progress import ProgressLine
-from lean_transformer.swarm.shutdown import GracefulShutdown
-from lean_transformer.swarm.training_state import load_training_state
+from lean_transformer.swarm.protocol.agreement import SwarmAgreement
+from lean_transformer.swarm.peers.backups import LocalBackups
+from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
+from lean_transformer.swarm.protocol.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
+from lean_transformer.swarm.storage.hub import resolve_checkpoint
+from lean_transformer.swarm.protocol.metrics import LocalMetrics, make_validators, publish_metrics
+from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.peers.progress import ProgressLine
+from lean_transformer.swarm.peers.shutdown import GracefulShutdown
+from lean_transformer.swarm.storage.training_state import load_training_state
 
 if TYPE_CHECKING:
-    from lean_transformer.swarm.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
+    from lean_transformer.swarm.protocol.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
                                                  TrainingTask)
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from lean_transformer.swarm.aggregation import SwarmStats
-from lean_transformer.swarm.evaluation import Evaluation
+from lean_transformer.swarm.monitoring.aggregation import SwarmStats
+from lean_transformer.swarm.monitoring.evaluation import Evaluation
 
 
 def redraw_plot(rows: Sequence[SwarmStats], path: os.PathLike, title: str = "",

@@ -11,8 +11,8 @@ import hivemind
 import torch
 from transformers import PreTrainedModel
 
-from lean_transformer.swarm.checkpoint_dir import CheckpointDir
-from lean_transformer.swarm.training_state import load_training_state, save_training_state
+from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.storage.training_state import load_training_state, save_training_state
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from lean_transformer.swarm.auth.authorizer import make_authorizer
 from lean_transformer.swarm.auth.keys import load_identity_key
 
 if TYPE_CHECKING:
-    from lean_transformer.swarm.settings import NetworkSettings
+    from lean_transformer.swarm.protocol.settings import NetworkSettings
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _LOG_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} ")

@@ -1,5 +1,5 @@
 """Per-peer training metrics in the DHT: a pydantic v2 schema, the validators that guard it, and helpers to publish
-and read the records (``lean_transformer.swarm.aggregation`` combines them into swarm-wide statistics).
+and read the records (``lean_transformer.swarm.monitoring.aggregation`` combines them into swarm-wide statistics).
 
 Every trainer stores one record per epoch under the key ``{run_id}_metrics``, subkeyed by its RSA public key
 (``[owner:...]``). hivemind's ``RSASignatureValidator`` makes such a subkey writable only by the holder of the

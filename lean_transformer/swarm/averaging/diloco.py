@@ -12,7 +12,7 @@ How it runs in a swarm (:class:`DiLoCoOptimizer`): the inner loop is ``hivemind.
 epoch and ends when the swarm has processed ``local_steps x target_batch_size`` samples: with ``target_batch_size`` =
 the swarm's samples per inner step, each peer takes about ``local_steps`` inner steps, a faster peer more, a slower one
 fewer. The anchor and the outer momentum are hivemind's ``extra_tensors``, so newcomers download them with the inner
-optimizer state (through the validated downloads of :mod:`.hivemind_fixes.state_download`) and restart from the anchor.
+optimizer state (through the validated downloads of :mod:`..hivemind_fixes.state_download`) and restart from the anchor.
 A round that fails (no group, a broken all-reduce) leaves the anchor where it is: the peer's progress and samples fold
 into its next round. A peer alone in the swarm (no other peer reports training speed; aux peers report none) steps
 with its own pseudo-gradient.
@@ -22,14 +22,14 @@ Every peer must end a round with the same average, or the anchors drift apart. h
 reducer sends the compressed average itself and decodes its own part the same way (:class:`_SameResultRunner`), so all
 peers apply bit-identical averages. Top-k (``outer_compression="topk"``) sends each peer's largest values with error
 feedback, SparseLoCo-style, through a sparse all-reduce over the same partition
-(:mod:`lean_transformer.swarm.sparse_allreduce`), whose reducers answer every peer with the same sparse average.
+(:mod:`lean_transformer.swarm.averaging.sparse_allreduce`), whose reducers answer every peer with the same sparse average.
 
 With ``overlap`` the all-reduce of round t runs in the background while round t+1 trains, and its outer step is applied
 at the end of round t+1 (a one-round-delayed outer update): the anchor then moves by the swarm's average of round t,
 and the peer carries its own round-(t+1) progress on top of the new anchor.
 
 Built from kept parts: the outer step is ``torch.optim.SGD(nesterov=True)`` on the anchor tensors, the all-reduce is
-hivemind's ``DecentralizedAverager`` (with the cancel fixes of :mod:`.hivemind_fixes.averagers`). Ours: the round
+hivemind's ``DecentralizedAverager`` (with the cancel fixes of :mod:`..hivemind_fixes.averagers`). Ours: the round
 bookkeeping and the same-result runner (hivemind has no such mode).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ from hivemind.utils.asyncio import amap_in_executor
 from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
-from lean_transformer.swarm.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
+from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class _SameResultRunner(AllReduceRunner):
 class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
     same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
-    :mod:`lean_transformer.swarm.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
+    :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
 
     hivemind accepts a partial result: where a reducer fails half-way (a peer killed in the round), each peer keeps
     its *own* values for that reducer's part ("received 97.9% results"), so the peers' averages, hence their anchors,
@@ -399,7 +399,7 @@ class OuterLoop:
 
 class DiLoCoOptimizer:
     """Mixed in front of a ``hivemind.Optimizer`` built with ``use_local_updates=True`` and the outer state as its
-    ``extra_tensors`` (see :func:`lean_transformer.swarm.optimizer.build_optimizer`): each ``step`` is one local inner
+    ``extra_tensors`` (see :func:`lean_transformer.swarm.averaging.optimizer.build_optimizer`): each ``step`` is one local inner
     step (and advances the inner LR schedule by one step), each of hivemind's epochs ends with an outer round.
 
     With :meth:`attach_host_gradients` (``--offload_gradients``: a GPU's default), the model's gradients leave the

@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import hivemind
 from transformers import PreTrainedModel
 
-from lean_transformer.swarm.aggregation import EpochCollector, SwarmStats
-from lean_transformer.swarm.agreement import SwarmAgreement
-from lean_transformer.swarm.checkpoint_dir import CheckpointDir
-from lean_transformer.swarm.dht import build_dht, initial_peers_line, peer_private_key
-from lean_transformer.swarm.evaluation import Evaluation, evaluate
-from lean_transformer.swarm.hub import HubUploader, resolve_checkpoint
-from lean_transformer.swarm.metrics import fetch_metrics, make_validators
-from lean_transformer.swarm.optimizer import build_optimizer
-from lean_transformer.swarm.plot import redraw_plot
-from lean_transformer.swarm.run_history import RunHistory
-from lean_transformer.swarm.shutdown import GracefulShutdown
-from lean_transformer.swarm.training_state import load_training_state, save_training_state
+from lean_transformer.swarm.monitoring.aggregation import EpochCollector, SwarmStats
+from lean_transformer.swarm.protocol.agreement import SwarmAgreement
+from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
+from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
+from lean_transformer.swarm.storage.hub import HubUploader, resolve_checkpoint
+from lean_transformer.swarm.protocol.metrics import fetch_metrics, make_validators
+from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.monitoring.plot import redraw_plot
+from lean_transformer.swarm.monitoring.run_history import RunHistory
+from lean_transformer.swarm.peers.shutdown import GracefulShutdown
+from lean_transformer.swarm.storage.training_state import load_training_state, save_training_state
 
 if TYPE_CHECKING:
-    from lean_transformer.swarm.settings import (AuxSettings, Batch, CollaborationSettings, NetworkSettings,
+    from lean_transformer.swarm.protocol.settings import (AuxSettings, Batch, CollaborationSettings, NetworkSettings,
                                                  TrainingSettings, TrainingTask)
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class AuxPeer:
                                include_training_state=aux.upload_training_state) if aux.hub_repo_id else None
         self.wandb = None
         if aux.wandb_project:
-            from lean_transformer.swarm.wandb_log import WandbLogger
+            from lean_transformer.swarm.monitoring.wandb_log import WandbLogger
 
             self.wandb = WandbLogger(aux.wandb_project, run_name=f"{self.run_id}-aux", config=config,
                                      directory=aux.wandb_dir)
@@ -228,7 +228,7 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
                  training: TrainingSettings, aux: AuxSettings, swarm_settings: Mapping[str, Any],
                  run_config: Optional[dict] = None) -> None:
     """Run an aux peer for a swarm training ``task`` until Ctrl+C / SIGTERM. ``swarm_settings`` must agree with the
-    trainers' (see :func:`lean_transformer.swarm.trainer.train`); ``run_config`` is logged with the metrics (wandb).
+    trainers' (see :func:`lean_transformer.swarm.peers.trainer.train`); ``run_config`` is logged with the metrics (wandb).
     Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before the peer
     joins."""
     shutdown = GracefulShutdown(training.shutdown_timeout)

@@ -18,14 +18,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
 from lean_transformer.swarm.auth.keys import load_public_key
-from lean_transformer.swarm.diloco import NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager
+from lean_transformer.swarm.averaging.diloco import NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager, with_averagers
-from lean_transformer.swarm.host_grad_averager import with_host_gradients
+from lean_transformer.swarm.averaging.host_grad_averager import with_host_gradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                    publish_access_token)
 
 if TYPE_CHECKING:
-    from lean_transformer.swarm.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
+    from lean_transformer.swarm.protocol.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
                                                  TrainingTask)
 
 
@@ -67,7 +67,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
     ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
     token is published first (its averaging partners look it up) and the class gets gated averagers. With
     ``host_gradients``, the model's gradients leave the device during backward into the gradient averager's host
-    buffers (:mod:`lean_transformer.swarm.host_grad_averager`; needs ``offload_optimizer``, no delays), or with
+    buffers (:mod:`lean_transformer.swarm.averaging.host_grad_averager`; needs ``offload_optimizer``, no delays), or with
     --local_steps into the offloaded optimizer's (``DiLoCoOptimizer.attach_host_gradients``).
     """
     averager_opts = averager_options(network, collaboration)
@@ -127,7 +127,7 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
 
 @functools.cache
 def with_diloco(optimizer_class: type[hivemind.Optimizer]) -> type[hivemind.Optimizer]:
-    """``optimizer_class`` running DiLoCo's outer loop (:class:`lean_transformer.swarm.diloco.DiLoCoOptimizer`)."""
+    """``optimizer_class`` running DiLoCo's outer loop (:class:`lean_transformer.swarm.averaging.diloco.DiLoCoOptimizer`)."""
     return type(optimizer_class.__name__, (DiLoCoOptimizer, optimizer_class), {})
 
 

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from lean_transformer.swarm.settings import Batch
+from lean_transformer.swarm.protocol.settings import Batch
 
 
 @dataclass(frozen=True)

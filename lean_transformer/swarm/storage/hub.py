@@ -33,7 +33,7 @@ def upload_arguments(repo_id: str, checkpoint_dir: os.PathLike, epoch: int, publ
     """The keyword arguments of ``HfApi.create_repo`` and ``HfApi.upload_folder`` that mirror one checkpoint: a
     private repo unless ``public`` (an existing repo keeps its visibility), the training state left out unless
     ``include_training_state``, and every other file of the repo replaced (it mirrors exactly one checkpoint)."""
-    from lean_transformer.swarm.training_state import TRAINING_STATE_FILE
+    from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
 
     create = dict(repo_id=repo_id, private=not public, exist_ok=True)
     upload = dict(repo_id=repo_id, folder_path=Path(checkpoint_dir), commit_message=f"Swarm checkpoint at epoch {epoch}",
@@ -96,7 +96,7 @@ def resolve_checkpoint(source: str, download_dir: os.PathLike, token: Optional[s
     """The checkpoint directory that ``--resume_from SOURCE`` means: a checkpoint directory, the newest checkpoint
     in a folder of them, or a Hub repo (downloaded into ``download_dir``). Raises FileNotFoundError naming the flag.
     """
-    from lean_transformer.swarm.training_state import TRAINING_STATE_FILE, find_checkpoint
+    from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE, find_checkpoint
 
     origin = source
     if is_hub_repo_id(source):

@@ -1,0 +1,3 @@
+"""What the aux peer makes of the trainers' metrics: per-epoch swarm statistics (:mod:`.aggregation`), their history
+on disk (:mod:`.run_history`), the plot (:mod:`.plot`), wandb (:mod:`.wandb_log`) and checkpoint evaluation
+(:mod:`.evaluation`)."""
