@@ -1,0 +1,144 @@
+"""Peer events: what a peer did, as one JSON object per line, beside its human log.
+
+The log is for people; events are for programs (the demo, the benchmarks, the tests, an aux peer's live page). Each
+line is a self-contained JSON object::
+
+    {"v": 1, "time": 1764100000.25, "peer": "12D3KooW...", "role": "trainer", "event": "epoch", "epoch": 3, ...}
+
+``v`` is :data:`SCHEMA_VERSION`; it grows when a field changes meaning or goes away (new fields and new events do
+not bump it: readers ignore what they do not know). ``time`` is Unix time in seconds, ``peer`` the peer's libp2p ID
+(``None`` before its DHT starts), ``role`` ``"trainer"`` or ``"aux"``. The events and their fields:
+
+===================  ==================================================================================================
+``joined``           ``epoch``, ``client_mode``, ``initial_peers`` (the addresses others join through; ``[]`` for a
+                     client), ``from_swarm`` (whether it loaded the swarm's state)
+``epoch``            the peer reached ``epoch``: ``loss`` (mean over the epoch it finished; ``null`` if none),
+                     ``samples``, ``mini_steps``, ``skipped``, ``compute_seconds`` and ``wall_seconds`` (since start)
+``averaged``         an averaging round succeeded: ``kind`` (``gradients``, ``parameters`` or ``outer``), ``epoch``,
+                     ``group_size``, ``bytes`` (sent by this peer, when known, else ``null``)
+``round_missed``     an averaging round failed or found no group: ``kind``, ``epoch``, ``reason``
+``outer_step``       DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
+``state_downloaded`` loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``
+``state_rejected``   refused a donor's state: ``source``, ``reason``
+``peer_refused``     an averager refused a peer (authorized swarms): ``source``, ``reason``
+``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
+``checkpoint``       (aux) wrote the swarm's state: ``epoch``, ``path``
+``evaluation``       (aux) ``epoch``, ``validation_loss``
+``swarm_epoch``      (aux) one epoch of the swarm's statistics: ``epoch``, ``loss``, ``samples``,
+                     ``samples_per_second``, ``alive_peers``
+``shutdown``         ``reason`` (``finished``, ``signal`` or ``error``), ``epoch``, ``clean``
+===================  ==================================================================================================
+
+Writing: a peer opens its stream once (:func:`open_events`) and any code of that process, or of a process forked from
+it (hivemind's averagers), calls :func:`emit`. Each event is one ``write`` of one line to a file opened with
+``O_APPEND``, so lines from several processes never interleave. Without an open stream :func:`emit` does nothing:
+the library works the same when embedded without events.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Union
+
+SCHEMA_VERSION = 1
+EVENTS = ("joined", "epoch", "averaged", "round_missed", "outer_step", "state_downloaded", "state_rejected",
+          "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
+
+
+class EventLog:
+    """An append-only JSON-lines file of one peer's events."""
+
+    def __init__(self, path: Union[str, Path], role: str, peer: Optional[str] = None):
+        self.path, self.role, self.peer = Path(path), role, peer
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Append one event. ``event`` must be one of :data:`EVENTS`; NaN and infinities become ``null``."""
+        if event not in EVENTS:
+            raise ValueError(f"event: unknown event {event!r}, choose one of {', '.join(EVENTS)}")
+        record = dict(v=SCHEMA_VERSION, time=time.time(), peer=self.peer, role=self.role, event=event)
+        record.update({name: _plain(value) for name, value in fields.items()})
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is not None:
+                os.write(self._fd, line)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+_current: Optional[EventLog] = None
+
+
+def open_events(path: Union[str, Path], role: str) -> EventLog:
+    """Open this process's event stream (closing any earlier one); :func:`emit` writes to it from now on."""
+    global _current
+    if _current is not None:
+        _current.close()
+    _current = EventLog(path, role)
+    return _current
+
+
+def set_peer(peer_id: str) -> None:
+    """Name this process's peer in the events to come (once its DHT has started)."""
+    if _current is not None:
+        _current.peer = peer_id
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Append one event to this process's stream, if one is open (see the module docstring for the events)."""
+    if _current is not None:
+        _current.emit(event, **fields)
+
+
+def close_events() -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None
+
+
+def read_events(path: Union[str, Path], event: Optional[str] = None) -> List[dict]:
+    """The events in ``path`` (all, or only those named ``event``), oldest first; a missing file has none. A last line
+    still being written is left out."""
+    return list(EventReader(path).new(event))
+
+
+class EventReader:
+    """Reads a stream as it grows: each :meth:`new` returns the complete lines appended since the last call."""
+
+    def __init__(self, path: Union[str, Path]):
+        self.path, self._offset = Path(path), 0
+
+    def new(self, event: Optional[str] = None) -> Iterator[dict]:
+        try:
+            with self.path.open("rb") as file:
+                file.seek(self._offset)
+                data = file.read()
+        except FileNotFoundError:
+            return iter(())
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        records = (json.loads(line) for line in complete.splitlines() if line.strip())
+        return iter([record for record in records if event is None or record["event"] == event])
