@@ -14,21 +14,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from hivemind.utils.logging import use_hivemind_log_handler
+# installed, this file is lean_transformer_app/run_aux_peer.py, with arguments.py and tasks/ beside it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arguments import (AuxPeerArguments, AuxTrainingArguments, CollaborationArguments, NetworkArguments,
+from arguments import (AuxSettings, AuxTrainingArguments, CollaborationSettings, NetworkSettings,  # noqa: E402
                        TaskArguments, parse_arguments)
 
 logger = logging.getLogger("run_aux_peer")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    use_hivemind_log_handler("in_root_logger")
-    network, collaboration, task_args, training, aux = parse_arguments(
-        [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments], argv,
+    network, collaboration, task_args, training, aux = parse_arguments(  # flags first: cheap, no torch or hivemind yet
+        [NetworkSettings, CollaborationSettings, TaskArguments, AuxTrainingArguments, AuxSettings], argv,
         description=__doc__)
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("in_root_logger")
 
     from lean_transformer.swarm.peers.aux_peer import run_aux_peer
     from lean_transformer.swarm.protocol.dht import SwarmConnectionError

@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-import transformers
-from hivemind.utils.logging import use_hivemind_log_handler
+# installed, this file is lean_transformer_app/run_trainer.py, with arguments.py and tasks/ beside it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
+from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments  # noqa: E402
 
 logger = logging.getLogger("run_trainer")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    network, collaboration, training, task_args = parse_arguments(  # flags first: cheap, no torch or hivemind yet
+        [NetworkSettings, CollaborationSettings, TrainingSettings, TaskArguments], argv, description=__doc__)
+    import transformers
+    from hivemind.utils.logging import use_hivemind_log_handler
+
     use_hivemind_log_handler("in_root_logger")
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between the progress lines
-    network, collaboration, training, task_args = parse_arguments(
-        [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], argv, description=__doc__)
-
     from lean_transformer.swarm.peers.backups import NonFiniteParametersError
     from lean_transformer.swarm.protocol.dht import SwarmConnectionError
     from lean_transformer.swarm.peers.shutdown import exit_now

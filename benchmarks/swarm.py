@@ -38,7 +38,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments  # noqa: E402
+from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings  # noqa: E402
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM  # noqa: E402
 from lean_transformer.swarm.protocol.dht import build_dht, visible_maddrs  # noqa: E402
 from lean_transformer.swarm.protocol.metrics import make_validators  # noqa: E402
@@ -204,12 +204,12 @@ def averaging_rounds(rounds: int) -> list[str]:
 
 def state_download_seconds(task, state_compression: str) -> float:
     """Seconds for a newcomer to load the state of a peer that holds it (checking that it did)."""
-    collaboration = CollaborationArguments(target_batch_size=4096, state_compression=state_compression)
+    collaboration = CollaborationSettings(target_batch_size=4096, state_compression=state_compression)
     peers = []
     try:
         for role in ("holder", "newcomer"):
             initial = visible_maddrs(peers[0][0]) if peers else []
-            network = NetworkArguments(run_id=f"bench_state_{state_compression}", host_maddrs=LOOPBACK,
+            network = NetworkSettings(run_id=f"bench_state_{state_compression}", host_maddrs=LOOPBACK,
                                        initial_peers=initial)
             progress(f"state ({state_compression}): building the {role}'s model and optimizer")
             key = RSAPrivateKey()
@@ -242,7 +242,7 @@ def state_download() -> list[str]:
         config_path = Path(workdir) / "gpt_100m.json"
         config_path.write_text(json.dumps(dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
-        task = get_task("causal_lm")(TaskArguments(model_config_path=str(config_path)), TrainingArguments())
+        task = get_task("causal_lm")(TaskArguments(model_config_path=str(config_path)), TrainingSettings())
         num_params = sum(param.numel() for param in task.build_model().parameters())
         seconds = {name: state_download_seconds(task, name) for name in ("none", "float16")}
     rows = [f"LeanGPT 1024 x 8 layers, {num_params / 1e6:.1f}M parameters, with 8-bit LAMB statistics; the newcomer "

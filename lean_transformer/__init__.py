@@ -1,15 +1,28 @@
-"""lean_transformer: a transformer that does not hog GPU memory."""
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForPreTraining
+"""lean_transformer: a transformer that does not hog GPU memory.
 
-from lean_transformer.config import LeanAlbertConfig, LeanGPTConfig, LeanTransformerConfig
-from lean_transformer.models import (LeanAlbertForPreTraining, LeanGPTForCausalLM, LeanPreTrainedModel,
-                                     LeanTransformerModel)
+Importing the package is cheap (the command-line flags of the peers are parsed before torch, transformers or hivemind
+load); the model classes below load on first use, and ``import lean_transformer.models`` (which any of them does)
+registers them with transformers' Auto classes.
+"""
+from __future__ import annotations
 
-for _config in (LeanTransformerConfig, LeanGPTConfig, LeanAlbertConfig):
-    AutoConfig.register(_config.model_type, _config, exist_ok=True)
-AutoModel.register(LeanTransformerConfig, LeanTransformerModel, exist_ok=True)
-AutoModelForCausalLM.register(LeanGPTConfig, LeanGPTForCausalLM, exist_ok=True)
-AutoModelForPreTraining.register(LeanAlbertConfig, LeanAlbertForPreTraining, exist_ok=True)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LeanAlbertConfig", "LeanAlbertForPreTraining", "LeanGPTConfig", "LeanGPTForCausalLM",
-           "LeanPreTrainedModel", "LeanTransformerConfig", "LeanTransformerModel"]
+if TYPE_CHECKING:
+    from lean_transformer.config import LeanAlbertConfig, LeanGPTConfig, LeanTransformerConfig
+    from lean_transformer.models import (LeanAlbertForPreTraining, LeanGPTForCausalLM, LeanPreTrainedModel,
+                                         LeanTransformerModel)
+
+_EXPORTS = {"LeanAlbertConfig": "lean_transformer.config", "LeanGPTConfig": "lean_transformer.config",
+            "LeanTransformerConfig": "lean_transformer.config", "LeanAlbertForPreTraining": "lean_transformer.models",
+            "LeanGPTForCausalLM": "lean_transformer.models", "LeanPreTrainedModel": "lean_transformer.models",
+            "LeanTransformerModel": "lean_transformer.models"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lean_transformer' has no attribute {name!r}")
+    importlib.import_module("lean_transformer.models")  # registers the Auto classes, whichever name comes first
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

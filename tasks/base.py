@@ -14,13 +14,14 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import PretrainedConfig, PreTrainedModel
 
-from lean_transformer.swarm.protocol.settings import Batch, Batcher
+from lean_transformer.swarm.protocol.settings import Batch, Batcher, agreed_settings
 from tasks.data import make_text_source
 from tasks.schedules import learning_rate_factor, sequence_length
 from tasks.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from arguments import CollaborationArguments, TaskArguments, TrainingArguments
+    from lean_transformer.swarm.protocol.settings import CollaborationSettings, TrainingSettings
+    from tasks.settings import TaskArguments
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 VALIDATION_SEED = 0  # orders the held-out documents (and seeds MLM masking on them)
@@ -36,7 +37,7 @@ class Task(ABC):
     config_class: ClassVar[type[PretrainedConfig]]
     model_class: ClassVar[type[PreTrainedModel]]
 
-    def __init__(self, task_args: TaskArguments, training_args: TrainingArguments):
+    def __init__(self, task_args: TaskArguments, training_args: TrainingSettings):
         """Load the tokenizer and the config and open the data source: every bad path fails here, at start-up."""
         self.task_args, self.training_args = task_args, training_args
         self.tokenizer = load_tokenizer(task_args.tokenizer_path)
@@ -84,21 +85,14 @@ class Task(ABC):
         """Write the tokenizer into a checkpoint directory (Hugging Face's format)."""
         self.tokenizer.save_pretrained(directory)
 
-    def swarm_settings(self, collaboration: CollaborationArguments) -> dict[str, Any]:
-        """What every peer of a run must agree on (see lean_transformer.swarm.protocol.agreement), named by flag."""
-        args = self.training_args
+    def swarm_settings(self, collaboration: CollaborationSettings) -> dict[str, Any]:
+        """What every peer of a run must agree on (see lean_transformer.swarm.protocol.agreement), named by flag: the
+        fields marked ``agree`` in the settings, with the model config spelled out and the tokenizer as its
+        fingerprint."""
         settings = {f"model_config_path ({name})": value for name, value in sorted(self.config.to_diff_dict().items())
                     if name not in ("transformers_version",)}
-        settings.update(
-            task=self.name, tokenizer_path=self.tokenizer.fingerprint(),
-            validation_fraction=self.task_args.validation_fraction,
-            **{name: getattr(args, name) for name in (
-                "learning_rate", "warmup_steps", "total_steps", "lr_schedule", "weight_decay", "adam_beta1",
-                "adam_beta2", "adam_epsilon", "max_grad_norm", "clamp_value", "min_8bit_size")},
-            **{name: getattr(collaboration, name) for name in (
-                "target_batch_size", "grad_compression", "state_compression", "size_adaptive_threshold",
-                "local_steps", "outer_lr", "outer_momentum", "outer_overlap", "outer_compression",
-                "outer_topk_fraction")})
+        settings.update(task=self.name, tokenizer_path=self.tokenizer.fingerprint(),
+                        **agreed_settings(self.task_args, self.training_args, collaboration))
         return settings
 
     def sequence_length(self, epoch: int) -> int:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Optional, TypeVar
 from lean_transformer.data.markov import MarkovCorpus
 
 if TYPE_CHECKING:
-    from arguments import TaskArguments
+    from tasks.settings import TaskArguments
 
 T = TypeVar("T")
 Split = Literal["train", "validation"]

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch
 
-from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
+from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.hivemind_fixes import averagers
 from lean_transformer.swarm.protocol.metrics import make_validators
@@ -50,7 +50,7 @@ def main() -> None:
     own.add_argument("--kind", choices=KINDS, required=True)
     options, rest = own.parse_known_args()
     network, collaboration, training, task_args = parse_arguments(
-        [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], rest)
+        [NetworkSettings, CollaborationSettings, TrainingSettings, TaskArguments], rest)
 
     serve = averagers.TrainingStateAverager.get_current_state
 

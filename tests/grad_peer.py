@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch
 
-from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
+from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.protocol.metrics import make_validators
 from lean_transformer.swarm.averaging.optimizer import build_optimizer
@@ -43,7 +43,7 @@ def main() -> None:
     own.add_argument("--stop_file", help="stop early when this file appears (e.g. once the other peers are done)")
     options, rest = own.parse_known_args()
     network, collaboration, training, task_args = parse_arguments(
-        [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], rest)
+        [NetworkSettings, CollaborationSettings, TrainingSettings, TaskArguments], rest)
 
     task = get_task(task_args.task)(task_args, training)
     private_key = peer_private_key(network)

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from arguments import (CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, build_parser,
+from arguments import (CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, build_parser,
                        parse_arguments)
 
-TRAINER = [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments]
+TRAINER = [NetworkSettings, CollaborationSettings, TrainingSettings, TaskArguments]
+ROOT = Path(__file__).resolve().parent.parent
 PEER_ID = "12D3KooWDNh6GZkBqi2zGzKXH27ZXhcm2aMoKHjZ3YdYXTndzrRs"
 
 
@@ -37,7 +41,7 @@ def test_values_are_parsed_into_the_right_types():
 
 @pytest.mark.parametrize("value, expected", [("false", False), ("true", True), ("True", True), ("2", 2)])
 def test_gradient_checkpointing_option(value, expected):
-    training, = parse_arguments([TrainingArguments], ["--gradient_checkpointing", value])
+    training, = parse_arguments([TrainingSettings], ["--gradient_checkpointing", value])
     assert training.checkpointing_option() == expected
 
 
@@ -115,3 +119,35 @@ def test_bad_value_exits_with_one_line(name, capsys):
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert stderr.startswith(f"{build_parser(TRAINER).prog}: error: ") and fragment in stderr, stderr
+
+
+def test_every_agreed_setting_reaches_the_swarm_settings_and_no_other():
+    """The fields marked ``agree`` (library and task) are exactly the flag-named entries of the swarm settings, beside
+    the task's own (its name, the tokenizer's fingerprint, the model config spelled out)."""
+    from tasks import get_task
+
+    network, collaboration, training, task_args = parse_arguments(TRAINER, ["--run_id", "r"])
+    settings = get_task(task_args.task)(task_args, training).swarm_settings(collaboration)
+    agreed = {item.name for group in TRAINER for item in dataclasses.fields(group) if item.metadata.get("agree")}
+    assert {"learning_rate", "target_batch_size", "local_steps", "outer_topk_fraction", "validation_fraction"} <= agreed
+    assert not any(item.metadata.get("agree") for item in dataclasses.fields(NetworkSettings))
+    flagged = {name for name in settings if not name.startswith("model_config_path (")}
+    assert flagged == agreed | {"task", "tokenizer_path"}, flagged ^ (agreed | {"task", "tokenizer_path"})
+
+
+HEAVY = ("torch", "transformers", "hivemind")
+
+
+@pytest.mark.parametrize("script", ["run_trainer.py", "run_aux_peer.py"])
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--run_id", "r", "--bogus"], 2),
+                                        (["--run_id", "r", "--target_batch_size", "many"], 2),
+                                        (["--run_id", "a/b"], 2), (["--run_id", "r", "--fp16", "--bf16"], 2)])
+def test_flags_parse_without_loading_torch_transformers_or_hivemind(script, argv, code):
+    """--help and a bad flag return before the heavy libraries load (the figure is in the README)."""
+    probe = (f"import runpy, sys; sys.argv = [{script!r}, *{argv!r}]\n"
+             f"try:\n    runpy.run_path({script!r}, run_name='__main__')\n"
+             f"except SystemExit as e:\n    print('exit', e.code)\n"
+             f"print('loaded', *sorted(name for name in {HEAVY!r} if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = result.stdout.splitlines()
+    assert lines[-2:] == [f"exit {code}", "loaded"], (result.stdout[-2000:], result.stderr[-2000:])

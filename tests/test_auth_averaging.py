@@ -269,11 +269,11 @@ def _grad_schema_hash() -> bytes:
     import torch
     from hivemind.averaging.averager import compute_schema_hash
 
-    from arguments import CollaborationArguments, NetworkArguments, TaskArguments, TrainingArguments, parse_arguments
+    from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments
     from tasks import get_task
 
     _, _, training, task_args = parse_arguments(
-        [NetworkArguments, CollaborationArguments, TrainingArguments, TaskArguments], RUN_ARGV)
+        [NetworkSettings, CollaborationSettings, TrainingSettings, TaskArguments], RUN_ARGV)
     task = get_task(task_args.task)(task_args, training)
     model = task.build_model()
     return compute_schema_hash([torch.zeros_like(param) for group in task.param_groups(model)

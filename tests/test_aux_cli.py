@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from arguments import (AuxPeerArguments, AuxTrainingArguments, CollaborationArguments, NetworkArguments,
+from arguments import (AuxSettings, AuxTrainingArguments, CollaborationSettings, NetworkSettings,
                        TaskArguments, build_parser, parse_arguments)
 
 from aux_utils import REPO, closed_port
 
-AUX = [NetworkArguments, CollaborationArguments, TaskArguments, AuxTrainingArguments, AuxPeerArguments]
+AUX = [NetworkSettings, CollaborationSettings, TaskArguments, AuxTrainingArguments, AuxSettings]
 
 
 def test_help_shows_every_aux_option():
     text = build_parser(AUX, "aux").format_help()
-    for field in dataclasses.fields(AuxPeerArguments):
+    for field in dataclasses.fields(AuxSettings):
         assert len(field.metadata.get("help", "")) > 15, f"{field.name} has no real help"
         assert f"--{field.name}" in text
-    assert AuxPeerArguments._argument_group_name in text and AuxTrainingArguments._argument_group_name in text
+    assert AuxSettings._argument_group_name in text and AuxTrainingArguments._argument_group_name in text
     assert "Hub repo id" in text  # --resume_from's help is the aux peer's, not the trainer's
 
 

@@ -9,7 +9,7 @@ import torch
 from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arguments import TaskArguments, TrainingArguments
+from arguments import TaskArguments, TrainingSettings
 from lean_transformer.data.markov import MarkovCorpus
 from lean_transformer.swarm.storage.hub import resolve_checkpoint, upload_arguments
 from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
@@ -39,7 +39,7 @@ def test_byte_tokenizer_saves_as_a_hugging_face_tokenizer_with_the_same_ids(tmp_
 def test_a_checkpoint_loads_with_from_pretrained_and_its_tokenizer(tmp_path: Path):
     """What the aux peer writes besides the training state: model (save_pretrained) + task.save_tokenizer. A user
     needs nothing else: Auto classes, offline, give the same loss as the model that was saved."""
-    task = CausalLMTask(TaskArguments(), TrainingArguments())
+    task = CausalLMTask(TaskArguments(), TrainingSettings())
     model = task.build_model().eval()
     model.save_pretrained(tmp_path)
     task.save_tokenizer(str(tmp_path))
@@ -84,7 +84,7 @@ def test_hub_upload_is_private_and_leaves_the_training_state_out_by_default(tmp_
 def test_resume_from_weights_without_training_state_names_the_flag(tmp_path: Path):
     """A default Hub upload (model + tokenizer) cannot seed a swarm: one error naming --upload_training_state; with
     the training state it resolves to the checkpoint."""
-    task = CausalLMTask(TaskArguments(), TrainingArguments())
+    task = CausalLMTask(TaskArguments(), TrainingSettings())
     task.build_model().save_pretrained(tmp_path / "weights")
     task.save_tokenizer(str(tmp_path / "weights"))
     with pytest.raises(FileNotFoundError, match=r"^--resume_from: .*weights holds a model without its training state "

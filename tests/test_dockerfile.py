@@ -140,7 +140,7 @@ def script_flags(script: str) -> set[str]:
         sys.path.remove(str(ROOT))
     call = next(node for node in ast.walk(ast.parse((ROOT / script).read_text()))
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "parse_arguments")
-    parser = arguments.ArgumentParser([getattr(arguments, name.id) for name in call.args[0].elts])
+    parser = arguments.build_parser([getattr(arguments, name.id) for name in call.args[0].elts])
     return set(parser._option_string_actions)
 
 

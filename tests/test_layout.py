@@ -41,13 +41,21 @@ def imports(path: Path, *, runtime_only: bool) -> set[str]:
     return names
 
 
-def package_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it runs on import (a module also runs its parent packages' __init__)."""
-    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+def project_modules() -> dict[str, Path]:
+    """The package's and the application's modules, by name."""
+    paths = [*PACKAGE.rglob("*.py"), *(REPO / "tasks").rglob("*.py"), *(REPO / f"{name}.py" for name in
+                                                                    ("arguments", "run_trainer", "run_aux_peer"))]
+    return {module_name(path): path for path in paths}
+
+
+def package_graph(modules: dict[str, Path] | None = None, *, runtime_only: bool = True) -> dict[str, set[str]]:
+    """Module -> the modules it runs on import (a module also runs its parent packages' __init__); by default the
+    package's modules and their imports at run time."""
+    modules = modules or {module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         edges = set()
-        for imported in imports(path, runtime_only=True):
+        for imported in imports(path, runtime_only=runtime_only):
             while imported and imported not in modules:
                 imported = imported.rpartition(".")[0]
             parts = imported.split(".")
@@ -68,8 +76,10 @@ def test_the_package_never_imports_the_application():
 
 
 def test_no_import_circles():
-    graph = package_graph()
+    """Neither in the package nor with the application, type-checking imports included."""
+    graph = package_graph(project_modules(), runtime_only=False)
     assert "lean_transformer.modules.blocksparse" in graph["lean_transformer.modules.linear"]  # edges are seen
+    assert "tasks.settings" in graph["arguments"]
     state, stack, cycles = {}, [], []
 
     def visit(node: str) -> None:
@@ -91,7 +101,7 @@ def test_no_import_circles():
 
 @pytest.mark.swarm
 def test_wheel_runs_a_one_peer_swarm_from_another_directory(tmp_path: Path):
-    """Build a wheel, install it (not editable) into a fresh venv, and train a 1-peer swarm from elsewhere."""
+    """Build a wheel, install it (not editable) into a fresh directory, and train a 1-peer swarm from elsewhere."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(wheels), str(REPO)], check=True, timeout=300, capture_output=True)
@@ -102,8 +112,10 @@ def test_wheel_runs_a_one_peer_swarm_from_another_directory(tmp_path: Path):
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    located = subprocess.run([sys.executable, "-c", "import lean_transformer, tasks, run_trainer, arguments as a; "
-                                                    "print(lean_transformer.__file__, tasks.__file__, a.__file__)"],
+    top_level = {path.name for path in target.iterdir() if not path.name.endswith(".dist-info")}
+    assert top_level == {"lean_transformer", "lean_transformer_app", "bin"}, "no other top-level module is installed"
+    located = subprocess.run([sys.executable, "-c", "import lean_transformer, lean_transformer_app.tasks as t; "
+                                                    "print(lean_transformer.__file__, t.__file__)"],
                              cwd=workdir, env=env, check=True, text=True, capture_output=True).stdout.split()
     assert all(path.startswith(str(target)) for path in located), located
     for script in ("lean-aux-peer", "lean-demo"):
@@ -118,3 +130,13 @@ def test_wheel_runs_a_one_peer_swarm_from_another_directory(tmp_path: Path):
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "Reached epoch 3" in trainer.stderr + trainer.stdout, trainer.stderr[-3000:]
     assert (workdir / "out" / "backups").is_dir()
+
+
+def test_the_wheel_lists_every_package_of_the_tree():
+    """pyproject.toml names the packages one by one (the application is mapped under ``lean_transformer_app``): a
+    new subpackage must be added there, or the wheel would lack it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {module_name(path.parent / "__init__.py") for path in PACKAGE.rglob("__init__.py")}
+    assert listed == tree | {"lean_transformer_app", "lean_transformer_app.tasks"}

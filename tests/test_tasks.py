@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from arguments import TaskArguments, TrainingArguments
+from arguments import TaskArguments, TrainingSettings
 from tasks import get_task
 from tasks.causal_lm import PackedBatcher
 from tasks.data import FileSource, HuggingFaceSource, make_text_source
@@ -162,7 +162,7 @@ def test_mlm_masks_whole_words_about_15_percent_with_80_10_10():
 
 
 def test_mlm_batches_are_padded_to_a_multiple():
-    task = get_task("mlm")(TaskArguments(task="mlm"), TrainingArguments(pad_to_multiple_of=8))
+    task = get_task("mlm")(TaskArguments(task="mlm"), TrainingSettings(pad_to_multiple_of=8))
     batch = task.batches(seed=0).next_batch(batch_size=4, sequence_length=100)
     length = batch["input_ids"].shape[1]
     assert length % 8 == 0 or length == 100
@@ -173,7 +173,7 @@ def test_mlm_batches_are_padded_to_a_multiple():
 
 @pytest.mark.parametrize("name", ["causal_lm", "mlm"])
 def test_tiny_models_train_on_their_batches(name):
-    task = get_task(name)(TaskArguments(task=name), TrainingArguments())
+    task = get_task(name)(TaskArguments(task=name), TrainingSettings())
     model = task.build_model()
     assert model.config.vocab_size == 264 >= len(task.tokenizer)
     batch = task.batches(seed=0).next_batch(batch_size=4, sequence_length=64)
@@ -185,20 +185,20 @@ def test_tiny_models_train_on_their_batches(name):
 
 
 def test_models_are_initialized_identically_on_every_peer():
-    task = get_task("causal_lm")(TaskArguments(), TrainingArguments(seed=3))
+    task = get_task("causal_lm")(TaskArguments(), TrainingSettings(seed=3))
     first, second = task.build_model(), task.build_model()
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
 
 
 def test_peers_get_different_data():
-    task = get_task("causal_lm")(TaskArguments(), TrainingArguments())
+    task = get_task("causal_lm")(TaskArguments(), TrainingSettings())
     a, b = (task.batches(seed=seed).next_batch(2, 32)["input_ids"] for seed in (1, 2))
     assert not torch.equal(a, b)
     assert torch.equal(a, task.batches(seed=1).next_batch(2, 32)["input_ids"])
 
 
 def test_param_groups_exempt_biases_and_layernorm_weights_from_weight_decay():
-    task = get_task("causal_lm")(TaskArguments(), TrainingArguments(weight_decay=0.05))
+    task = get_task("causal_lm")(TaskArguments(), TrainingSettings(weight_decay=0.05))
     model = task.build_model()
     names = {id(param): name for name, param in model.named_parameters()}
     decay, no_decay = task.param_groups(model)
@@ -210,7 +210,7 @@ def test_param_groups_exempt_biases_and_layernorm_weights_from_weight_decay():
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
 def test_optimizer_and_scheduler_factories():
-    training = TrainingArguments(learning_rate=0.01, warmup_steps=2, total_steps=10, clamp_value=5.0)
+    training = TrainingSettings(learning_rate=0.01, warmup_steps=2, total_steps=10, clamp_value=5.0)
     task = get_task("causal_lm")(TaskArguments(), training)
     model = task.build_model()
     optimizer = task.optimizer_factory()(task.param_groups(model))
@@ -274,12 +274,12 @@ def test_hugging_face_source_streams_a_local_dataset(tmp_path):
 
 
 def test_config_follows_the_tokenizer_and_rejects_bad_files(tmp_path, hf_tokenizer_dir):
-    task = get_task("mlm")(TaskArguments(task="mlm", tokenizer_path=str(hf_tokenizer_dir)), TrainingArguments())
+    task = get_task("mlm")(TaskArguments(task="mlm", tokenizer_path=str(hf_tokenizer_dir)), TrainingSettings())
     assert task.config.vocab_size % 8 == 0 and 0 <= task.config.vocab_size - len(task.tokenizer) < 8
     assert task.config.pad_token_id == task.tokenizer.pad_token_id
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match="--model_config_path"):
-        get_task("causal_lm")(TaskArguments(model_config_path=str(tmp_path / "broken.json")), TrainingArguments())
+        get_task("causal_lm")(TaskArguments(model_config_path=str(tmp_path / "broken.json")), TrainingSettings())
     (tmp_path / "odd.json").write_text('{"hidden_size": 30, "num_attention_heads": 4}')
     with pytest.raises(ValueError, match="--model_config_path.*hidden_size"):
-        get_task("causal_lm")(TaskArguments(model_config_path=str(tmp_path / "odd.json")), TrainingArguments())
+        get_task("causal_lm")(TaskArguments(model_config_path=str(tmp_path / "odd.json")), TrainingSettings())

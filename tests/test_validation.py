@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import tasks.data
-from arguments import AuxTrainingArguments, CollaborationArguments, TaskArguments
+from arguments import AuxTrainingArguments, CollaborationSettings, TaskArguments
 from lean_transformer.swarm.monitoring.aggregation import SwarmStats
 from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
 from lean_transformer.swarm.monitoring.plot import redraw_plot
@@ -66,7 +66,7 @@ def test_held_out_documents_are_never_training_documents():
 
 
 def test_split_fraction_zero_and_a_source_without_held_out_documents_fail_with_the_flag(tmp_path, monkeypatch):
-    assert tiny_task().swarm_settings(CollaborationArguments())["validation_fraction"] == 0.01  # agreed swarm-wide
+    assert tiny_task().swarm_settings(CollaborationSettings())["validation_fraction"] == 0.01  # agreed swarm-wide
     with pytest.raises(ValueError, match=r"^--validation_fraction: is 0, so there are no held-out documents"):
         tiny_task(validation_fraction=0.0).validation_batches(1)
     assert next(tiny_task(validation_fraction=0.0).batches(1).documents)  # training reads everything

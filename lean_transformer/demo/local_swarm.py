@@ -4,7 +4,7 @@ on the embedded corpus (no GPU, no internet), with a live view, then a checkpoin
     python -m lean_transformer.demo [--duration 180] [--num_trainers 2] [--output_dir outputs/demo]
 
 Every peer is a separate process running the project's own ``run_aux_peer`` / ``run_trainer`` modules (exactly what a
-volunteer runs: the scripts at the repository root, installed as top-level modules by ``pip install .``), in its own
+volunteer runs: the scripts at the repository root, installed as ``lean_transformer_app`` by ``pip install .``), in its own
 session, logging to ``OUTPUT_DIR/logs/NAME.log``. The live view is read from those
 logs; the summary from the aux peer's metrics file and the trainers' logs. Ctrl+C or SIGTERM stops every peer
 gracefully (a second Ctrl+C at once); whatever is left of a peer's process group afterwards is killed, and the p2p
@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from lean_transformer.data.markov import MarkovCorpus
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
-from lean_transformer.swarm.cli import OneLineErrorParser
+from lean_transformer.cli import OneLineErrorParser
 from lean_transformer.swarm.monitoring.run_history import read_evaluations, read_rows
 from lean_transformer.swarm.peers.shutdown import descendant_pids
 
@@ -470,12 +470,17 @@ def entropy_floor(corpus_seed: int = 0) -> float:
 
 
 def peer_modules_dir() -> Optional[str]:
-    """The directory that holds the peers' entry modules (a checkout's root or site-packages), or None if they are
-    not importable here. Passed to the peers in PYTHONPATH, so they start from any working directory."""
-    specs = [importlib.util.find_spec(module) for module in PEER_MODULES]
-    if not all(spec is not None and spec.origin for spec in specs):
-        return None
-    return str(Path(specs[0].origin).resolve().parent)
+    """The directory that holds the peers' entry modules (a checkout's root, or ``lean_transformer_app`` where the
+    project is installed), or None if they are not importable here. Passed to the peers in PYTHONPATH, so they start
+    from any working directory."""
+    for prefix in ("", "lean_transformer_app."):
+        try:
+            specs = [importlib.util.find_spec(prefix + module) for module in PEER_MODULES]
+        except ModuleNotFoundError:  # no lean_transformer_app
+            continue
+        if all(spec is not None and spec.origin for spec in specs):
+            return str(Path(specs[0].origin).resolve().parent)
+    return None
 
 
 def prepare_output_dir(path: Path) -> None:

@@ -6,16 +6,11 @@ ordered (q, k, v), each head-major, exactly like our ``qkv`` projection.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import transformers
 from transformers.pytorch_utils import Conv1D
 
 from lean_transformer.config import LeanGPTConfig
-
-if TYPE_CHECKING:
-    from lean_transformer.models.gpt import LeanGPTForCausalLM
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                      "silu": "silu", "swish": "silu"}
@@ -82,8 +77,9 @@ def gpt2_config_from_lean(config: LeanGPTConfig) -> transformers.GPT2Config:
 
 
 @torch.no_grad()
-def copy_gpt2_weights(hf_model: transformers.GPT2LMHeadModel, model: LeanGPTForCausalLM, to_lean: bool) -> None:
-    """Copy every weight from GPT-2 to LeanGPT (``to_lean``) or back; the architectures must already match."""
+def copy_gpt2_weights(hf_model: transformers.GPT2LMHeadModel, model: torch.nn.Module, to_lean: bool) -> None:
+    """Copy every weight from GPT-2 to a ``LeanGPTForCausalLM`` (``to_lean``) or back; the architectures must already
+    match."""
     source, target = hf_model.transformer, model.transformer
     pairs = [(source.wte, target.embeddings.word_embeddings), (source.wpe, target.embeddings.position_embeddings),
              (source.ln_f, target.encoder.final_norm)]

@@ -16,7 +16,7 @@ from lean_transformer.swarm.auth.keys import (key_fingerprint, load_authority_ke
                                               save_authority_key, save_public_key)
 from lean_transformer.swarm.auth.tokens import (check_token, encode_token, issue_token, load_token, parse_duration,
                                                 save_token)
-from lean_transformer.swarm.cli import OneLineErrorParser
+from lean_transformer.cli import OneLineErrorParser
 
 
 def _cmd_new_authority(args: argparse.Namespace) -> None:

@@ -5,48 +5,25 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.multiaddr import Multiaddr
 
+import lean_transformer.swarm.hivemind_fixes  # noqa: F401  (installs the global fixes)
 from lean_transformer.swarm.auth.authorizer import make_authorizer
 from lean_transformer.swarm.auth.keys import load_identity_key
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import NetworkSettings
 
-_RUN_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _LOG_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} ")
 
 
 class SwarmConnectionError(RuntimeError):
     """The DHT could not start, or could not reach any of its initial peers in time."""
-
-
-def validate_run_id(run_id: str) -> None:
-    if not _RUN_ID.fullmatch(run_id or ""):
-        raise ValueError(f"--run_id: {run_id!r} must be non-empty and use only letters, digits, '_', '-' and '.'")
-
-
-def validate_maddrs(maddrs: Sequence[str], flag: str, *, require_peer_id: bool = False) -> None:
-    """Raise ValueError naming ``--flag`` for the first string that is not a usable multiaddr."""
-    for maddr in maddrs:
-        try:
-            parsed = Multiaddr(maddr)
-        except Exception as e:  # the multiaddr package raises several unrelated exception types
-            raise ValueError(f"--{flag}: {maddr!r} is not a valid multiaddr ({e})") from None
-        if require_peer_id:
-            if "p2p" not in {protocol.name for protocol in parsed.protocols()}:
-                raise ValueError(f"--{flag}: {maddr!r} has no /p2p/<peer id> part; copy the full address that the "
-                                 f"peer printed after --initial_peers")
-            try:
-                PeerID.from_base58(parsed.value_for_protocol("p2p"))
-            except Exception:
-                raise ValueError(f"--{flag}: {maddr!r} has a malformed peer id") from None
 
 
 def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValidatorBase] = ()) -> hivemind.DHT:

@@ -8,24 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from lean_transformer.swarm.protocol.settings import is_hub_repo_id
+
 logger = logging.getLogger(__name__)
-
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*")
-
-
-def looks_like_repo_id(text: str) -> bool:
-    return bool(_REPO_ID.fullmatch(text))
-
-
-def is_hub_repo_id(text: str) -> bool:
-    """Whether ``text`` reads as a Hub repo id (``owner/name``) rather than a local path (one that does not exist)."""
-    return looks_like_repo_id(text) and not os.path.exists(text)
 
 
 def upload_arguments(repo_id: str, checkpoint_dir: os.PathLike, epoch: int, public: bool = False,
