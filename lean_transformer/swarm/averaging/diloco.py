@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence
 
@@ -52,6 +51,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.optim.grad_offload import HostGradients
+from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
@@ -243,15 +243,14 @@ class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
         self._state_updated.set()
 
 
-@functools.cache
-def pseudo_gradient_averager_class(gated: bool) -> type:
+class GatedPseudoGradientAverager(GatedRPCs, _Averager):
+    """The outer all-reduce's averager serving token holders only (authorized swarms; ``gate=`` is required)."""
+
+
+def pseudo_gradient_averager_class(gated: bool) -> type[_Averager]:
     """The averager class of the outer all-reduce; ``gated``: serving token holders only (authorized swarms).
     hivemind names RPC handlers after the class, so callers build stubs from this very class."""
-    if not gated:
-        return _Averager
-    from lean_transformer.swarm.auth.averaging_gate import _GatedAverager  # the gate imports hivemind's averagers
-
-    return type("GatedPseudoGradientAverager", (_GatedAverager, _Averager), {})
+    return GatedPseudoGradientAverager if gated else _Averager
 
 
 class PseudoGradientAverager:
@@ -268,7 +267,7 @@ class PseudoGradientAverager:
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
                  matchmaking_time: float = 5.0, allreduce_timeout: float = 60.0,
                  compression: CompressionBase = NoCompression(), topk_fraction: Optional[float] = None,
-                 gate: Any = None, **averager_opts):
+                 gate: Optional[AveragingGate] = None, **averager_opts):
         self.shapes = [torch.Size(shape) for shape in shapes]
         averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:

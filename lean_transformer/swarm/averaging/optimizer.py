@@ -20,7 +20,7 @@ from torch import nn
 from lean_transformer.swarm.auth.keys import load_public_key
 from lean_transformer.swarm.averaging.diloco import NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager, with_averagers
-from lean_transformer.swarm.averaging.host_grad_averager import with_host_gradients
+from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                    publish_access_token)
 
@@ -71,12 +71,11 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
     --local_steps into the offloaded optimizer's (``DiLoCoOptimizer.attach_host_gradients``).
     """
     averager_opts = averager_options(network, collaboration)
-    gradient_averager, state_averager = GradientAverager, TrainingStateAverager
-    if network.auth_token_path is not None:
+    gated = network.auth_token_path is not None
+    if gated:
         averager_opts["gate"] = open_averaging_gate(dht, network, private_key)
-        gradient_averager, state_averager = GatedGradientAverager, GatedTrainingStateAverager
-    if host_gradients and collaboration.local_steps == 0:
-        gradient_averager = with_host_gradients(gradient_averager)
+    gradient_averager = gradient_averager_class(gated, host_gradients and collaboration.local_steps == 0)
+    state_averager = GatedTrainingStateAverager if gated else TrainingStateAverager
     optimizer_class = with_averagers(optimizer_class, gradient_averager, state_averager)
     params = task.param_groups(model)
     diloco: dict = {}
@@ -123,6 +122,14 @@ def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, net
         if host_gradients:
             optimizer.attach_host_gradients()
     return optimizer
+
+
+def gradient_averager_class(gated: bool, host_gradients: bool) -> type[GradientAverager]:
+    """The gradient averager: serving token holders only (``gated``), accumulating on the host (``host_gradients``).
+    hivemind names an averager's RPCs after its class, so each combination is a class of its own."""
+    if host_gradients:
+        return HostGatedGradientAverager if gated else HostGradientAverager
+    return GatedGradientAverager if gated else GradientAverager
 
 
 @functools.cache
