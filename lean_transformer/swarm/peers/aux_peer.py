@@ -26,7 +26,7 @@ from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, p
 from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
 from lean_transformer.swarm.storage.hub import HubUploader, resolve_checkpoint
 from lean_transformer.swarm.protocol.metrics import fetch_metrics, make_validators
-from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from lean_transformer.swarm.monitoring.plot import redraw_plot
 from lean_transformer.swarm.monitoring.run_history import RunHistory
 from lean_transformer.swarm.peers.shutdown import GracefulShutdown
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class AuxiliaryOptimizer(hivemind.Optimizer):
-    """A ``hivemind.Optimizer`` whose parameters are a snapshot of the swarm's state (downloaded from peers or read
+class AuxiliaryOptimizer(SwarmOptimizer):
+    """A swarm optimizer whose parameters are a snapshot of the swarm's state (downloaded from peers or read
     from a checkpoint) that its own steps never update.
 
     It shares the snapshot with newcomers only while the snapshot is current. hivemind advances an auxiliary peer's
@@ -48,9 +48,9 @@ class AuxiliaryOptimizer(hivemind.Optimizer):
     stops right before this peer's first epoch transition after a snapshot.
     """
 
-    def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+    def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         self.state_averager.allow_state_sharing = False
-        super()._update_global_epoch(grad_scaler)
+        super()._advance_epoch(grad_scaler)
 
     def share_snapshot(self) -> None:
         """Offer the current parameters to newcomers, ranked by their epoch (trainers that are further along win)."""
@@ -84,11 +84,7 @@ class AuxiliaryOptimizer(hivemind.Optimizer):
             averager.allow_state_sharing = was_sharing
             yield None
             return
-        outer_loop = getattr(self, "outer_loop", None)
-        if outer_loop is not None:  # DiLoCo: the swarm's parameters are the anchor, not the serving peer's drift
-            outer_loop.outer.reset_parameters()
-            if self.offload_optimizer:
-                averager._apply_optimizer_parameters_()
+        self.restart_from_anchor()  # DiLoCo: the swarm's parameters are the anchor, not the serving peer's drift
         try:
             yield loaded_epoch
         finally:
@@ -248,8 +244,8 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
     try:
         agreement = SwarmAgreement(dht, network.run_id, validators[0].local_public_key, swarm_settings).start()
         model = task.build_model()
-        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
-                                    auxiliary=not network.client_mode, optimizer_class=AuxiliaryOptimizer)
+        optimizer = AuxiliaryOptimizer.from_settings(dht, model, task, network, collaboration, training, private_key,
+                                                     auxiliary=not network.client_mode)
         optimizer.tracker.status_loglevel = logging.DEBUG  # its progress lines would repeat every half second
         try:
             if checkpoint is not None:
