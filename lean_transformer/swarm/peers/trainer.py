@@ -24,13 +24,14 @@ from lean_transformer.optim.loss_scale import DynamicLossScale
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.peers.backups import LocalBackups
 from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
-from lean_transformer.swarm.protocol.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.protocol.dht import derive_peer_seed
 from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.storage.hub import resolve_checkpoint
-from lean_transformer.swarm.protocol.metrics import LocalMetrics, make_validators, publish_metrics
+from lean_transformer.swarm.protocol.metrics import LocalMetrics, publish_metrics
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from lean_transformer.swarm.peers.progress import ProgressLine
 from lean_transformer.swarm.peers.shutdown import GracefulShutdown
+from lean_transformer.swarm.peers.swarm_peer import SwarmPeer
 from lean_transformer.swarm.storage.training_state import load_training_state
 
 if TYPE_CHECKING:
@@ -91,14 +92,8 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     if training.resume_from is not None:
         checkpoint = resolve_checkpoint(training.resume_from, Path(training.output_dir) / "downloaded")
 
-    private_key = peer_private_key(network)
-    signature_validator, metrics_validator = make_validators(network.run_id, private_key)
-    dht = build_dht(network, [signature_validator, metrics_validator])
-    agreement = None
-    try:
-        agreement = SwarmAgreement(dht, network.run_id, signature_validator.local_public_key, swarm_settings).start()
-        if not network.client_mode:
-            print(initial_peers_line(dht), flush=True)
+    with SwarmPeer(network, swarm_settings) as peer:
+        peer.print_initial_peers()
         model = task.build_model().to(device, dtype)  # hivemind keeps float32 master weights on the host
         model.set_optimizations(gradient_checkpointing=training.checkpointing_option(),
                                 checkpoint_attention_core=training.checkpoint_attention_core,
@@ -106,20 +101,12 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
                                 preserve_rng_state=training.preserve_rng_state)
         block_scaling = make_block_scaling(model) if training.block_grad_scaling else None
         progress = ProgressLine(training.progress_every, device)
-        optimizer = SwarmOptimizer.from_settings(dht, model, task, network, collaboration, training, private_key,
-                                                 host_gradients=host_gradients, waiting=progress.waiting)
+        optimizer = peer.start_optimizer(SwarmOptimizer, model, task, collaboration, training,
+                                         host_gradients=host_gradients, waiting=progress.waiting)
         shutdown.on_overdue = optimizer.cancel_rounds_in_flight
-        try:
-            join_swarm(model, optimizer, checkpoint)
-            training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
-                          network, collaboration, training, agreement, progress, block_scaling)
-        finally:
-            logger.info("Leaving the swarm")
-            optimizer.shutdown()
-    finally:
-        if agreement is not None:
-            agreement.stop()
-        dht.shutdown()
+        join_swarm(model, optimizer, checkpoint)
+        training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network, collaboration,
+                      training, peer.agreement, progress, block_scaling)
     logger.info("Shut down cleanly")
 
 
