@@ -42,7 +42,7 @@ from arguments import CollaborationSettings, NetworkSettings, TaskArguments, Tra
 from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM  # noqa: E402
 from lean_transformer.swarm.protocol.dht import build_dht, visible_maddrs  # noqa: E402
 from lean_transformer.swarm.protocol.metrics import make_validators  # noqa: E402
-from lean_transformer.swarm.averaging.optimizer import build_optimizer, make_compression  # noqa: E402
+from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer, make_compression  # noqa: E402
 from tasks import get_task  # noqa: E402
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -215,7 +215,7 @@ def state_download_seconds(task, state_compression: str) -> float:
             key = RSAPrivateKey()
             dht = build_dht(network, make_validators(network.run_id, key))
             model = task.build_model()
-            optimizer = build_optimizer(dht, model, task, network, collaboration, task.training_args, key)
+            optimizer = SwarmOptimizer.from_settings(dht, model, task, network, collaboration, task.training_args, key)
             if role == "holder":
                 optimizer.state_averager.local_epoch = optimizer.state_averager.state_sharing_priority = 7
             peers.append((dht, optimizer))

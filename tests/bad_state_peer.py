@@ -1,6 +1,6 @@
 """A swarm member that serves a broken state to peers that download it (test-only fault injection).
 
-It joins like ``run_trainer.py`` (same arguments, the project's model, LAMB and ``hivemind.Optimizer``), announces its
+It joins like ``run_trainer.py`` (same arguments, the project's model, LAMB and swarm optimizer), announces its
 state with the highest priority, so it is the first peer a newcomer asks, and serves its real state broken in one way
 (``--kind``): ``truncated`` (the last tensors missing, as when the connection closes mid-stream), ``reshaped``,
 ``nan``, ``dtype`` (a float64 tensor), ``oversized`` (an extra 64 MB tensor), or ``honest`` (nothing broken; with
@@ -23,7 +23,7 @@ from arguments import CollaborationSettings, NetworkSettings, TaskArguments, Tra
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.hivemind_fixes import averagers
 from lean_transformer.swarm.protocol.metrics import make_validators
-from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from tasks import get_task
 
 KINDS = ("truncated", "reshaped", "nan", "dtype", "oversized", "honest")
@@ -64,7 +64,8 @@ def main() -> None:
     task = get_task(task_args.task)(task_args, training)
     private_key = peer_private_key(network)
     dht = build_dht(network, make_validators(network.run_id, private_key))
-    optimizer = build_optimizer(dht, task.build_model(), task, network, collaboration, training, private_key)
+    optimizer = SwarmOptimizer.from_settings(dht, task.build_model(), task, network, collaboration, training,
+                                             private_key)
     optimizer.state_averager.state_sharing_priority = 10**6  # newcomers ask this peer first
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

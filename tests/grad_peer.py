@@ -1,6 +1,6 @@
 """A trainer-like test peer with known gradients, to check what all-reduce returns.
 
-It joins the swarm like ``run_trainer.py`` (same arguments; the project's model, LAMB and ``hivemind.Optimizer``), but
+It joins the swarm like ``run_trainer.py`` (same arguments; the project's model, LAMB and swarm optimizer), but
 instead of computing gradients it sets each parameter's gradient to a fixed random tensor drawn from ``--grad_seed``
 before every ``step``. After each epoch transition it records the averaging round's weight, its group and the
 averaged gradients, and at the end saves everything to ``--out``.
@@ -27,7 +27,7 @@ import torch
 from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.protocol.metrics import make_validators
-from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from tasks import get_task
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     private_key = peer_private_key(network)
     dht = build_dht(network, make_validators(network.run_id, private_key))
     model = task.build_model()
-    optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key)
+    optimizer = SwarmOptimizer.from_settings(dht, model, task, network, collaboration, training, private_key)
     params = [param for group in optimizer.param_groups for param in group["params"]]
     generator = torch.Generator().manual_seed(options.grad_seed)
     grads = [torch.randn(param.shape, generator=generator) for param in params]

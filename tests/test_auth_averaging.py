@@ -116,9 +116,11 @@ def test_gated_averagers_keep_hivemind_rpc_protocol():
 
     from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager, GatedTrainingStateAverager
     from lean_transformer.swarm.averaging.diloco import pseudo_gradient_averager_class
+    from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 
     for parent, gated in ((GradientAverager, GatedGradientAverager), (TrainingStateAverager,
                                                                       GatedTrainingStateAverager),
+                          (HostGradientAverager, HostGatedGradientAverager),
                           (pseudo_gradient_averager_class(gated=False), pseudo_gradient_averager_class(gated=True))):
         parent._collect_rpc_handlers()
         gated._collect_rpc_handlers()
@@ -239,7 +241,7 @@ def _visitor_main(argv: List[str]) -> None:
     dht = hivemind.DHT(start=True, initial_peers=args.initial_peers, identity_path=args.identity,
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[validator], authorizer=authorizer,
                        ensure_bootstrap_success=authorized)  # a stranger's bootstrap fails: the DHT refuses it
-    if authorized:  # what every member does at start (lean_transformer.swarm.averaging.optimizer.build_optimizer)
+    if authorized:  # what every member does at start (lean_transformer.swarm.averaging.optimizer.open_averaging_gate)
         publish_access_token(dht, RUN_ID, args.token, validator.local_public_key)
     if args.plant:
         planted = dht.store(access_token_key(RUN_ID, PeerID.from_base58(args.plant[0])),

@@ -362,7 +362,7 @@ def partial_round_peer(name: str, role: str) -> None:
 
     from hivemind.averaging.partition import TensorPartContainer
 
-    from lean_transformer.swarm import diloco
+    from lean_transformer.swarm.averaging import diloco
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
     if name == "dies":  # patched before the averager's process forks

@@ -7,12 +7,15 @@ and a peer ID is the hash of the peer's identity key, the very key its access to
 
 - every peer with authorization publishes its token in the DHT under a key named after its peer ID
   (:func:`publish_access_token`), which only token holders can read or write;
-- its averagers (:class:`GatedGradientAverager`, :class:`GatedTrainingStateAverager`) answer a join, all-reduce or
-  state download request only if the caller's peer ID has a token there that the swarm authority signed, that has not
-  expired and whose key hashes to that peer ID (:class:`AveragingGate`); anyone else gets the protocol's refusal.
+- its averagers (:class:`GatedGradientAverager`, :class:`GatedTrainingStateAverager` and DiLoCo's
+  :class:`~lean_transformer.swarm.averaging.diloco.GatedPseudoGradientAverager`, all taking the gate as their ``gate``
+  argument) answer a join, all-reduce or state download request only if the caller's peer ID has a token there that
+  the swarm authority signed, that has not expired and whose key hashes to that peer ID (:class:`AveragingGate`);
+  anyone else gets the protocol's refusal.
 
-:func:`lean_transformer.swarm.averaging.optimizer.build_optimizer` runs both gated averagers (the gate passed in its
-``averager_opts``) only when authorization is configured; an open swarm speaks hivemind's own protocol unchanged.
+:class:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer` runs the gated averagers only when it is given a
+gate (authorization is configured); an open swarm speaks hivemind's own protocol unchanged. hivemind names an
+averager's RPCs after its class, so the gated averagers are classes of their own (names unchanged on the wire).
 """
 from __future__ import annotations
 
@@ -155,8 +158,8 @@ class AveragingGate:
         raise error
 
 
-class _GatedAverager:
-    """Mixed in front of a hivemind averager: its rpc_* handlers first ask the gate about the caller."""
+class GatedRPCs:
+    """Mixed in front of a hivemind averager: its rpc_* handlers first ask ``gate`` about the caller."""
 
     # hivemind caches the RPC table per class and names handlers after the class; without these, a subclass would
     # reuse its parent's table (and stubs calling the parent's handler names) if the parent's was built first
@@ -193,9 +196,9 @@ class _GatedAverager:
             yield message
 
 
-class GatedGradientAverager(_GatedAverager, GradientAverager):
+class GatedGradientAverager(GatedRPCs, GradientAverager):
     """hivemind's GradientAverager, serving token holders only (``gate=`` is required)."""
 
 
-class GatedTrainingStateAverager(_GatedAverager, TrainingStateAverager):
+class GatedTrainingStateAverager(GatedRPCs, TrainingStateAverager):
     """hivemind's TrainingStateAverager, serving token holders only (``gate=`` is required)."""

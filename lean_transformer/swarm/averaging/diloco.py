@@ -7,7 +7,8 @@ anchor: SGD with Nesterov momentum (DiLoCo's outer optimizer), after which the p
 anchor. Since every peer applies the same step to the same anchor with the same momentum, the peers stay identical
 without exchanging parameters.
 
-How it runs in a swarm (:class:`DiLoCoOptimizer`): the inner loop is ``hivemind.Optimizer(use_local_updates=True)``
+How it runs in a swarm (:class:`~lean_transformer.swarm.averaging.optimizer.SwarmOptimizer` given
+:class:`DiLoCoSettings`): the inner loop is ``hivemind.Optimizer(use_local_updates=True)``
 (a local LAMB step on each ``step``; hivemind's progress tracker counts the swarm's samples), so a round is hivemind's
 epoch and ends when the swarm has processed ``local_steps x target_batch_size`` samples: with ``target_batch_size`` =
 the swarm's samples per inner step, each peer takes about ``local_steps`` inner steps, a faster peer more, a slower one
@@ -36,9 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Sequence
 
 import hivemind
 import torch
@@ -51,7 +52,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
-from lean_transformer.optim.grad_offload import HostGradients
+from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
@@ -59,6 +60,20 @@ from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, T
 logger = logging.getLogger(__name__)
 
 NEVER = 2**62  # average_state_every in DiLoCo mode: hivemind never averages parameters itself
+
+
+@dataclass(frozen=True)
+class DiLoCoSettings:
+    """DiLoCo mode (``--local_steps``): an outer round every ``local_steps`` inner steps (of the swarm's target batch
+    each), outer SGD-Nesterov with ``outer_lr`` and ``outer_momentum``, ``overlap`` (a one-round-delayed outer
+    update), and the pseudo-gradients sent with ``compression`` or, with ``topk_fraction``, as top-k values."""
+
+    local_steps: int
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    overlap: bool = False
+    compression: CompressionBase = NoCompression()
+    topk_fraction: Optional[float] = None
 
 
 class OuterNesterov:
@@ -243,15 +258,14 @@ class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
         self._state_updated.set()
 
 
-@functools.cache
-def pseudo_gradient_averager_class(gated: bool) -> type:
+class GatedPseudoGradientAverager(GatedRPCs, _Averager):
+    """The outer all-reduce's averager serving token holders only (authorized swarms; ``gate=`` is required)."""
+
+
+def pseudo_gradient_averager_class(gated: bool) -> type[_Averager]:
     """The averager class of the outer all-reduce; ``gated``: serving token holders only (authorized swarms).
     hivemind names RPC handlers after the class, so callers build stubs from this very class."""
-    if not gated:
-        return _Averager
-    from lean_transformer.swarm.auth.averaging_gate import _GatedAverager  # the gate imports hivemind's averagers
-
-    return type("GatedPseudoGradientAverager", (_GatedAverager, _Averager), {})
+    return GatedPseudoGradientAverager if gated else _Averager
 
 
 class PseudoGradientAverager:
@@ -268,7 +282,7 @@ class PseudoGradientAverager:
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
                  matchmaking_time: float = 5.0, allreduce_timeout: float = 60.0,
                  compression: CompressionBase = NoCompression(), topk_fraction: Optional[float] = None,
-                 gate: Any = None, **averager_opts):
+                 gate: Optional[AveragingGate] = None, **averager_opts):
         self.shapes = [torch.Size(shape) for shape in shapes]
         averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:
@@ -395,123 +409,6 @@ class OuterLoop:
             self._pending[0].cancel()
         self._pending, self._base = None, None
         self.samples_since_anchor = 0
-
-
-class DiLoCoOptimizer:
-    """Mixed in front of a ``hivemind.Optimizer`` built with ``use_local_updates=True`` and the outer state as its
-    ``extra_tensors`` (see :func:`lean_transformer.swarm.averaging.optimizer.build_optimizer`): each ``step`` is one local inner
-    step (and advances the inner LR schedule by one step), each of hivemind's epochs ends with an outer round.
-
-    With :meth:`attach_host_gradients` (``--offload_gradients``: a GPU's default), the model's gradients leave the
-    device during backward straight into the offloaded optimizer's float32 ``.grad`` buffers: no gradient stays on
-    the device, and low-precision weights (``--model_dtype``) step through hivemind's float32 master copies."""
-
-    outer_loop: OuterLoop
-    local_steps: int
-    waiting: Callable[[], ContextManager] = contextlib.nullcontext  # wraps outer rounds and downloads (not compute)
-    host_grads: Optional[HostGradients] = None
-
-    def attach_outer_loop(self, outer_loop: OuterLoop, local_steps: int) -> None:
-        self.outer_loop, self.local_steps, self.steps_in_round = outer_loop, local_steps, 0
-        outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
-        outer_loop.outer.bind([param for group in self.state_averager.optimizer.param_groups
-                               for param in group["params"]])
-
-    def attach_host_gradients(self) -> HostGradients:
-        """Accumulate the model's gradients on the host, in the offloaded optimizer's ``.grad`` (see above)."""
-        if not self.offload_optimizer:
-            raise ValueError("offload_optimizer: host gradients feed the offloaded optimizer, so they need it")
-        masters = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
-        buffers = [torch.zeros(master.shape, dtype=torch.float32) for master in masters]
-        for master, buffer in zip(masters, buffers):
-            master.grad = buffer  # hivemind's local step never zeroes the offloaded optimizer's gradients
-        self.host_grads = HostGradients(self.state_averager.main_parameters, buffers)
-        self._schema_hash = self._compute_schema_hash()  # hivemind checks that the .grad tensors stay these
-        return self.host_grads
-
-    def step(self, closure=None, batch_size: Optional[int] = None, grad_scaler=None):
-        epoch = self.local_epoch
-        if not self.auxiliary:  # before the step: the round it may end includes these samples
-            self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
-            if self.host_grads is not None:
-                self.host_grads.zero_untouched_()  # waits for the copies in flight
-            elif self.offload_optimizer:  # hivemind leaves this to its gradient averager, which local updates lack
-                self.state_averager._load_local_grads_into_optimizer_()
-        result = super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
-        if self.host_grads is not None:
-            self.host_grads.reset()  # the next local step's first gradients overwrite the buffers
-        if not self.auxiliary:
-            if self.local_epoch == epoch:
-                self.steps_in_round += 1
-            self._advance_inner_schedule()
-        return result
-
-    def _advance_inner_schedule(self) -> None:
-        """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""
-        scheduler = self.state_averager.scheduler
-        if scheduler is not None:
-            target = self.local_epoch * self.local_steps + min(self.steps_in_round, self.local_steps - 1)
-            while scheduler._step_count <= target:
-                scheduler.step()
-
-    def _update_global_epoch(self, grad_scaler) -> None:
-        with self.waiting():
-            self._end_round(grad_scaler)
-
-    def _end_round(self, grad_scaler) -> None:
-        with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
-            self.state_averager.step(wait_for_delayed_updates=True)
-            alone = not self.auxiliary and self._trainers_in_swarm() <= 1
-            if not self.auxiliary and not alone:
-                logger.info(f"Epoch {self.local_epoch} ends: all-reducing pseudo-gradients with the swarm")
-            group_size = self.outer_loop.end_round(alone=alone)
-            if self.offload_optimizer:
-                self.state_averager._apply_optimizer_parameters_()
-            if not self.auxiliary:
-                if group_size is None and self.outer_loop.nothing_to_apply:
-                    logger.info("First outer round sent in the background: its step applies when the next one ends")
-                elif group_size is None:
-                    logger.info("Outer round missed: this peer's progress folds into the next round")
-                else:
-                    logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "
-                                f"(round {int(self.outer_loop.outer.steps)})")
-        super()._update_global_epoch(grad_scaler)
-        self.steps_in_round = 0
-        if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round
-            logger.info("This peer's outer state differs from a groupmate's newer one: downloading the swarm's state")
-            self.outer_loop.behind = False
-            self.load_state_from_peers()
-
-    def _trainers_in_swarm(self) -> int:
-        """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the
-        round cannot form, and this peer steps with its own pseudo-gradient instead of folding it forever."""
-        entry = self.dht.get(self.tracker.training_progress_key, latest=True)
-        records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
-        count = 0
-        for record in records.values():
-            value = getattr(record, "value", None)
-            speed = value.get("samples_per_second") if isinstance(value, dict) else None
-            count += isinstance(speed, (int, float)) and speed > 1e-9
-        return count
-
-    def shutdown(self) -> None:
-        if self.host_grads is not None:
-            self.host_grads.remove_hooks()
-        self.outer_loop.forget_pending()
-        self.outer_loop.averager.shutdown()
-        super().shutdown()
-
-    def load_state_from_peers(self, **kwargs: Any) -> None:
-        with self.waiting():
-            self._load_state_from_peers(**kwargs)
-
-    def _load_state_from_peers(self, **kwargs: Any) -> None:
-        super().load_state_from_peers(**kwargs)
-        self.outer_loop.forget_pending()
-        self.outer_loop.outer.reset_parameters()  # restart from the swarm's anchor
-        if self.offload_optimizer:
-            self.state_averager._apply_optimizer_parameters_()
-        self.steps_in_round = 0
 
 
 def wire_bytes_per_parameter(shapes: Sequence[torch.Size], compression: Optional[CompressionBase],

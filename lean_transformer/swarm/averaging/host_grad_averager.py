@@ -27,13 +27,12 @@ the host, in float32. ``host_grads.non_finite()`` says whether a micro-batch sin
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterator, Sequence
 
 import torch
-from hivemind.optim import grad_averager
 
 from lean_transformer.optim.grad_offload import HostGradients
+from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
 
 
@@ -90,12 +89,9 @@ class HostGradientAverager(HostAccumulated, GradientAverager):
     """hivemind's GradientAverager (cancel-safe, same RPC names) with host accumulators fed during backward."""
 
 
-@functools.cache
-def with_host_gradients(averager_class: type[grad_averager.GradientAverager]) -> type[grad_averager.GradientAverager]:
-    """``averager_class`` (e.g. the gated averager of an authorized swarm) with host accumulators."""
-    if issubclass(averager_class, HostAccumulated):
-        return averager_class
-    return type(f"Host{averager_class.__name__}", (HostAccumulated, averager_class), {})
+class HostGatedGradientAverager(HostAccumulated, GatedGradientAverager):
+    """:class:`HostGradientAverager` serving token holders only (``gate=`` is required); hivemind names RPCs after
+    the class, so this one keeps its own name on the wire."""
 
 
 def check_host_gradient_options(offload_optimizer: bool, delay_optimizer_step: bool,

@@ -1,11 +1,15 @@
-"""``hivemind.Optimizer`` built from the collaboration arguments and a task (its param groups, LAMB factory and LR
-schedule), for trainers and, with ``auxiliary=True``, for peers that only help averaging. Its averagers are
-hivemind's, safe to cancel (:mod:`lean_transformer.swarm.hivemind_fixes.averagers`); in an authorized swarm they serve token
-holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
+"""The swarm optimizer: a ``hivemind.Optimizer`` that averages with the run's peers in one of two modes, gradient
+averaging (hivemind's) or DiLoCo's local steps and outer rounds (:mod:`lean_transformer.swarm.averaging.diloco`),
+built from the collaboration arguments and a task (its param groups, LAMB factory and LR schedule) by
+:meth:`SwarmOptimizer.from_settings`, for trainers and, with ``auxiliary=True``, for peers that only help averaging.
+Its averagers are hivemind's, safe to cancel (:mod:`lean_transformer.swarm.hivemind_fixes.averagers`); in an authorized
+swarm they serve token holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
 
 import hivemind
 import torch
@@ -14,19 +18,24 @@ from hivemind.compression import (BlockwiseQuantization, CompressionBase, Compre
                                   SizeAdaptiveCompression, TensorRole, Uniform8BitQuantization)
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.optim import state_averager
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
-from lean_transformer.swarm.auth.keys import load_public_key
-from lean_transformer.swarm.averaging.diloco import NEVER, DiLoCoOptimizer, OuterLoop, OuterNesterov, PseudoGradientAverager
-from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager, with_averagers
-from lean_transformer.swarm.averaging.host_grad_averager import with_host_gradients
+from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
-                                                   publish_access_token)
+                                                        publish_access_token)
+from lean_transformer.swarm.auth.keys import load_public_key
+from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov,
+                                                     PseudoGradientAverager)
+from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
+from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
-                                                 TrainingTask)
+                                                          TrainingTask)
+
+logger = logging.getLogger(__name__)
 
 
 def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> CompressionBase:
@@ -55,97 +64,286 @@ class ParametersOnly(AdaptiveCompressionBase):
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-def build_optimizer(dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
-                    collaboration: CollaborationSettings, training: TrainingSettings, private_key: RSAPrivateKey,
-                    *, auxiliary: bool = False, host_gradients: bool = False,
-                    optimizer_class: type[hivemind.Optimizer] = hivemind.Optimizer) -> hivemind.Optimizer:
-    """Wrap the task's LAMB and LR schedule in a hivemind.Optimizer that averages with the run's peers.
+class SwarmOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` running this project's averagers, in gradient-averaging mode or, given ``diloco``, in
+    DiLoCo mode: each ``step`` is one local inner step (and advances the inner LR schedule by one step), each of
+    hivemind's epochs ends with an outer round of its :class:`~lean_transformer.swarm.averaging.diloco.OuterLoop`.
 
-    ``private_key`` owns the progress records (the same key as the metrics records). With --fp16, gradients are
-    accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those (not with
-    --block_grad_scaling, which unscales every local step: then as --reuse_grad_buffers says).
-    ``optimizer_class`` lets the aux peer use its ``hivemind.Optimizer`` subclass. With --auth_token_path, this peer's
-    token is published first (its averaging partners look it up) and the class gets gated averagers. With
-    ``host_gradients``, the model's gradients leave the device during backward into the gradient averager's host
-    buffers (:mod:`lean_transformer.swarm.averaging.host_grad_averager`; needs ``offload_optimizer``, no delays), or with
-    --local_steps into the offloaded optimizer's (``DiLoCoOptimizer.attach_host_gradients``).
+    What a peer needs of it beyond hivemind's interface is its own, so that no caller reaches into its parts:
+
+    - ``host_grads``: with ``host_gradients`` the model's gradients leave the device during backward into host
+      buffers (:class:`~lean_transformer.optim.grad_offload.HostGradients`; None without): the gradient averager's
+      (:mod:`lean_transformer.swarm.averaging.host_grad_averager`), or in DiLoCo mode the offloaded optimizer's
+      float32 ``.grad``; either way low-precision weights (``--model_dtype``) step through float32 master copies;
+    - ``waiting``: a context manager around outer rounds and state downloads, time that is not compute;
+    - :meth:`cancel_rounds_in_flight`, for a peer that leaves; :meth:`restart_from_anchor`, after its parameters were
+      replaced; :meth:`checkpoint_state` / :meth:`load_checkpoint_state`, what a checkpoint holds besides hivemind's.
+
+    ``gate``: averagers that serve token holders only (authorized swarms). ``averager_opts`` go to every averager
+    (hivemind passes its own to the state averager only). Other arguments are ``hivemind.Optimizer``'s.
     """
-    averager_opts = averager_options(network, collaboration)
-    gradient_averager, state_averager = GradientAverager, TrainingStateAverager
-    if network.auth_token_path is not None:
-        averager_opts["gate"] = open_averaging_gate(dht, network, private_key)
-        gradient_averager, state_averager = GatedGradientAverager, GatedTrainingStateAverager
-    if host_gradients and collaboration.local_steps == 0:
-        gradient_averager = with_host_gradients(gradient_averager)
-    optimizer_class = with_averagers(optimizer_class, gradient_averager, state_averager)
-    params = task.param_groups(model)
-    diloco: dict = {}
-    outer = None
-    if collaboration.local_steps > 0:
-        outer = OuterNesterov([param for group in params for param in group["params"]], lr=collaboration.outer_lr,
-                              momentum=collaboration.outer_momentum)
-        optimizer_class = with_diloco(optimizer_class)
-        diloco = dict(use_local_updates=True, extra_tensors=outer.state_tensors(), average_state_every=NEVER)
-    state_compression = ParametersOnly(make_compression(collaboration.state_compression,
-                                                    collaboration.size_adaptive_threshold))
-    optimizer = optimizer_class(
-        dht=dht,
-        run_id=network.run_id,
-        target_batch_size=collaboration.target_batch_size * max(1, collaboration.local_steps),
-        batch_size_per_step=(None if auxiliary
-                             else training.per_device_batch_size * training.gradient_accumulation_steps),
-        params=params,
-        optimizer=task.optimizer_factory(),
-        scheduler=task.scheduler_factory(),
-        matchmaking_time=collaboration.matchmaking_time,
-        averaging_timeout=collaboration.averaging_timeout,
-        next_chunk_timeout=collaboration.next_chunk_timeout,
-        load_state_timeout=collaboration.load_state_timeout,
-        average_state_every=diloco.pop("average_state_every", collaboration.average_state_every),
-        offload_optimizer=collaboration.offload_optimizer,
-        delay_optimizer_step=collaboration.delay_optimizer_step,
-        delay_grad_averaging=collaboration.delay_grad_averaging,
-        reuse_grad_buffers=collaboration.reuse_grad_buffers or (training.fp16 and not training.block_grad_scaling),
-        client_mode=network.client_mode,
-        auxiliary=auxiliary,
-        grad_compression=make_compression(collaboration.grad_compression, collaboration.size_adaptive_threshold),
-        state_averaging_compression=state_compression,
-        load_state_compression=state_compression,
-        averager_opts=averager_opts,
-        tracker_opts=dict(private_key=private_key),
-        verbose=True,
-        **diloco,
-    )
-    if outer is not None:
-        averager = build_outer_averager(dht, network, collaboration, outer, averager_opts, auxiliary=auxiliary)
-        optimizer.attach_outer_loop(OuterLoop(outer, averager, overlap=collaboration.outer_overlap),
-                                    collaboration.local_steps)
+
+    def __init__(self, *, params: list[dict], averager_opts: Optional[dict] = None,
+                 gate: Optional[AveragingGate] = None, host_gradients: bool = False,
+                 diloco: Optional[DiLoCoSettings] = None,
+                 waiting: Callable[[], ContextManager] = contextlib.nullcontext, **kwargs: Any):
+        averager_opts = dict(averager_opts or {}, **({} if gate is None else dict(gate=gate)))
+        self.waiting = waiting
+        self.host_grads: Optional[HostGradients] = None
+        self.outer_loop: Optional[OuterLoop] = None
+        self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
+        outer = None
+        if diloco is None:
+            averager_class = gradient_averager_class(gate is not None, host_gradients)
+            kwargs["grad_averager_factory"] = functools.partial(averager_class, **averager_opts)
+        else:
+            outer = OuterNesterov([param for group in params for param in group["params"]], lr=diloco.outer_lr,
+                                  momentum=diloco.outer_momentum)
+            kwargs.update(use_local_updates=True, extra_tensors=outer.state_tensors(), average_state_every=NEVER)
+        super().__init__(params=params, averager_opts=averager_opts, **kwargs)
+        if diloco is None:
+            if host_gradients:
+                self.host_grads = self.grad_averager.host_grads
+            return
+        averager = PseudoGradientAverager(
+            self.dht, f"{self.run_id}_outer", [anchor.shape for anchor in outer.anchor],
+            matchmaking_time=self.matchmaking_time, allreduce_timeout=self.averaging_timeout,
+            compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
+            auxiliary=self.auxiliary, **averager_opts)
+        self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap)
+        self.local_steps, self.steps_in_round = diloco.local_steps, 0
+        self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
+        outer.bind(self._offloaded_parameters())
         if host_gradients:
-            optimizer.attach_host_gradients()
-    return optimizer
+            self.host_grads = self._host_gradients_into_offloaded_optimizer()
+
+    @classmethod
+    def from_settings(cls, dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
+                      collaboration: CollaborationSettings, training: TrainingSettings, private_key: RSAPrivateKey,
+                      *, auxiliary: bool = False, host_gradients: bool = False,
+                      waiting: Callable[[], ContextManager] = contextlib.nullcontext) -> SwarmOptimizer:
+        """Wrap the task's LAMB and LR schedule in an optimizer that averages with the run's peers.
+
+        ``private_key`` owns the progress records (the same key as the metrics records). With --fp16, gradients are
+        accumulated in the model's .grad buffers, because hivemind's GradScaler unscales exactly those (not with
+        --block_grad_scaling, which unscales every local step: then as --reuse_grad_buffers says). With
+        --auth_token_path, this peer's token is published first (its averaging partners look it up) and the
+        averagers are gated. ``host_gradients`` needs ``offload_optimizer`` and no delays (see ``host_grads``).
+        """
+        gate = open_averaging_gate(dht, network, private_key) if network.auth_token_path is not None else None
+        diloco = None
+        if collaboration.local_steps > 0:
+            topk = collaboration.outer_compression == "topk"
+            diloco = DiLoCoSettings(
+                collaboration.local_steps, collaboration.outer_lr, collaboration.outer_momentum,
+                collaboration.outer_overlap,
+                NoCompression() if topk else make_compression(collaboration.outer_compression,
+                                                              collaboration.size_adaptive_threshold),
+                collaboration.outer_topk_fraction if topk else None)
+        state_compression = ParametersOnly(make_compression(collaboration.state_compression,
+                                                            collaboration.size_adaptive_threshold))
+        return cls(
+            dht=dht,
+            run_id=network.run_id,
+            target_batch_size=collaboration.target_batch_size * max(1, collaboration.local_steps),
+            batch_size_per_step=(None if auxiliary
+                                 else training.per_device_batch_size * training.gradient_accumulation_steps),
+            params=task.param_groups(model),
+            optimizer=task.optimizer_factory(),
+            scheduler=task.scheduler_factory(),
+            matchmaking_time=collaboration.matchmaking_time,
+            averaging_timeout=collaboration.averaging_timeout,
+            next_chunk_timeout=collaboration.next_chunk_timeout,
+            load_state_timeout=collaboration.load_state_timeout,
+            average_state_every=collaboration.average_state_every,
+            offload_optimizer=collaboration.offload_optimizer,
+            delay_optimizer_step=collaboration.delay_optimizer_step,
+            delay_grad_averaging=collaboration.delay_grad_averaging,
+            reuse_grad_buffers=collaboration.reuse_grad_buffers or (training.fp16 and not training.block_grad_scaling),
+            client_mode=network.client_mode,
+            auxiliary=auxiliary,
+            grad_compression=make_compression(collaboration.grad_compression, collaboration.size_adaptive_threshold),
+            state_averaging_compression=state_compression,
+            load_state_compression=state_compression,
+            averager_opts=averager_options(network, collaboration),
+            tracker_opts=dict(private_key=private_key),
+            verbose=True,
+            gate=gate,
+            host_gradients=host_gradients,
+            diloco=diloco,
+            waiting=waiting,
+        )
+
+    def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:
+        # hivemind 1.1.12's own arguments (pinned in pyproject.toml): it offers no factory for this averager
+        return self._state_averager_class(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    def _offloaded_parameters(self) -> list[torch.Tensor]:
+        return [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+
+    def _host_gradients_into_offloaded_optimizer(self) -> HostGradients:
+        """DiLoCo mode's host gradients: accumulated in the offloaded optimizer's ``.grad``."""
+        if not self.offload_optimizer:
+            raise ValueError("offload_optimizer: host gradients feed the offloaded optimizer, so they need it")
+        masters = self._offloaded_parameters()
+        buffers = [torch.zeros(master.shape, dtype=torch.float32) for master in masters]
+        for master, buffer in zip(masters, buffers):
+            master.grad = buffer  # hivemind's local step never zeroes the offloaded optimizer's gradients
+        host_grads = HostGradients(self.state_averager.main_parameters, buffers)
+        self._schema_hash = self._compute_schema_hash()  # hivemind checks that the .grad tensors stay these
+        return host_grads
+
+    def step(self, closure: Optional[Callable] = None, batch_size: Optional[int] = None,
+             grad_scaler: Optional[hivemind.GradScaler] = None) -> Any:
+        if self.outer_loop is None:
+            return super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        epoch = self.local_epoch
+        if not self.auxiliary:  # before the step: the round it may end includes these samples
+            self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
+            if self.host_grads is not None:
+                self.host_grads.zero_untouched_()  # waits for the copies in flight
+            elif self.offload_optimizer:  # hivemind leaves this to its gradient averager, which local updates lack
+                self.state_averager._load_local_grads_into_optimizer_()
+        result = super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
+        if self.host_grads is not None:
+            self.host_grads.reset()  # the next local step's first gradients overwrite the buffers
+        if not self.auxiliary:
+            if self.local_epoch == epoch:
+                self.steps_in_round += 1
+            self._advance_inner_schedule()
+        return result
+
+    def _advance_inner_schedule(self) -> None:
+        """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""
+        scheduler = self.state_averager.scheduler
+        if scheduler is not None:
+            target = self.local_epoch * self.local_steps + min(self.steps_in_round, self.local_steps - 1)
+            while scheduler._step_count <= target:
+                scheduler.step()
+
+    def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+        if self.outer_loop is None:
+            self._advance_epoch(grad_scaler)
+            return
+        with self.waiting():
+            self._end_outer_round()
+            self._advance_epoch(grad_scaler)
+            self.steps_in_round = 0
+            if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round
+                logger.info("This peer's outer state differs from a groupmate's newer one: downloading the swarm's "
+                            "state")
+                self.outer_loop.behind = False
+                self.load_state_from_peers()
+
+    def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+        """hivemind's epoch update (in DiLoCo mode after the outer round)."""
+        super()._update_global_epoch(grad_scaler)
+
+    def _end_outer_round(self) -> None:
+        with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
+            self.state_averager.step(wait_for_delayed_updates=True)
+            alone = not self.auxiliary and self._trainers_in_swarm() <= 1
+            if not self.auxiliary and not alone:
+                logger.info(f"Epoch {self.local_epoch} ends: all-reducing pseudo-gradients with the swarm")
+            group_size = self.outer_loop.end_round(alone=alone)
+            if self.offload_optimizer:
+                self.state_averager._apply_optimizer_parameters_()
+            if not self.auxiliary:
+                if group_size is None and self.outer_loop.nothing_to_apply:
+                    logger.info("First outer round sent in the background: its step applies when the next one ends")
+                elif group_size is None:
+                    logger.info("Outer round missed: this peer's progress folds into the next round")
+                else:
+                    logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "
+                                f"(round {int(self.outer_loop.outer.steps)})")
+
+    def _trainers_in_swarm(self) -> int:
+        """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the
+        round cannot form, and this peer steps with its own pseudo-gradient instead of folding it forever."""
+        entry = self.dht.get(self.tracker.training_progress_key, latest=True)
+        records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+        count = 0
+        for record in records.values():
+            value = getattr(record, "value", None)
+            speed = value.get("samples_per_second") if isinstance(value, dict) else None
+            count += isinstance(speed, (int, float)) and speed > 1e-9
+        return count
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        with self.waiting():
+            super().load_state_from_peers(**kwargs)
+            if self.outer_loop is not None:
+                self.restart_from_anchor()
+                self.steps_in_round = 0
+
+    def restart_from_anchor(self) -> None:
+        """In DiLoCo mode, after the outer state was replaced (downloaded from the swarm, or read from a checkpoint):
+        drop the round in flight and restart the parameters, the offloaded optimizer's too, from the anchor (a
+        serving peer's parameters are its own drift). Nothing to do in gradient-averaging mode."""
+        if self.outer_loop is None:
+            return
+        self.outer_loop.forget_pending()
+        self.outer_loop.outer.reset_parameters()
+        if self.offload_optimizer:
+            self.state_averager._apply_optimizer_parameters_()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the inner optimizer, the schedule and the epoch: in DiLoCo mode ``outer``,
+        the anchor, the outer momentum and the outer step count."""
+        return {} if self.outer_loop is None else dict(outer=self.outer_loop.outer.state_tensors())
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Load :meth:`checkpoint_state` from ``state`` and restart from its anchor (in DiLoCo mode; a checkpoint of
+        gradient-averaging mode has none, then the anchor is its weights). Raises ValueError if it does not fit."""
+        if self.outer_loop is None:
+            return
+        outer = self.outer_loop.outer
+        outer.load_state_tensors(state.get("outer") or
+                                 [param.detach().float() for param in outer.parameters] +
+                                 [torch.zeros_like(momentum) for momentum in outer.momenta] +
+                                 [torch.zeros_like(outer.steps)])
+        self.restart_from_anchor()
+
+    def cancel_rounds_in_flight(self) -> None:
+        """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group
+        that may never assemble); hivemind then goes on with local gradients."""
+        for attribute in ("scheduled_grads", "scheduled_state"):
+            control = getattr(self, attribute)
+            if control is not None and not control.done():
+                logger.info("Leaving: cancelling the averaging round in flight")
+                control.cancel()
+                setattr(self, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError
+
+    def shutdown(self) -> None:
+        if self.outer_loop is not None:
+            if self.host_grads is not None:
+                self.host_grads.remove_hooks()
+            self.outer_loop.forget_pending()
+            self.outer_loop.averager.shutdown()
+        super().shutdown()
 
 
-@functools.cache
-def with_diloco(optimizer_class: type[hivemind.Optimizer]) -> type[hivemind.Optimizer]:
-    """``optimizer_class`` running DiLoCo's outer loop (:class:`lean_transformer.swarm.averaging.diloco.DiLoCoOptimizer`)."""
-    return type(optimizer_class.__name__, (DiLoCoOptimizer, optimizer_class), {})
-
-
-def build_outer_averager(dht: hivemind.DHT, network: NetworkSettings, collaboration: CollaborationSettings,
-                         outer: OuterNesterov, averager_opts: dict, *, auxiliary: bool) -> PseudoGradientAverager:
-    """The pseudo-gradient all-reduce of ``--local_steps`` mode: ``--outer_compression`` (a hivemind codec, or top-k
-    with error feedback), the averaging gate of an authorized swarm, aux peers joining without a pseudo-gradient."""
-    shapes = [anchor.shape for anchor in outer.anchor]
-    topk_fraction, compression = None, NoCompression()
-    if collaboration.outer_compression == "topk":
-        topk_fraction = collaboration.outer_topk_fraction
-    else:
-        compression = make_compression(collaboration.outer_compression, collaboration.size_adaptive_threshold)
-    return PseudoGradientAverager(dht, f"{network.run_id}_outer", shapes,
-                                  matchmaking_time=collaboration.matchmaking_time,
-                                  allreduce_timeout=collaboration.averaging_timeout, compression=compression,
-                                  topk_fraction=topk_fraction, client_mode=network.client_mode, auxiliary=auxiliary,
-                                  **averager_opts)
+def gradient_averager_class(gated: bool, host_gradients: bool) -> type[GradientAverager]:
+    """The gradient averager: serving token holders only (``gated``), accumulating on the host (``host_gradients``).
+    hivemind names an averager's RPCs after its class, so each combination is a class of its own."""
+    if host_gradients:
+        return HostGatedGradientAverager if gated else HostGradientAverager
+    return GatedGradientAverager if gated else GradientAverager
 
 
 def open_averaging_gate(dht: hivemind.DHT, network: NetworkSettings, private_key: RSAPrivateKey) -> AveragingGate:

@@ -7,10 +7,12 @@ that the swarm code uses explicitly.
   (``test_compat_fix_is_needed_and_installed`` and the 8-bit round trips). Drop when hivemind reads its headers as
   scalars (not fixed in 1.1.12) or NumPy < 2.4 is pinned.
 - :mod:`.averagers`: a cancelled averaging round can (a) be garbage-collected half-way and leave the peer out of
-  every later round, and (b) average anyway with weight 1 and stale buffers; hivemind also passes ``averager_opts``
-  to the state averager only. Reproduced deterministically by ``tests/test_averagers.py`` against hivemind's own
-  averagers. Drop when hivemind keeps its cancelled matchmaking tasks referenced and marks a step cancelled before
-  signalling its averager, and forwards ``averager_opts`` to both averagers.
+  every later round, and (b) average anyway with weight 1 and stale buffers. Reproduced deterministically by
+  ``tests/test_averagers.py`` against hivemind's own averagers. Drop when hivemind keeps its cancelled matchmaking
+  tasks referenced and marks a step cancelled before signalling its averager.
+- Averager options (in :class:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer`): hivemind passes
+  ``averager_opts`` to the state averager only; the swarm optimizer gives them to its gradient averager too. Drop
+  when hivemind forwards them to both averagers.
 - :mod:`.state_download`: a state download cut short passes for a whole one (then ``IndexError`` kills the
   receiver), metadata leaks from one peer to the next, served states can tear while the server steps, and nothing
   is validated, so a misfitting state makes a newcomer retry forever. Reproduced by ``tests/test_state_download.py``.
@@ -27,12 +29,14 @@ that the swarm code uses explicitly.
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
   Drop when hivemind bounds its matchmaking requests by the window itself.
-- Local updates with an offloaded optimizer (in :class:`lean_transformer.swarm.averaging.diloco.DiLoCoOptimizer`): with
-  ``use_local_updates=True`` hivemind never copies the model's gradients into its offloaded optimizer (it leaves that
-  to a gradient averager, which this mode has none of), so every local step would apply zero gradients; the DiLoCo
-  optimizer copies them before each local step. Covered by ``tests/test_diloco_swarm.py`` (the loss falls). Drop when
+- Local updates with an offloaded optimizer (in DiLoCo mode's
+  :meth:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer.step`): with ``use_local_updates=True`` hivemind
+  never copies the model's gradients into its offloaded optimizer (it leaves that to a gradient averager, which this
+  mode has none of), so every local step would apply zero gradients; the swarm optimizer copies them before each
+  local step. Covered by ``tests/test_diloco_swarm.py`` (the loss falls). Drop when
   hivemind loads local gradients itself in that mode.
-- Leaving during a round (in :func:`lean_transformer.swarm.peers.trainer.cancel_averaging_in_flight`): hivemind's
+- Leaving during a round (in
+  :meth:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer.cancel_rounds_in_flight`): hivemind's
   ``Optimizer.shutdown`` cancels the pre-scheduled round again and raises ``InvalidStateError`` if we cancelled it
   first; we forget it after cancelling. Covered by the SIGTERM tests (``tests/test_trainer_swarm.py``).
 """

@@ -1,5 +1,4 @@
-"""hivemind's averagers with fixes for two bugs of a cancelled averaging round, and the ``hivemind.Optimizer``
-(sub)classes that run them.
+"""hivemind's averagers with fixes for two bugs of a cancelled averaging round.
 
 hivemind.Optimizer cancels a pre-scheduled gradient-averaging round whenever it then finds itself alone, so rounds
 are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 that can go wrong in two ways:
@@ -20,8 +19,7 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
 
 :class:`CancelSafe` does both.
 
-``tests/test_averagers.py`` reproduces both against hivemind's own classes. Both averagers also take the run's
-``averager_opts`` (hivemind passes them to the state averager only).
+``tests/test_averagers.py`` reproduces both against hivemind's own classes.
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ from concurrent.futures import InvalidStateError
 from contextvars import ContextVar
 from typing import Any, Coroutine, Optional, Sequence, Set
 
-import hivemind
 import torch
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -111,44 +108,3 @@ class TrainingStateAverager(CancelSafe, AnswersDelivered, ValidatedStateSharing,
     """hivemind's TrainingStateAverager (same RPC names), safe to cancel, its answers delivered
     (:mod:`.stream_answers`), sharing consistent states and loading only states that fit (:mod:`.state_download`)."""
 
-
-class _OwnAveragers:
-    """Mixed in front of a ``hivemind.Optimizer`` class: it builds its averagers from the class attributes below,
-    each with the optimizer's ``averager_opts``."""
-
-    gradient_averager_class: type[grad_averager.GradientAverager] = GradientAverager
-    state_averager_class: type[state_averager.TrainingStateAverager] = TrainingStateAverager
-
-    def __init__(self, *args: Any, averager_opts: dict | None = None, **kwargs: Any):
-        factory = None if kwargs.get("use_local_updates") else functools.partial(self.gradient_averager_class,
-                                                                                 **averager_opts or {})
-        super().__init__(*args, grad_averager_factory=factory, averager_opts=averager_opts, **kwargs)
-
-    def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:
-        # hivemind 1.1.12's own arguments (pinned in pyproject.toml): it offers no factory for this averager
-        return self.state_averager_class(
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            start=True,
-            **kwargs,
-        )
-
-
-@functools.cache
-def with_averagers(optimizer_class: type[hivemind.Optimizer],
-                   gradient_averager_class: type[grad_averager.GradientAverager] = GradientAverager,
-                   state_averager_class: type[state_averager.TrainingStateAverager] = TrainingStateAverager,
-                   ) -> type[hivemind.Optimizer]:
-    """``optimizer_class`` (``hivemind.Optimizer`` or a subclass) running the given averager classes; both receive
-    its ``averager_opts``."""
-    return type(optimizer_class.__name__, (_OwnAveragers, optimizer_class),
-                dict(gradient_averager_class=gradient_averager_class, state_averager_class=state_averager_class))

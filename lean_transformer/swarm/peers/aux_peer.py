@@ -22,14 +22,14 @@ from transformers import PreTrainedModel
 from lean_transformer.swarm.monitoring.aggregation import EpochCollector, SwarmStats
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
-from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
 from lean_transformer.swarm.storage.hub import HubUploader, resolve_checkpoint
-from lean_transformer.swarm.protocol.metrics import fetch_metrics, make_validators
-from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.protocol.metrics import fetch_metrics
+from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from lean_transformer.swarm.monitoring.plot import redraw_plot
 from lean_transformer.swarm.monitoring.run_history import RunHistory
 from lean_transformer.swarm.peers.shutdown import GracefulShutdown
+from lean_transformer.swarm.peers.swarm_peer import SwarmPeer
 from lean_transformer.swarm.storage.training_state import load_training_state, save_training_state
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class AuxiliaryOptimizer(hivemind.Optimizer):
-    """A ``hivemind.Optimizer`` whose parameters are a snapshot of the swarm's state (downloaded from peers or read
+class AuxiliaryOptimizer(SwarmOptimizer):
+    """A swarm optimizer whose parameters are a snapshot of the swarm's state (downloaded from peers or read
     from a checkpoint) that its own steps never update.
 
     It shares the snapshot with newcomers only while the snapshot is current. hivemind advances an auxiliary peer's
@@ -48,9 +48,9 @@ class AuxiliaryOptimizer(hivemind.Optimizer):
     stops right before this peer's first epoch transition after a snapshot.
     """
 
-    def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+    def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         self.state_averager.allow_state_sharing = False
-        super()._update_global_epoch(grad_scaler)
+        super()._advance_epoch(grad_scaler)
 
     def share_snapshot(self) -> None:
         """Offer the current parameters to newcomers, ranked by their epoch (trainers that are further along win)."""
@@ -84,11 +84,7 @@ class AuxiliaryOptimizer(hivemind.Optimizer):
             averager.allow_state_sharing = was_sharing
             yield None
             return
-        outer_loop = getattr(self, "outer_loop", None)
-        if outer_loop is not None:  # DiLoCo: the swarm's parameters are the anchor, not the serving peer's drift
-            outer_loop.outer.reset_parameters()
-            if self.offload_optimizer:
-                averager._apply_optimizer_parameters_()
+        self.restart_from_anchor()  # DiLoCo: the swarm's parameters are the anchor, not the serving peer's drift
         try:
             yield loaded_epoch
         finally:
@@ -241,32 +237,17 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
     evaluates = aux.eval_batches > 0 and aux.checkpoint_every_epochs > 0
     validation_batches = task.validation_batches(aux.eval_batches) if evaluates else []
 
-    private_key = peer_private_key(network)
-    validators = make_validators(network.run_id, private_key)
-    dht = build_dht(network, validators)
-    agreement = None
-    try:
-        agreement = SwarmAgreement(dht, network.run_id, validators[0].local_public_key, swarm_settings).start()
+    with SwarmPeer(network, swarm_settings) as peer:
         model = task.build_model()
-        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
-                                    auxiliary=not network.client_mode, optimizer_class=AuxiliaryOptimizer)
+        optimizer = peer.start_optimizer(AuxiliaryOptimizer, model, task, collaboration, training,
+                                         auxiliary=not network.client_mode)
         optimizer.tracker.status_loglevel = logging.DEBUG  # its progress lines would repeat every half second
-        try:
-            if checkpoint is not None:
-                epoch = load_training_state(checkpoint, model, optimizer)
-                optimizer.share_snapshot()
-                logger.info(f"Seeding the swarm with {checkpoint} (epoch {epoch}): trainers that join continue "
-                            f"from it")
-            if not network.client_mode:  # printed once ready, so trainers started on this line find the state
-                print(initial_peers_line(dht), flush=True)
-            AuxPeer(dht, model, optimizer, network, aux, run_config or {}, shutdown, agreement,
-                    save_tokenizer=lambda directory: task.save_tokenizer(str(directory)),
-                    validation_batches=validation_batches).run()
-        finally:
-            logger.info("Leaving the swarm")
-            optimizer.shutdown()
-    finally:
-        if agreement is not None:
-            agreement.stop()
-        dht.shutdown()
+        if checkpoint is not None:
+            epoch = load_training_state(checkpoint, model, optimizer)
+            optimizer.share_snapshot()
+            logger.info(f"Seeding the swarm with {checkpoint} (epoch {epoch}): trainers that join continue from it")
+        peer.print_initial_peers()  # printed once ready, so trainers started on this line find the state
+        AuxPeer(peer.dht, model, optimizer, network, aux, run_config or {}, shutdown, peer.agreement,
+                save_tokenizer=lambda directory: task.save_tokenizer(str(directory)),
+                validation_batches=validation_batches).run()
     logger.info("Shut down cleanly")

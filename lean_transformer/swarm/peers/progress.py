@@ -26,7 +26,8 @@ class ProgressLine:
     ``count_tokens`` after each micro-batch feeds its tokens/s and sample count, and the training loop wraps its
     forward, backward and inner optimizer steps in ``computing()`` (time inside ``waiting()`` within it, e.g. an
     outer all-reduce inside a DiLoCo step, is not compute) and reports the losses of the micro-batches it trains on
-    with ``count_losses``. Wall time counts from construction."""
+    with ``count_losses``. Wall time counts from construction, or from ``start_clock()`` (a trainer builds this line
+    before its optimizer, whose outer rounds and downloads wait in ``waiting()``, and starts it with the loop)."""
 
     def __init__(self, every_seconds: float, device: Optional[torch.device] = None):
         self.every_seconds, self.device = every_seconds, device
@@ -35,6 +36,9 @@ class ProgressLine:
         self.compute_seconds = 0.0
         self.loss_sum, self.losses = 0.0, 0
         self._computing_since: Optional[float] = None  # inside computing() and not inside waiting()
+
+    def start_clock(self) -> None:
+        self.last_report = self.started = time.monotonic()
 
     def count_tokens(self, tokens: int, samples: int = 0) -> None:
         self.tokens += tokens

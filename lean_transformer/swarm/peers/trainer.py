@@ -24,13 +24,14 @@ from lean_transformer.optim.loss_scale import DynamicLossScale
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.peers.backups import LocalBackups
 from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
-from lean_transformer.swarm.protocol.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.protocol.dht import derive_peer_seed
 from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.storage.hub import resolve_checkpoint
-from lean_transformer.swarm.protocol.metrics import LocalMetrics, make_validators, publish_metrics
-from lean_transformer.swarm.averaging.optimizer import build_optimizer
+from lean_transformer.swarm.protocol.metrics import LocalMetrics, publish_metrics
+from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from lean_transformer.swarm.peers.progress import ProgressLine
 from lean_transformer.swarm.peers.shutdown import GracefulShutdown
+from lean_transformer.swarm.peers.swarm_peer import SwarmPeer
 from lean_transformer.swarm.storage.training_state import load_training_state
 
 if TYPE_CHECKING:
@@ -91,38 +92,25 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     if training.resume_from is not None:
         checkpoint = resolve_checkpoint(training.resume_from, Path(training.output_dir) / "downloaded")
 
-    private_key = peer_private_key(network)
-    signature_validator, metrics_validator = make_validators(network.run_id, private_key)
-    dht = build_dht(network, [signature_validator, metrics_validator])
-    agreement = None
-    try:
-        agreement = SwarmAgreement(dht, network.run_id, signature_validator.local_public_key, swarm_settings).start()
-        if not network.client_mode:
-            print(initial_peers_line(dht), flush=True)
+    with SwarmPeer(network, swarm_settings) as peer:
+        peer.print_initial_peers()
         model = task.build_model().to(device, dtype)  # hivemind keeps float32 master weights on the host
         model.set_optimizations(gradient_checkpointing=training.checkpointing_option(),
                                 checkpoint_attention_core=training.checkpoint_attention_core,
                                 backward_chunks=training.backward_chunks, ffn_custom_grad=training.ffn_custom_grad,
                                 preserve_rng_state=training.preserve_rng_state)
         block_scaling = make_block_scaling(model) if training.block_grad_scaling else None
-        optimizer = build_optimizer(dht, model, task, network, collaboration, training, private_key,
-                                    host_gradients=host_gradients)
-        shutdown.on_overdue = lambda: cancel_averaging_in_flight(optimizer)
-        try:
-            join_swarm(model, optimizer, checkpoint)
-            training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
-                          network, collaboration, training, agreement, block_scaling)
-        finally:
-            logger.info("Leaving the swarm")
-            optimizer.shutdown()
-    finally:
-        if agreement is not None:
-            agreement.stop()
-        dht.shutdown()
+        progress = ProgressLine(training.progress_every, device)
+        optimizer = peer.start_optimizer(SwarmOptimizer, model, task, collaboration, training,
+                                         host_gradients=host_gradients, waiting=progress.waiting)
+        shutdown.on_overdue = optimizer.cancel_rounds_in_flight
+        join_swarm(model, optimizer, checkpoint)
+        training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network, collaboration,
+                      training, peer.agreement, progress, block_scaling)
     logger.info("Shut down cleanly")
 
 
-def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint: Optional[Path]) -> None:
+def join_swarm(model: PreTrainedModel, optimizer: SwarmOptimizer, checkpoint: Optional[Path]) -> None:
     """Load the local checkpoint (if any), then the swarm's state; hivemind refuses a state older than ours, so the
     newer of the two wins."""
     if checkpoint is not None:
@@ -132,15 +120,15 @@ def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint
     logger.info(f"Joined the swarm at epoch {optimizer.local_epoch}")
 
 
-def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
+def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOptimizer, dht: hivemind.DHT,
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
                   collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
-                  block_scaling: Optional[SwarmBlockScaling] = None) -> None:
+                  progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None) -> None:
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
     # host gradients (see offload_gradients) are unscaled on the host, hivemind's GradScaler only unscales .grad
-    host_grads = getattr(optimizer.grad_averager, "host_grads", None) or getattr(optimizer, "host_grads", None)
+    host_grads = optimizer.host_grads
     float16 = training.fp16 or next(model.parameters()).dtype == torch.float16
     loss_scale = DynamicLossScale() if float16 and host_grads is not None else None
     global_scale = training.fp16 and host_grads is None and block_scaling is None
@@ -149,9 +137,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
     accumulation, batch_size = training.gradient_accumulation_steps, training.per_device_batch_size
     backups = LocalBackups(Path(training.output_dir) / "backups", training.backup_every_epochs, training.keep_backups,
                            save_tokenizer=lambda directory: task.save_tokenizer(str(directory)))
-    progress = ProgressLine(training.progress_every, device)
-    if collaboration.local_steps:
-        optimizer.waiting = progress.waiting  # outer rounds and state downloads are not compute
+    progress.start_clock()  # the optimizer's outer rounds and state downloads wait in progress.waiting()
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     warned_short_epochs = False
@@ -206,7 +192,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
 
         # report the samples to the swarm; this averages and steps when the swarm has reached the target batch. In
         # DiLoCo mode it is a local inner step (compute), the outer round inside it is not (the optimizer waits in
-        # progress.waiting(), see below)
+        # progress.waiting())
         with progress.computing() if collaboration.local_steps else nullcontext():
             optimizer.step(batch_size=batch_size * accumulation, grad_scaler=scaler)  # fp16 overflow: hivemind drops it
         if scaler is not None:
@@ -321,7 +307,7 @@ def gradients_are_finite(model: torch.nn.Module) -> bool:
     return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
 
 
-def discard_local_gradients(optimizer: hivemind.Optimizer, reuse_grad_buffers: bool) -> None:
+def discard_local_gradients(optimizer: SwarmOptimizer, reuse_grad_buffers: bool) -> None:
     """Forget the gradients of the current local step. When the .grad buffers are hivemind's accumulators, they also
     hold this epoch's earlier steps, which are lost too (and withdrawn from the swarm's count)."""
     if reuse_grad_buffers:
@@ -329,16 +315,6 @@ def discard_local_gradients(optimizer: hivemind.Optimizer, reuse_grad_buffers: b
         optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
     else:
         optimizer.zero_grad()
-        if getattr(optimizer, "host_grads", None) is not None:  # DiLoCo's host gradients: the next ones overwrite
+        if optimizer.host_grads is not None:  # DiLoCo's host gradients: the next ones overwrite
             optimizer.host_grads.reset()
 
-
-def cancel_averaging_in_flight(optimizer: hivemind.Optimizer) -> None:
-    """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group that
-    may never assemble); hivemind then goes on with local gradients."""
-    for attribute in ("scheduled_grads", "scheduled_state"):
-        control = getattr(optimizer, attribute)
-        if control is not None and not control.done():
-            logger.info("Leaving: cancelling the averaging round in flight")
-            control.cancel()
-            setattr(optimizer, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError

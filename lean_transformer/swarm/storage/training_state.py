@@ -1,8 +1,9 @@
-"""What a checkpoint of a swarm peer holds, and how it goes back into a running model and ``hivemind.Optimizer``.
+"""What a checkpoint of a swarm peer holds, and how it goes back into a running model and swarm optimizer.
 
 A checkpoint directory has the model in ``save_pretrained`` format (safetensors; loadable on its own with
 ``from_pretrained``) and ``training_state.pt`` with the optimizer's state (LAMB statistics), the LR scheduler's state
-and the epoch (in DiLoCo mode also the outer state: anchor and outer momentum). Writing it atomically is the job of
+and the epoch, plus the optimizer's own ``checkpoint_state()`` (in DiLoCo mode the outer state: anchor and outer
+momentum). Writing it atomically is the job of
 ``CheckpointDir`` (fill a temporary directory, then rename).
 """
 from __future__ import annotations
@@ -10,17 +11,19 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import hivemind
 import torch
 from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 
 TRAINING_STATE_FILE = "training_state.pt"
 _EPOCH_IN_NAME = re.compile(r"(\d+)$")
 
 
-def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: hivemind.Optimizer,
+def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: SwarmOptimizer,
                         wait_for_averaging: bool = False) -> None:
     """Write the model and the optimizer/scheduler/epoch state into ``directory`` (which should be fresh).
 
@@ -33,10 +36,9 @@ def save_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
     averager.step(wait_for_delayed_updates=wait_for_averaging)
     with averager.lock_optimizer:  # a delayed optimizer step (--delay_optimizer_step) may be running meanwhile
         model.save_pretrained(directory, safe_serialization=True)
-        outer_loop = getattr(optimizer, "outer_loop", None)  # DiLoCo: the anchor and the outer momentum
         torch.save(dict(epoch=optimizer.local_epoch, optimizer=averager.optimizer.state_dict(),
                         scheduler=averager.scheduler.state_dict() if averager.scheduler is not None else None,
-                        **({} if outer_loop is None else dict(outer=outer_loop.outer.state_tensors()))),
+                        **optimizer.checkpoint_state()),
                    directory / TRAINING_STATE_FILE)
 
 
@@ -46,7 +48,7 @@ def read_epoch(directory: os.PathLike) -> int:
 
 
 @torch.no_grad()
-def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: hivemind.Optimizer) -> int:
+def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimizer: SwarmOptimizer) -> int:
     """Load a checkpoint into a running model and optimizer (including the optimizer's offloaded copy of the
     parameters, which is what newcomers download and what the next optimizer step starts from); returns its epoch.
 
@@ -72,19 +74,10 @@ def load_training_state(directory: os.PathLike, model: PreTrainedModel, optimize
             averager.scheduler.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError) as e:
         raise ValueError(f"{directory}: optimizer state does not fit this optimizer ({e})") from None
-    outer_loop = getattr(optimizer, "outer_loop", None)
-    if outer_loop is not None:  # DiLoCo: restart from the checkpoint's anchor (a sync-mode one: from its weights)
-        outer = outer_loop.outer
-        try:
-            outer.load_state_tensors(state.get("outer") or
-                                     [param.detach().float() for param in outer.parameters] +
-                                     [torch.zeros_like(momentum) for momentum in outer.momenta] +
-                                     [torch.zeros_like(outer.steps)])
-        except ValueError as e:
-            raise ValueError(f"{directory}: outer state does not fit this model ({e})") from None
-        outer_loop.forget_pending()
-        if averager.offload_optimizer:
-            averager._apply_optimizer_parameters_()
+    try:
+        optimizer.load_checkpoint_state(state)  # DiLoCo: restart from the checkpoint's anchor
+    except ValueError as e:
+        raise ValueError(f"{directory}: outer state does not fit this model ({e})") from None
     averager.local_epoch = int(state["epoch"])
     if optimizer.grad_averager is not None:
         optimizer.grad_averager.reset_accumulated_grads_()  # gradients computed with the old parameters
