@@ -170,3 +170,23 @@ def main(variant: str, case: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def test_averagers_of_one_protocol_share_their_rpc_names():
+    """hivemind names RPCs after the averager's class: host-gradient averagers must answer to the plain ones' names
+    (and the gated ones to the gated names), or a GPU trainer and a CPU trainer never average together."""
+    from hivemind.optim.grad_averager import GradientAverager as HivemindGradientAverager
+
+    from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
+    from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
+    from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
+
+    def names(cls) -> set:
+        cls._collect_rpc_handlers()
+        return {cls._get_handle_name("run", handler.method_name) for handler in cls._rpc_handlers}
+
+    plain = names(HivemindGradientAverager)
+    assert "run::GradientAverager.rpc_join_group" in plain
+    assert names(GradientAverager) == names(HostGradientAverager) == plain
+    gated = names(GatedGradientAverager)
+    assert gated == names(HostGatedGradientAverager) and gated.isdisjoint(plain)

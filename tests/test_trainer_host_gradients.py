@@ -1,8 +1,8 @@
 """Trainers whose gradients leave the model during backward (``--offload_gradients true``) and whose weights are in
 bfloat16 or float16 (``--model_dtype``), on the CPU, in real hivemind swarms on 127.0.0.1.
 
-- "pair": two trainers with bfloat16 weights and 2 micro-batches per local step average their host gradients
-  through hivemind for 3 epochs;
+- "pair": a trainer with bfloat16 weights and host gradients (as on a GPU) and a plain float32 trainer (as on a CPU),
+  2 micro-batches per local step each, average their gradients through hivemind for 3 epochs;
 - "fp16": one trainer alone with float16 weights for 3 epochs, its loss scaled and its gradients unscaled on the host;
 - two bad combinations stop with one error line naming the flag;
 - DiLoCo (``--local_steps``): lone trainers with and without host gradients take the same steps.
@@ -49,10 +49,10 @@ def peers(tmp_path_factory) -> dict[str, PeerProcess]:
         started["fp16"] = PeerProcess("fp16", trainer_argv("fp16", "fp16", root, [], FP16_EPOCHS, 64,
                                                            "--model_dtype", "float16"), root, ENV)
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
-        for name in ("a", "b"):
-            # epochs of 256 samples last a few seconds: long enough for the 3 s matchmaking window
-            started[name] = PeerProcess(name, trainer_argv("pair", name, root, initial, PAIR_EPOCHS, 256,
-                                                           "--model_dtype", "bfloat16"), root, ENV)
+        # epochs of 256 samples last a few seconds: long enough for the 3 s matchmaking window
+        for name, kind in (("a", ["--model_dtype", "bfloat16"]), ("b", ["--offload_gradients", "false"])):
+            started[name] = PeerProcess(name, trainer_argv("pair", name, root, initial, PAIR_EPOCHS, 256, *kind),
+                                        root, ENV)
         for name in ("a", "b", "fp16"):
             started[name].wait(300)
         return started
@@ -68,8 +68,9 @@ def epochs(peer: PeerProcess) -> dict[int, tuple[float, int]]:
     return {int(match[0]): (float(match[1]), int(match[4])) for match in EPOCH_LINE.findall(peer.stderr)}
 
 
-def test_bfloat16_pair_averages_host_gradients_and_learns(peers):
-    """Each trainer ends below the swarm's first epoch loss. Not below its own first one: a trainer that joins late
+def test_host_gradient_and_plain_trainers_average_together_and_learn(peers):
+    """Their averagers speak the same RPC names (hivemind_fixes/rpc_names.py): before, the two never averaged. Each
+    trainer ends below the swarm's first epoch loss. Not below its own first one: a trainer that joins late
     downloads the trained state and reports from epoch 2 on (CI: 5.05 then 4.86, while the swarm began at ~5.6)."""
     reports = {name: epochs(peers[name]) for name in ("a", "b")}
     for name, by_epoch in reports.items():

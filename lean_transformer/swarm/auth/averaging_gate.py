@@ -199,6 +199,8 @@ class GatedRPCs:
 class GatedGradientAverager(GatedRPCs, GradientAverager):
     """hivemind's GradientAverager, serving token holders only (``gate=`` is required)."""
 
+    rpc_class_name = "GatedGradientAverager"  # with or without host gradients
+
 
 class GatedTrainingStateAverager(GatedRPCs, TrainingStateAverager):
     """hivemind's TrainingStateAverager, serving token holders only (``gate=`` is required)."""

@@ -21,6 +21,9 @@ that the swarm code uses explicitly.
   a tensor part), hivemind closes the stream with the caller's data unread, p2pd resets it and the answer is lost:
   the caller sees an empty stream or a broken pipe. Reproduced by ``tests/test_stream_answers.py`` (and, as a rare
   failure, by ``tests/test_auth_averaging.py``). Drop when hivemind reads a request to its end before closing.
+- :mod:`.rpc_names`: hivemind names an averager's RPCs after its Python class, so a trainer with host gradients (a
+  GPU) and one without (a CPU, or an aux peer assisting) never averaged gradients together. Reproduced by
+  ``tests/test_averagers.py`` and ``tests/test_trainer_host_gradients.py``. Drop when hivemind names RPCs by protocol.
 - :mod:`.control_pipe`: an averager's background process reads its control pipe non-blocking, so a large message
   whose sender pauses (a ``step`` whose ``gather`` carries DiLoCo's top-k payload, from a busy trainer) is lost
   half-read and its caller waits for its timeout. Reproduced by ``tests/test_control_pipe.py``. Drop when hivemind

@@ -35,6 +35,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
 from hivemind.utils.mpfuture import MPFuture
 
+from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
 from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 
@@ -86,15 +87,17 @@ class CancelSafe:
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
 
-class GradientAverager(CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
-    """hivemind's GradientAverager (same RPC names), safe to cancel, its answers delivered (:mod:`.stream_answers`),
-    and with no state to share or download.
+class GradientAverager(NamedRPCs, CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
+    """hivemind's GradientAverager (same RPC names, for its subclasses too: :mod:`.rpc_names`), safe to cancel, its
+    answers delivered (:mod:`.stream_answers`), and with no state to share or download.
 
     hivemind 1.1.12's ``Optimizer.load_state_from_peers`` also calls the gradient averager's, which downloads a
     donor's averaged gradients (float32, uncompressed: 4 bytes per parameter, 5.2 GB for the 1.3B model, half an hour
     over a 20 Mbit/s link) and then discards them (``reset_accumulated_grads_``). hivemind's master no longer calls it
     (checked at 00ff07d); this can go with a release that has that. Reproduced by ``tests/test_trainer_swarm.py``'s
     late peer: its log has no second download after the swarm's state."""
+
+    rpc_class_name = "GradientAverager"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **{**kwargs, "allow_state_sharing": False})
