@@ -4,6 +4,7 @@ to identical parameters."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -444,3 +445,37 @@ if __name__ == "__main__":
         sparse_peer(sys.argv[1], sys.argv[3])
     else:
         peer(sys.argv[1], sys.argv[2], sys.argv[3])
+
+
+@pytest.mark.swarm
+def test_a_lone_peer_ends_a_round_on_its_samples():
+    """hivemind ends an epoch once its estimated time to the target has passed; a lone DiLoCo peer slower than its
+    average would end its round with fewer local steps. RoundProgress counts its own samples (a real DHT, the
+    trackers' background refresh off, so the swarm's progress is the one set here)."""
+    import hivemind
+    from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.diloco import RoundProgress
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        trackers = {cls: cls(dht=dht, prefix="lone", target_batch_size=48, start=False)
+                    for cls in (ProgressTracker, RoundProgress)}
+        for tracker in trackers.values():
+            tracker.report_local_progress(local_epoch=0, samples_accumulated=16)
+        for peers, expected in ((1, {ProgressTracker: True, RoundProgress: False}),
+                                (2, {ProgressTracker: True, RoundProgress: True})):  # a group keeps hivemind's rule
+            for cls, tracker in trackers.items():
+                tracker.global_progress = GlobalTrainingProgress(
+                    epoch=0, samples_accumulated=16, target_batch_size=48, num_peers=peers, num_clients=0,
+                    eta_next_epoch=get_dht_time() - 1, next_fetch_time=float("inf"))
+                assert tracker.ready_to_update_epoch is expected[cls], (cls.__name__, peers)
+        for tracker in trackers.values():  # its own samples are in, though the DHT's count lags: a lone peer moves on
+            tracker.global_progress = dataclasses.replace(tracker.global_progress, num_peers=1,
+                                                          eta_next_epoch=float("inf"))
+            tracker.report_local_progress(local_epoch=0, samples_accumulated=48)
+            tracker.global_progress.samples_accumulated = 32
+            assert tracker.ready_to_update_epoch is (type(tracker) is RoundProgress), type(tracker).__name__
+    finally:
+        dht.shutdown()

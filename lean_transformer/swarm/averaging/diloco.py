@@ -48,6 +48,7 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, Av
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
                                   serialize_torch_tensor)
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
@@ -74,6 +75,24 @@ class DiLoCoSettings:
     overlap: bool = False
     compression: CompressionBase = NoCompression()
     topk_fraction: Optional[float] = None
+
+
+class RoundProgress(ProgressTracker):
+    """hivemind's progress tracker, except that a peer alone in the swarm ends a round on its own samples, never on an
+    estimate of them nor on the swarm's count read back from the DHT.
+
+    hivemind also ends an epoch once the time it estimated for the swarm to reach the target has passed, which keeps
+    a group together when a peer stops reporting. A lone peer has no group: the estimate is its own speed, and a few
+    local steps slower than its average (a busy machine) end its round early, with fewer local steps than its
+    ``local_steps``; and the count it reads back can lag behind its own, which ends a round late. Reproduced by ``tests/test_diloco.py`` (``test_a_lone_peer_ends_a_round_on_its_samples``); it made
+    the host-gradient comparison of ``tests/test_trainer_host_gradients.py`` take different steps on a loaded box."""
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        progress = self.global_progress
+        if progress.num_peers <= 1 and self.global_epoch <= self.local_progress.epoch:
+            return self.local_progress.samples_accumulated >= self.target_batch_size
+        return super().ready_to_update_epoch
 
 
 class OuterNesterov:

@@ -19,6 +19,7 @@ from hivemind.compression import (BlockwiseQuantization, CompressionBase, Compre
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim import state_averager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
@@ -26,7 +27,7 @@ from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                         publish_access_token)
 from lean_transformer.swarm.auth.keys import load_public_key
-from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov,
+from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov, RoundProgress,
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
@@ -92,6 +93,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.host_grads: Optional[HostGradients] = None
         self.outer_loop: Optional[OuterLoop] = None
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
+        self._progress_tracker_class = ProgressTracker if diloco is None else RoundProgress
         outer = None
         if diloco is None:
             averager_class = gradient_averager_class(gate is not None, host_gradients)
@@ -173,6 +175,12 @@ class SwarmOptimizer(hivemind.Optimizer):
             diloco=diloco,
             waiting=waiting,
         )
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+        # hivemind 1.1.12's own arguments (pinned in pyproject.toml), with the tracker of this mode
+        return self._progress_tracker_class(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                            client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                            start=True, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:
         # hivemind 1.1.12's own arguments (pinned in pyproject.toml): it offers no factory for this averager
