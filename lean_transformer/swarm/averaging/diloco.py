@@ -306,8 +306,8 @@ class PseudoGradientAverager:
         averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:
             averager_opts["gate"] = gate
-        if topk_fraction is not None and not 0 < topk_fraction <= 1:
-            raise ValueError(f"topk_fraction (--outer_topk_fraction) must be in (0, 1], got {topk_fraction}")
+        if topk_fraction is not None:  # the error feedback is built in the averager's process: check it here
+            TopKErrorFeedback.check_fraction(topk_fraction)
         self.averager = averager_class([torch.zeros(shape) for shape in self.shapes], dht, start=True, prefix=prefix,
                                        min_matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout,
                                        compression=compression, topk_fraction=topk_fraction, **averager_opts)

@@ -46,11 +46,16 @@ class TopKErrorFeedback:
     the next pseudo-gradient) the error stays as it was."""
 
     def __init__(self, shapes: Sequence[torch.Size], fraction: float):
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction (--outer_topk_fraction) must be in (0, 1], got {fraction}")
+        self.check_fraction(fraction)
         self.fraction, self.shapes = fraction, [torch.Size(shape) for shape in shapes]
         self.error = torch.zeros(sum(math.prod(shape) for shape in self.shapes))
         self._pending: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def check_fraction(fraction: float) -> None:
+        """Raise ValueError unless ``fraction`` is in (0, 1] (a peer checks it before it starts its averager)."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction (--outer_topk_fraction) must be in (0, 1], got {fraction}")
 
     @torch.no_grad()
     def compress(self, deltas: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
