@@ -274,6 +274,9 @@ class TrainingArguments:
         "help": "Stop once this peer reaches this epoch (default: total_steps)."})
     device: Optional[str] = field(default=None, metadata={"help": "Torch device (default: cuda if available)."})
     progress_every: float = field(default=5.0, metadata={"help": "Seconds between progress lines."})
+    events_path: Optional[str] = field(default=None, metadata={
+        "help": "JSON-lines file of this peer's events (epochs, averaging rounds, state downloads, shutdown), for "
+                "programs; appended to (default: events.jsonl in --output_dir)."})
     shutdown_timeout: float = field(default=25.0, metadata={
         "help": "On Ctrl+C / SIGTERM, seconds to finish the current step and leave the swarm; averaging rounds "
                 "still in flight after a fifth of it are cancelled, and the step is abandoned when it is spent."})
@@ -368,6 +371,9 @@ class AuxPeerArguments:
         "help": "Seconds between reads of the trainers' metrics from the DHT."})
     metrics_path: str = field(default="outputs/aux/swarm_metrics.jsonl", metadata={
         "help": "JSONL file that gets one row of swarm statistics per epoch; the plot (.png) is redrawn next to it."})
+    events_path: Optional[str] = field(default=None, metadata={
+        "help": "JSON-lines file of this peer's events (swarm epochs, checkpoints, evaluations, averaging rounds), "
+                "for programs; appended to (default: events.jsonl beside --metrics_path)."})
     history_window: int = field(default=10_000, metadata={
         "help": "Epochs kept in memory for the plot (the JSONL file keeps all of them)."})
     wandb_project: str = field(default="lean_transformer", metadata={

@@ -54,7 +54,9 @@ from hivemind.utils.asyncio import amap_in_executor
 from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
+from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
+from lean_transformer.swarm.monitoring.events import emit
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ class _SameResultRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
+class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
     same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
@@ -475,6 +477,8 @@ class DiLoCoOptimizer:
                 else:
                     logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "
                                 f"(round {int(self.outer_loop.outer.steps)})")
+                    emit("outer_step", epoch=self.local_epoch, group_size=group_size,
+                         outer_steps=int(self.outer_loop.outer.steps))
         super()._update_global_epoch(grad_scaler)
         self.steps_in_round = 0
         if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round

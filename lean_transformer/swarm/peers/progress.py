@@ -69,14 +69,18 @@ class ProgressLine:
         finally:
             self._computing_since = time.monotonic()
 
+    def wall_seconds(self) -> float:
+        """Seconds since construction."""
+        return time.monotonic() - self.started
+
     def utilization(self) -> float:
         """Compute seconds / wall seconds since construction (0 before any time has passed)."""
-        wall = time.monotonic() - self.started
+        wall = self.wall_seconds()
         return self.compute_seconds / wall if wall > 0 else 0.0
 
     def summary(self) -> str:
         return (f"Compute utilization {self.utilization():.1%}: {self.compute_seconds:.1f} s in forward, backward and "
-                f"inner steps of {time.monotonic() - self.started:.1f} s training ({self.samples} samples)")
+                f"inner steps of {self.wall_seconds():.1f} s training ({self.samples} samples)")
 
     def maybe_report(self, optimizer: hivemind.Optimizer, mean_loss: float) -> None:
         now = time.monotonic()

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional
 
+from lean_transformer.swarm.monitoring.events import emit
+
 logger = logging.getLogger(__name__)
 
 
@@ -103,6 +105,7 @@ class GracefulShutdown:
             self._critical = None
 
     def abandon(self, reason: str) -> None:
+        emit("shutdown", reason="signal", epoch=None, clean=False)
         if self._critical is not None:
             logger.error(f"Abandoning the {self._critical} unfinished ({reason}); it is lost. Give the peer more "
                          f"time to stop (--shutdown_timeout, and a supervisor's stop timeout above it)")

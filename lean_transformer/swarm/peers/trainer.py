@@ -24,7 +24,9 @@ from lean_transformer.optim.loss_scale import DynamicLossScale
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.peers.backups import LocalBackups
 from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
-from lean_transformer.swarm.protocol.dht import build_dht, derive_peer_seed, initial_peers_line, peer_private_key
+from lean_transformer.swarm.monitoring.events import EventReader, emit, peer_events, set_peer
+from lean_transformer.swarm.protocol.dht import (build_dht, derive_peer_seed, initial_peers_line, peer_private_key,
+                                                visible_maddrs)
 from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.storage.hub import resolve_checkpoint
 from lean_transformer.swarm.protocol.metrics import LocalMetrics, make_validators, publish_metrics
@@ -60,12 +62,21 @@ class EpochWork:
 
 def train(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
           training: TrainingSettings, swarm_settings: Mapping[str, Any]) -> None:
-    """Run a trainer peer on ``task`` until ``training.stop_epoch`` or Ctrl+C / SIGTERM.
+    """Run a trainer peer on ``task`` until ``training.stop_epoch`` or Ctrl+C / SIGTERM, writing its events to
+    ``training.events_path`` (default: events.jsonl in ``training.output_dir``).
 
     Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before any training;
     ``swarm_settings`` (what all peers of the run must agree on, named by flag) that differ from an older peer's
     raise SettingsMismatchError, at start or within a minute of training.
     """
+    events_path = Path(training.events_path or Path(training.output_dir) / "events.jsonl")
+    with peer_events(events_path, "trainer") as ending:
+        ending.update(_train(task, network, collaboration, training, swarm_settings, events_path))
+
+
+def _train(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
+           training: TrainingSettings, swarm_settings: Mapping[str, Any], events_path: Path) -> dict:
+    """:func:`train`; returns the ``shutdown`` event's reason and epoch."""
     shutdown = GracefulShutdown(training.shutdown_timeout)
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" and not collaboration.offload_optimizer:
@@ -94,6 +105,7 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
     private_key = peer_private_key(network)
     signature_validator, metrics_validator = make_validators(network.run_id, private_key)
     dht = build_dht(network, [signature_validator, metrics_validator])
+    set_peer(str(dht.peer_id))  # before the averagers fork: their events name this peer too
     agreement = None
     try:
         agreement = SwarmAgreement(dht, network.run_id, signature_validator.local_public_key, swarm_settings).start()
@@ -109,8 +121,8 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
                                     host_gradients=host_gradients)
         shutdown.on_overdue = lambda: cancel_averaging_in_flight(optimizer)
         try:
-            join_swarm(model, optimizer, checkpoint)
-            training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
+            join_swarm(model, optimizer, checkpoint, dht, network.client_mode, events_path)
+            finished = training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
                           network, collaboration, training, agreement, block_scaling)
         finally:
             logger.info("Leaving the swarm")
@@ -120,22 +132,29 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
             agreement.stop()
         dht.shutdown()
     logger.info("Shut down cleanly")
+    return dict(reason="finished" if finished else "signal", epoch=optimizer.local_epoch)
 
 
-def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint: Optional[Path]) -> None:
+def join_swarm(model: PreTrainedModel, optimizer: hivemind.Optimizer, checkpoint: Optional[Path], dht: hivemind.DHT,
+               client_mode: bool, events_path: Path) -> None:
     """Load the local checkpoint (if any), then the swarm's state; hivemind refuses a state older than ours, so the
     newer of the two wins."""
     if checkpoint is not None:
         epoch = load_training_state(checkpoint, model, optimizer)
         logger.info(f"Loaded local checkpoint {checkpoint} (epoch {epoch})")
+    downloads = EventReader(events_path)
+    list(downloads.new())  # skip what earlier runs wrote; the averager's process reports the download
     optimizer.load_state_from_peers()
     logger.info(f"Joined the swarm at epoch {optimizer.local_epoch}")
+    emit("joined", epoch=optimizer.local_epoch, client_mode=client_mode,
+         initial_peers=[] if client_mode else visible_maddrs(dht), from_swarm=any(downloads.new("state_downloaded")))
 
 
 def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemind.Optimizer, dht: hivemind.DHT,
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
                   collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
-                  block_scaling: Optional[SwarmBlockScaling] = None) -> None:
+                  block_scaling: Optional[SwarmBlockScaling] = None) -> bool:
+    """Train until ``training.stop_epoch`` (returns True) or a stop request (returns False)."""
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -226,6 +245,9 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
                         f"{work.mini_steps} mini-steps ({work.samples} samples, {work.skipped} skipped)"
                         + (f"; {work.skipped_blocks} block overflow(s), block scales "
                            f"{format_scales(block_scaling.scales)}" if block_scaling is not None else ""))
+            emit("epoch", epoch=optimizer.local_epoch, loss=work.mean_loss, samples=work.samples,
+                 mini_steps=work.mini_steps, skipped=work.skipped, compute_seconds=progress.compute_seconds,
+                 wall_seconds=progress.wall_seconds())
             metrics = LocalMetrics(epoch=optimizer.local_epoch,
                                    samples_per_second=float(optimizer.tracker.performance_ema.samples_per_second),
                                    samples_accumulated=work.samples, loss_sum=work.loss_sum,
@@ -247,6 +269,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: hivemin
                 f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")
     with shutdown.critical("final backup"):
         backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
+    return finished
 
 
 def short_epoch_warning(target_batch_size: int, matchmaking_time: float, samples_per_second: float,
