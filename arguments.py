@@ -359,6 +359,9 @@ class AuxTrainingArguments(TrainingArguments):
         "help": "Seed the swarm from this checkpoint: a checkpoint directory, a folder of them (the newest is "
                 "used), or a Hugging Face Hub repo id (owner/name) that an aux peer uploaded to. Trainers that "
                 "join continue from its epoch and weights."})
+    events_path: Optional[str] = field(default=None, metadata={
+        "help": "JSON-lines file of this peer's events (swarm epochs, checkpoints, evaluations, averaging rounds), "
+                "for programs; appended to (default: events.jsonl beside --metrics_path)."})
 
 
 @dataclass
@@ -371,9 +374,6 @@ class AuxPeerArguments:
         "help": "Seconds between reads of the trainers' metrics from the DHT."})
     metrics_path: str = field(default="outputs/aux/swarm_metrics.jsonl", metadata={
         "help": "JSONL file that gets one row of swarm statistics per epoch; the plot (.png) is redrawn next to it."})
-    events_path: Optional[str] = field(default=None, metadata={
-        "help": "JSON-lines file of this peer's events (swarm epochs, checkpoints, evaluations, averaging rounds), "
-                "for programs; appended to (default: events.jsonl beside --metrics_path)."})
     history_window: int = field(default=10_000, metadata={
         "help": "Epochs kept in memory for the plot (the JSONL file keeps all of them)."})
     wandb_project: str = field(default="lean_transformer", metadata={

@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from lean_transformer.swarm.monitoring import events
 from lean_transformer.swarm.monitoring.events import (SCHEMA_VERSION, EventReader, close_events, emit, open_events,
                                                       peer_events, read_events, set_peer)
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -121,3 +127,53 @@ def test_a_peers_run_ends_with_its_shutdown_event(tmp_path):
     assert (clean["reason"], clean["epoch"], clean["clean"]) == ("finished", 4, True)
     assert (failed["reason"], failed["epoch"], failed["clean"], failed["error"]) == (
         "error", 7, False, "RuntimeError: disk on fire")
+
+
+@pytest.mark.swarm
+def test_averaging_rounds_are_reported_from_the_averagers_processes(tmp_path):
+    """Two gradient averagers on 127.0.0.1 in one process (run as a script: hivemind installs signal handlers) with
+    one event stream: a round cancelled alone, then a round of both."""
+    path = tmp_path / "events.jsonl"
+    done = subprocess.run([sys.executable, __file__, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [(event["event"], event["kind"], event["epoch"], event.get("group_size"), event.get("reason"))
+              for event in read_events(path) if event["event"] in ("round_started", "averaged", "round_missed")]
+    assert rounds.count(("round_started", "gradients", None, None, None)) == 3, rounds  # A alone, then A and B
+    assert rounds.count(("round_missed", "gradients", None, None, "cancelled")) == 1, rounds
+    assert rounds.count(("averaged", "gradients", None, 2, None)) == 2, rounds
+    assert len(rounds) == 6, rounds
+    assert {event["peer"] for event in read_events(path)} == {"12D3KooWaverager"}  # the stream's, inherited
+
+
+def average_twice(path: str) -> None:
+    import hivemind
+    import torch
+
+    from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
+
+    open_events(path, "trainer")
+    set_peer("12D3KooWaverager")
+    maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    dhts = [hivemind.DHT(start=True, host_maddrs=maddrs)]
+    dhts.append(hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dhts[0].get_visible_maddrs()))
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in dhts]
+    peers = [GradientAverager([param], dht=dht, prefix="events_grad_averager", target_group_size=2,
+                              min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=10, start=True)
+             for param, dht in zip(params, dhts)]
+    for peer, param in zip(peers, params):
+        param.grad = torch.ones_like(param)
+        peer.accumulate_grads_(batch_size=1)
+    alone = peers[0].schedule_step(timeout=10)
+    time.sleep(0.5)  # it looks for a group
+    alone.cancel()
+    time.sleep(0.5)
+    steps = [peer.step(timeout=10, wait=False) for peer in peers]
+    assert [len(step.result(timeout=30)) for step in steps] == [2, 2]
+    time.sleep(0.5)  # the averagers write their events right after the results
+    for each in (*peers, *dhts):
+        each.shutdown()
+
+
+if __name__ == "__main__":
+    average_twice(sys.argv[1])

@@ -14,16 +14,20 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       client), ``from_swarm`` (whether it loaded the swarm's state)
 ``epoch``             the peer reached ``epoch``: ``loss`` (mean over the epoch it finished; ``null`` if none),
                       ``samples``, ``mini_steps``, ``skipped``, ``compute_seconds`` and ``wall_seconds`` (since start)
-``round_started``     an averaging round's all-reduce began: ``kind`` (``gradients``, ``parameters`` or ``outer``),
-                      ``epoch`` (the round's, where the averager knows it, else ``null``), ``group_size``
-``averaged``          an averaging round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``,
-                      ``bytes`` (sent by this peer, when known, else ``null``)
-``round_missed``      an averaging round failed or found no group: ``kind``, ``epoch``, ``reason`` (a round this
-                      peer cancelled is not reported)
+``progress``          (trainer) with each progress line: ``epoch``, ``peers`` (in the swarm, as hivemind sees it),
+                      and since the training loop started: ``samples`` (computed), ``compute_seconds``,
+                      ``wall_seconds``, ``loss_sum`` and ``losses`` (over the micro-batches trained on)
+``round_started``     an averager began an averaging round (it looks for a group): ``kind`` (``gradients``,
+                      ``parameters`` or ``outer``), ``epoch`` (the round's, where the averager knows it, else ``null``)
+``averaged``          the round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``, ``bytes``
+                      (sent by this peer, when known, else ``null``)
+``round_missed``      the round failed, found no group or was cancelled: ``kind``, ``epoch``, ``reason``
+                      (``cancelled``, or the error)
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
 ``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
-``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``
+``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
+                      averager's prefix)
 ``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
 ``checkpoint``        (aux) wrote the swarm's state: ``epoch``, ``path``
 ``evaluation``        (aux) ``epoch``, ``validation_loss``
@@ -50,7 +54,7 @@ from pathlib import Path
 from typing import Any, Iterator, List, Optional, Union
 
 SCHEMA_VERSION = 1
-EVENTS = ("joined", "epoch", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
+EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
 
 

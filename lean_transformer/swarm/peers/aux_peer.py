@@ -235,8 +235,8 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
     """Run an aux peer for a swarm training ``task`` until Ctrl+C / SIGTERM. ``swarm_settings`` must agree with the
     trainers' (see :func:`lean_transformer.swarm.peers.trainer.train`); ``run_config`` is logged with the metrics (wandb).
     Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before the peer
-    joins. Its events go to ``aux.events_path`` (default: events.jsonl beside ``aux.metrics_path``)."""
-    events_path = aux.events_path or Path(aux.metrics_path).with_name("events.jsonl")
+    joins. Its events go to ``training.events_path`` (default: events.jsonl beside ``aux.metrics_path``)."""
+    events_path = training.events_path or Path(aux.metrics_path).with_name("events.jsonl")
     with peer_events(events_path, "aux") as ending:
         ending.update(_run_aux_peer(task, network, collaboration, training, aux, swarm_settings, run_config))
 

@@ -18,6 +18,8 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from lean_transformer.swarm.monitoring.events import emit
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,6 +94,9 @@ class ProgressLine:
         if self.device is not None and self.device.type == "cuda":
             peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
         line = format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes)
+        emit("progress", epoch=optimizer.local_epoch, peers=optimizer.tracker.global_progress.num_peers,
+             samples=self.samples, compute_seconds=self.compute_seconds, wall_seconds=now - self.started,
+             loss_sum=self.loss_sum, losses=self.losses)
         mean_loss_text = f"{self.loss_sum / self.losses:.4f}" if self.losses else "n/a"
         logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%} "
                     f"({self.compute_seconds:.2f} s of {now - self.started:.2f} s), mean loss {mean_loss_text} over "

@@ -122,8 +122,8 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         shutdown.on_overdue = lambda: cancel_averaging_in_flight(optimizer)
         try:
             join_swarm(model, optimizer, checkpoint, dht, network.client_mode, events_path)
-            finished = training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown, device,
-                          network, collaboration, training, agreement, block_scaling)
+            finished = training_loop(task, model, optimizer, dht, signature_validator.local_public_key, shutdown,
+                                     device, network, collaboration, training, agreement, block_scaling)
         finally:
             logger.info("Leaving the swarm")
             optimizer.shutdown()

@@ -76,7 +76,7 @@ class TrainingSettings(Protocol):
     backup_every_epochs: int
     keep_backups: int
     progress_every: float
-    events_path: Optional[str]  # the peer's events (lean_transformer.swarm.monitoring.events); None: beside its output
+    events_path: Optional[str]  # the peer's events (lean_transformer.swarm.monitoring.events); None: a default
     resume_from: Optional[str]
     shutdown_timeout: float
 
@@ -89,8 +89,7 @@ class TrainingSettings(Protocol):
 class AuxSettings(Protocol):
     """What the auxiliary peer does besides averaging."""
 
-    metrics_path: str
-    events_path: Optional[str]  # None: events.jsonl beside metrics_path
+    metrics_path: str  # an aux peer's events go beside it unless its TrainingSettings.events_path is set
     history_window: int
     refresh_period: float
     checkpoint_dir: str
