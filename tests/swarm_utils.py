@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from lean_transformer.swarm.peers.processes import PeerProcess
+from lean_transformer.swarm.peers.processes import PeerExited, PeerProcess, wait_until
 
 
 @dataclass(frozen=True)
@@ -52,18 +51,18 @@ def kill_during_round(peer: PeerProcess, partner: PeerProcess, kind: str, timeou
     whether both rounds were still open right after the kill. The epochs may differ: peers whose local epoch labels
     are apart still average together (hivemind's group key has no epoch), and waiting for equal labels once took
     two minutes of rounds (seen in tests/test_faults.py, victim two labels ahead of its partner)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        epoch, partner_epoch = round_in_progress(peer, kind), round_in_progress(partner, kind)
-        if epoch is not None and epoch >= min_epoch and partner_epoch is not None:
-            peer.kill()
-            return (min(epoch, partner_epoch),
-                    round_in_progress(peer, kind) == epoch and round_in_progress(partner, kind) == partner_epoch)
+    def both_in_round() -> Optional[tuple[int, int]]:
         if peer.process.poll() is not None:
-            break
-        time.sleep(0.01)
-    raise AssertionError(f"{peer.name} and {partner.name} were in no {kind} averaging round >= {min_epoch} together "
-                         f"in time:\n{peer.log_tail()}")
+            raise PeerExited(f"{peer.name} exited before a {kind} round with {partner.name}:\n{peer.log_tail()}")
+        epoch, partner_epoch = round_in_progress(peer, kind), round_in_progress(partner, kind)
+        both = epoch is not None and epoch >= min_epoch and partner_epoch is not None
+        return (epoch, partner_epoch) if both else None
+
+    epoch, partner_epoch = wait_until(both_in_round, timeout, f"{peer.name} and {partner.name} in a {kind} averaging "
+                                      f"round >= {min_epoch} together", interval=0.01)
+    peer.kill()
+    return (min(epoch, partner_epoch),
+            round_in_progress(peer, kind) == epoch and round_in_progress(partner, kind) == partner_epoch)
 
 
 def group_sizes(peer: PeerProcess, kind: str = "gradients") -> List[int]:
