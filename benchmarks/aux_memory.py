@@ -17,9 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from lean_transformer.swarm.peers.processes import PeerProcess, descendant_pids
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's package, also when run as a script
+
+from lean_transformer.swarm.peers.processes import PeerProcess, descendant_pids  # noqa: E402
+
 SWARM = ["--run_id", "bench-aux-memory", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--target_batch_size", "16",
          "--per_device_batch_size", "4", "--max_sequence_length", "32", "--matchmaking_time", "2",
          "--averaging_timeout", "10"]
