@@ -31,6 +31,9 @@ class AuxTrainingArguments(TrainingSettings):
         "help": "Seed the swarm from this checkpoint: a checkpoint directory, a folder of them (the newest is "
                 "used), or a Hugging Face Hub repo id (owner/name) that an aux peer uploaded to. Trainers that "
                 "join continue from its epoch and weights."})
+    events_path: Optional[str] = field(default=None, metadata={
+        "help": "JSON-lines file of this peer's events (swarm epochs, checkpoints, evaluations, averaging rounds), "
+                "for programs; appended to (default: events.jsonl beside --metrics_path)."})
 
 
 def build_parser(dataclass_types: Sequence[type], description: Optional[str] = None) -> SettingsParser:

@@ -11,19 +11,17 @@ Usage: python benchmarks/aux_memory.py [--seconds 300] [--warmup 60] [--every 30
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
-
-from lean_transformer.swarm.peers.shutdown import descendant_pids
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's package, also when run as a script
+
+from lean_transformer.swarm.peers.processes import PeerProcess, descendant_pids  # noqa: E402
+
 SWARM = ["--run_id", "bench-aux-memory", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--target_batch_size", "16",
          "--per_device_batch_size", "4", "--max_sequence_length", "32", "--matchmaking_time", "2",
          "--averaging_timeout", "10"]
@@ -42,22 +40,6 @@ def rss_mib(pid: int) -> float:
     return int(match.group(1)) / 1024 if match else 0.0
 
 
-def start(argv: List[str], log_path: Path, env: dict) -> subprocess.Popen:
-    with log_path.open("wb") as output:
-        return subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True)
-
-
-def wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = re.search(pattern, path.read_text(errors="replace"), re.MULTILINE)
-        if match:
-            return match
-        time.sleep(0.5)
-    raise TimeoutError(f"{path.name}: no {pattern!r} within {timeout} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=300)
@@ -67,25 +49,27 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="aux_memory_"))
     env = dict(WANDB_MODE="offline", WANDB_DIR=str(work), WANDB_SILENT="true")
-    processes = []
+    peers = []
     try:
-        aux = start(["run_aux_peer.py", *SWARM, "--refresh_period", "0.2", "--checkpoint_every_epochs", "5",
-                     "--keep_checkpoints", "2", "--history_window", "200", "--metrics_path", str(work / "m.jsonl"),
-                     "--checkpoint_dir", str(work / "ckpt")], work / "aux.log", env)
-        processes.append(aux)
-        initial_peers = wait_for(work / "aux.log", r"^--initial_peers (.+)$", 120).group(1).split()
+        aux = PeerProcess("aux", ["run_aux_peer.py", *SWARM, "--refresh_period", "0.2", "--checkpoint_every_epochs",
+                                  "5", "--keep_checkpoints", "2", "--history_window", "200", "--metrics_path",
+                                  str(work / "m.jsonl"), "--checkpoint_dir", str(work / "ckpt")],
+                          work, env, cwd=REPO, merge_output=True)
+        peers.append(aux)
+        initial_peers = aux.initial_peers(timeout=120)
         for index in (1, 2):
-            processes.append(start(["run_trainer.py", *SWARM, "--initial_peers", *initial_peers, "--output_dir",
-                                    str(work / f"trainer{index}"), "--backup_every_epochs", "0"],
-                                   work / f"trainer{index}.log", env))
+            peers.append(PeerProcess(f"trainer{index}", ["run_trainer.py", *SWARM, "--initial_peers", *initial_peers,
+                                                         "--output_dir", str(work / f"trainer{index}"),
+                                                         "--backup_every_epochs", "0"],
+                                     work, env, cwd=REPO, merge_output=True))
         log(f"aux peer and 2 trainers started (logs in {work}); sampling for {args.seconds:g} s")
 
         started, samples = time.monotonic(), []
         while time.monotonic() - started < args.seconds:
-            if aux.poll() is not None:
-                raise RuntimeError(f"the aux peer exited with code {aux.returncode}; see {work / 'aux.log'}")
-            text = (work / "aux.log").read_text(errors="replace")
-            rows = (work / "m.jsonl").read_text().count("\n") if (work / "m.jsonl").exists() else 0
+            if aux.returncode is not None:
+                raise RuntimeError(f"the aux peer exited with code {aux.returncode}; see {aux.stderr_path}")
+            text = aux.stderr  # the status lines of its refreshes, for people: counted, no number read from them
+            rows = len(aux.events("swarm_epoch"))
             own = rss_mib(aux.pid)
             tree = own + sum(rss_mib(pid) for pid in descendant_pids(aux.pid))
             samples.append((time.monotonic() - started, text.count("peers reporting") + text.count("peer reporting"),
@@ -94,18 +78,13 @@ def main() -> None:
                 f"tree {tree:.0f} MiB")
             time.sleep(args.every)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
+        for peer in peers:
+            peer.terminate()
+        for peer in peers:
             try:
-                process.wait(40)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                peer.wait(40)
+            except TimeoutError as error:
+                log(str(error))
 
     baseline = next((sample for sample in samples if sample[0] >= args.warmup), samples[-1])
     print(f"\nAux peer memory over time (baseline: the sample at {baseline[0]:.0f} s, after warm-up; "

@@ -14,9 +14,6 @@ Prints a markdown table. About 5 minutes on 2 cores with the defaults (sync and 
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +28,7 @@ from lean_transformer import LeanGPTForCausalLM  # noqa: E402
 from lean_transformer.data.markov import MarkovCorpus  # noqa: E402
 from lean_transformer.swarm.averaging.diloco import wire_bytes_per_parameter  # noqa: E402
 from lean_transformer.swarm.averaging.optimizer import make_compression  # noqa: E402
+from lean_transformer.swarm.peers.processes import PeerProcess  # noqa: E402
 from tasks.causal_lm import PackedBatcher  # noqa: E402
 from tasks.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -48,8 +46,9 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run_swarm(name: str, local_steps: int, epochs: int, workdir: Path) -> tuple[list[Path], float, str]:
-    """Two trainers (the first prints the address the second joins); their final backups, wall time, first log."""
+def run_swarm(name: str, local_steps: int, epochs: int, workdir: Path) -> tuple[list[Path], float, int]:
+    """Two trainers (the second joins through the first); their final backups, wall time, and the first one's outer
+    steps with 2 peers."""
     diloco = name != "sync"
     common = ["--run_id", f"bench-{name}", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--target_batch_size", str(TARGET),
               "--per_device_batch_size", str(BATCH), "--max_sequence_length", "64", "--learning_rate", "0.01",
@@ -57,22 +56,18 @@ def run_swarm(name: str, local_steps: int, epochs: int, workdir: Path) -> tuple[
               "--averaging_timeout", "20", "--backup_every_epochs", "0", "--progress_every", "30",
               "--max_epochs", str(epochs // local_steps if diloco else epochs),
               *(["--local_steps", str(local_steps)] if diloco else []), *VARIANTS[name]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
     started = time.monotonic()
-    logs = [workdir / f"{name}-{i}.log" for i in (1, 2)]
-    first = subprocess.Popen([sys.executable, "run_trainer.py", *common, "--output_dir", str(workdir / f"{name}-1")],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=logs[0].open("w"), text=True, env=env)
-    line = first.stdout.readline()
-    address = line.split()[1:] if line.startswith("--initial_peers") else []
-    second = subprocess.Popen([sys.executable, "run_trainer.py", *common, "--output_dir", str(workdir / f"{name}-2"),
-                               "--initial_peers", *address], cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=logs[1].open("w"), text=True, env=env)
+    first = PeerProcess(f"{name}-1", ["run_trainer.py", *common, "--output_dir", str(workdir / f"{name}-1")], workdir,
+                        env, cwd=REPO)
+    second = PeerProcess(f"{name}-2", ["run_trainer.py", *common, "--output_dir", str(workdir / f"{name}-2"),
+                                       "--initial_peers", *first.initial_peers(timeout=300)], workdir, env, cwd=REPO)
     codes = [second.wait(900), first.wait(900)]
     seconds = time.monotonic() - started
     if codes != [0, 0]:
-        raise RuntimeError(f"{name}: trainers exited with {codes}:\n{logs[0].read_text()[-3000:]}")
+        raise RuntimeError(f"{name}: trainers exited with {codes}:\n{first.log_tail()}")
     backups = [max((workdir / f"{name}-{i}" / "backups").glob("epoch-*")) for i in (1, 2)]
-    return backups, seconds, logs[0].read_text()
+    return backups, seconds, sum(step["group_size"] == 2 for step in first.events("outer_step"))
 
 
 def held_out_loss(checkpoint: Path, batches: list) -> float:
@@ -94,9 +89,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
             progress(f"{name}: 2 trainers, {args.epochs * TARGET} samples")
-            backups, seconds, log = run_swarm(name, args.local_steps, args.epochs, Path(tmp))
+            backups, seconds, outer = run_swarm(name, args.local_steps, args.epochs, Path(tmp))
             losses = [held_out_loss(backup, held_out) for backup in backups]
-            outer = len(re.findall(r"Outer step with 2 peers", log))
             results[name] = (losses, seconds, outer)
             progress(f"{name}: held-out {losses}, {seconds:.0f} s, {outer} outer steps with 2 peers")
         shapes = [param.shape for param in LeanGPTForCausalLM.from_pretrained(backups[0]).parameters()]

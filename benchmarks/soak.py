@@ -7,19 +7,19 @@ moment between 10% and 70% of the training time and started again at once with t
 directory (the demo gives trainers no ``--identity_path``, so it rejoins under a new peer ID), as a volunteer whose
 machine died would restart it.
 
-Per run, from the exit code of the demo's ``run`` and the peers' logs:
+Per run, from the exit code of the demo's ``run`` and the peers' events (tracebacks and stalls: their logs):
 
 - exit: the demo's exit code (0: every peer stopped cleanly and a checkpoint was written).
 - for each trainer, the fraction of the epochs it was alive for in which it averaged gradients with every other
   live trainer. A trainer was alive for epoch E if it had joined the swarm at an epoch <= E and reached an epoch
-  > E (hivemind's ``Transitioning to epoch`` / the trainer's ``Reached epoch``; epochs skipped by reloading the
-  swarm's state count as alive and not averaged). It averaged with every other live trainer if its gradient round
-  of epoch E (``Beginning optimizer step #E`` .. ``Averaged gradients with N peers``) had N >= the number of
+  > E (its ``joined`` and ``epoch`` events; epochs skipped by reloading the swarm's state count as alive and not
+  averaged). It averaged with every other live trainer if its gradient round of epoch E (``round_started`` ..
+  ``averaged`` with ``group_size`` N, of kind ``gradients``, while at epoch E) had N >= the number of
   trainers alive for E; an epoch with only one trainer alive counts as averaged. The aux peer does not average
   gradients in the demo.
 - samples lost: what the killed trainer had accumulated in its unfinished epoch and never contributed, ESTIMATED
-  from its log: its last reported speed (samples/s) x the seconds from its last epoch change to the kill (or to the
-  start of a gradient round the kill cut short), at most the target batch.
+  from its events: its speed over its epoch reports (samples/s) x the seconds from its last epoch change to the kill
+  (or to the start of a gradient round the kill cut short), at most the target batch.
 - crashes: peers the benchmark did not kill that exited unexpectedly or with a non-zero code, or did not stop in
   time (the demo's own problem list). Tracebacks in the logs of those peers are counted apart: hivemind logs the
   exceptions it handles (a failed averaging round, a retried state download) with their tracebacks too.
@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import json
 import random
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from lean_transformer.demo import local_swarm  # noqa: E402
 from lean_transformer.demo.local_swarm import LocalSwarm, StopSignals  # noqa: E402
+from lean_transformer.swarm.monitoring.events import read_events  # noqa: E402
 
 TARGET_FRACTION = 0.9
 KILL_WINDOW = (0.1, 0.7)  # a kill lands between these fractions of the training time, so the restart can rejoin
@@ -60,18 +60,11 @@ STALL_LINES = {"local gradients": "Proceeding with local gradients",
                "look_for_group busy": "Another look_for_group is already in progress",
                "out of sync": "Peer is out of sync"}
 
-_LINE = re.compile(r"^(\w{3} +\d{1,2} \d\d:\d\d:\d\d\.\d+) \[\w+\] (?:\[[^\]]*\] )?(.*)$")  # hivemind's log format
-_JOINED = re.compile(r"^Joined the swarm at epoch (\d+)")
-_STEP = re.compile(r"^Beginning optimizer step #(\d+)")
-_AVERAGED = re.compile(r"^Averaged gradients with (\d+) peers")
-_NEW_EPOCH = re.compile(r"^(?:Transitioning to epoch|Reached epoch) (\d+)")
-_REPORT = re.compile(r"^Reached epoch \d+: .* \((\d+) samples")
-_SPEED = re.compile(r"^epoch \d+ \|.* \| ([\d.]+) samples/s \|")
 
 
 @dataclass
 class Life:
-    """One process of one trainer, as its log tells it."""
+    """One process of one trainer, as its events tell it (and, for tracebacks and stalls, its log)."""
 
     joined_epoch: Optional[int] = None
     reached: int = -1  # the highest epoch it reached
@@ -79,7 +72,7 @@ class Life:
     epoch_changed_at: Optional[datetime] = None
     open_round: Optional[int] = None  # the epoch of a gradient round that began and did not finish
     open_round_since: Optional[datetime] = None
-    samples_per_second: float = 0.0  # from its last progress line, else from its epoch reports
+    samples_per_second: float = 0.0  # over its epoch reports
     tracebacks: List[str] = field(default_factory=list)  # the exception line of each ("... (at shutdown)")
     stalls: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(STALL_LINES, 0))
 
@@ -88,45 +81,52 @@ class Life:
         return range(self.joined_epoch, self.reached) if self.joined_epoch is not None else range(0)
 
 
-def read_life(text: str, year: int) -> Life:
-    life, step, pending_traceback, stopping = Life(), None, False, False
-    reports: List[tuple[datetime, int]] = []  # (when, samples) of its epoch reports
-    for raw in text.splitlines():
-        if pending_traceback and raw and not raw[0].isspace() and not raw.startswith("Traceback"):
-            if not raw.startswith(("During handling", "The above exception")):
-                life.tracebacks.append(raw.strip()[:160] + (" (at shutdown)" if stopping else ""))
-                pending_traceback = False
-        if raw.startswith("Traceback (most recent call last)"):
-            pending_traceback = True
+def read_life(events: Sequence[dict], log: str) -> Life:
+    """A trainer process's life from its events, with the tracebacks and stall warnings of its log."""
+    life, epoch = Life(), None
+    reports: List[tuple[float, int]] = []  # (time, samples) of its epoch reports
+    for event in events:
+        when = datetime.fromtimestamp(event["time"])
+        if event["event"] == "joined":
+            epoch = life.joined_epoch = event["epoch"]
+            life.reached, life.epoch_changed_at = max(life.reached, epoch), when
+        elif event["event"] == "epoch":
+            epoch = event["epoch"]
+            life.reached, life.epoch_changed_at = max(life.reached, epoch), when
+            life.open_round = life.open_round_since = None
+            reports.append((event["time"], event["samples"]))
+        elif event.get("kind") != "gradients" or epoch is None:
             continue
-        match = _LINE.match(raw.strip())
-        if match is None:
-            continue
-        when = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f")
-        line = match.group(2)
-        stopping = stopping or line.startswith(("Stopping at epoch", "Leaving the swarm"))
-        for name, text_ in STALL_LINES.items():
-            life.stalls[name] += text_ in line
-        if found := _JOINED.match(line):
-            life.joined_epoch = int(found.group(1))
-            life.reached, life.epoch_changed_at = max(life.reached, life.joined_epoch), when
-        elif found := _STEP.match(line):
-            step = life.open_round = int(found.group(1))
-            life.open_round_since = when
-            life.rounds.setdefault(step, 0)
-        elif (found := _AVERAGED.match(line)) and step is not None:
-            life.rounds[step] = int(found.group(1))
-        elif found := _NEW_EPOCH.match(line):
-            life.reached, life.epoch_changed_at = max(life.reached, int(found.group(1))), when
-            step = life.open_round = life.open_round_since = None
-            if found := _REPORT.match(line):
-                reports.append((when, int(found.group(1))))
-        elif found := _SPEED.match(line):
-            life.samples_per_second = float(found.group(1))
-    if not life.samples_per_second and len(reports) >= 2:  # no progress line yet: its throughput so far
-        seconds = (reports[-1][0] - reports[0][0]).total_seconds()
+        elif event["event"] == "round_started":
+            life.open_round, life.open_round_since = epoch, when
+            life.rounds.setdefault(epoch, 0)
+        elif event["event"] == "averaged" and life.open_round is not None:
+            life.rounds[life.open_round] = event["group_size"]
+        elif event["event"] == "round_missed" and life.rounds.get(life.open_round) == 0:
+            life.open_round = life.open_round_since = None  # it goes on accumulating
+    if len(reports) >= 2:
+        seconds = reports[-1][0] - reports[0][0]
         life.samples_per_second = sum(samples for _, samples in reports[1:]) / seconds if seconds > 0 else 0.0
+    life.tracebacks, life.stalls = read_log_notes(log)
     return life
+
+
+def read_log_notes(log: str) -> tuple[List[str], Dict[str, int]]:
+    """What a peer's log tells people and no event carries: the exception line of each traceback (hivemind logs
+    the exceptions it handles too), and the count of each stall warning."""
+    tracebacks, stalls, pending, stopping = [], dict.fromkeys(STALL_LINES, 0), False, False
+    for raw in log.splitlines():
+        if pending and raw and not raw[0].isspace() and not raw.startswith("Traceback"):
+            if not raw.startswith(("During handling", "The above exception")):
+                tracebacks.append(raw.strip()[:160] + (" (at shutdown)" if stopping else ""))
+                pending = False
+        if raw.startswith("Traceback (most recent call last)"):
+            pending = True
+            continue
+        stopping = stopping or "Stopping at epoch" in raw or "Leaving the swarm" in raw
+        for name, text in STALL_LINES.items():
+            stalls[name] += text in raw
+    return tracebacks, stalls
 
 
 def samples_lost(life: Life, killed_at: datetime, target_batch_size: int) -> int:
@@ -162,20 +162,22 @@ class RunResult:
 
 
 def analyse(run: int, swarm: LocalSwarm, exit_code: int, seconds: float, killed: Optional[str],
-            kill_at_s: Optional[float], killed_at: Optional[datetime], restart_offset: int) -> RunResult:
-    year = datetime.now().year
+            kill_at_s: Optional[float], killed_at: Optional[datetime], restart_offset: tuple[int, int]) -> RunResult:
     lives: Dict[str, List[Life]] = {}
     tracebacks: Dict[str, List[str]] = {}
     lost = 0
     for peer in swarm.trainers:
-        data = peer.log.path.read_bytes() if peer.log.path.exists() else b""
-        parts = [data[:restart_offset], data[restart_offset:]] if peer.name == killed else [data]
-        lives[peer.name] = [read_life(part.decode(errors="replace"), year) for part in parts]
-        if peer.name == killed:
+        log = peer.log.path.read_bytes() if peer.log.path.exists() else b""
+        events = read_events(peer.process.events_path)
+        if peer.name == killed:  # the killed process's part of its log and events, then the restarted one's
+            lives[peer.name] = [read_life(events[:restart_offset[1]], log[:restart_offset[0]].decode(errors="replace")),
+                                read_life(events[restart_offset[1]:], log[restart_offset[0]:].decode(errors="replace"))]
             lost = samples_lost(lives[peer.name][0], killed_at, local_swarm.SWARM_ARGS["target_batch_size"])
+        else:
+            lives[peer.name] = [read_life(events, log.decode(errors="replace"))]
         tracebacks[peer.name] = lives[peer.name][-1].tracebacks  # the killed life's are not the survivors' crashes
     aux_log = swarm.aux.log.path
-    tracebacks["aux"] = read_life(aux_log.read_text(errors="replace"), year).tracebacks if aux_log.exists() else []
+    tracebacks["aux"] = read_log_notes(aux_log.read_text(errors="replace"))[0] if aux_log.exists() else []
 
     alive_count: Dict[int, int] = {}
     for trainer_lives in lives.values():
@@ -203,14 +205,15 @@ class KillPlan:
     trainer: int  # index into swarm.trainers
     at_seconds: float
     killed_at: Optional[datetime] = None
-    restart_offset: int = 0  # where the restarted process's output begins in the trainer's log
+    restart_offset: tuple[int, int] = (0, 0)  # where the restarted process begins: its log's bytes, its events
 
     def on_tick(self, swarm: LocalSwarm, elapsed: float) -> None:
         if self.killed_at is None and elapsed >= self.at_seconds:
             self.killed_at = datetime.now()
             peer = swarm.restart(swarm.trainers[self.trainer])
-            # the new process has not had time to print anything yet (python takes seconds to import the trainer)
-            self.restart_offset = peer.log.path.stat().st_size if peer.log.path.exists() else 0
+            # the new process has not had time to write anything yet (python takes seconds to import the trainer)
+            log_size = peer.log.path.stat().st_size if peer.log.path.exists() else 0
+            self.restart_offset = (log_size, len(read_events(peer.process.events_path)))
             print(f"soak: killed {peer.name} (its whole process group) at {elapsed:.1f} s and restarted it",
                   flush=True)
 
@@ -236,7 +239,7 @@ def run_once(run: int, args: argparse.Namespace, plan: Optional[KillPlan], stop:
     killed = swarm.trainers[plan.trainer].name if plan is not None and plan.killed_at is not None else None
     return analyse(run, swarm, exit_code, time.monotonic() - started, killed,
                    plan.at_seconds if killed else None, plan.killed_at if killed else None,
-                   plan.restart_offset if killed else 0)
+                   plan.restart_offset if killed else (0, 0))
 
 
 # ---------------------------------------------------------------- reporting

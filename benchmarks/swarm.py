@@ -2,7 +2,7 @@
 gradient compression, and how long a newcomer takes to download the swarm's state.
 
 1. Throughput: 1, 2 and 4 trainer peers (run_trainer.py, one torch thread each) train the tiny LeanGPT; samples/s
-   of the whole swarm between epochs 1 and 1+K, counted from the peers' own logs. Baseline: 1 peer; scaling
+   of the whole swarm between epochs 1 and 1+K, counted from the peers' ``epoch`` events. Baseline: 1 peer; scaling
    efficiency = samples/s / (peers x samples/s of 1 peer). On a 2-core machine, 4 peers share 2 cores.
 2. Averaging: two averagers (each with its own DHT) all-reduce tensors shaped like a 23M-parameter LeanGPT; the time
    of the all-reduce alone (matchmaking done beforehand) and the payload bytes per parameter each peer sends (every
@@ -19,14 +19,10 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
-import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 import hivemind
@@ -43,11 +39,11 @@ from lean_transformer import LeanGPTConfig, LeanGPTForCausalLM  # noqa: E402
 from lean_transformer.swarm.protocol.dht import build_dht, visible_maddrs  # noqa: E402
 from lean_transformer.swarm.protocol.metrics import make_validators  # noqa: E402
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer, make_compression  # noqa: E402
+from lean_transformer.swarm.peers.processes import PeerProcess  # noqa: E402
 from tasks import get_task  # noqa: E402
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 COMPRESSIONS = ["none", "float16", "scaled_float16", "uniform8bit", "quantile8bit", "blockwise8bit", "size_adaptive"]
-EPOCH_LINE = re.compile(r"^(\w{3} \d+ [\d:.]+) .*Reached epoch (\d+): .*\((\d+) samples", re.MULTILINE)
 
 
 def progress(message: str) -> None:
@@ -60,36 +56,33 @@ def progress(message: str) -> None:
 def swarm_samples_per_second(num_peers: int, epochs: int, target_batch_size: int, workdir: Path) -> float:
     """Run ``num_peers`` trainers for 1 + ``epochs`` epochs; samples/s of the swarm over the last ``epochs``."""
     bootstrap = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
-    logs = [workdir / f"{num_peers}-peers-{i}.log" for i in range(num_peers)]
-    argv = [sys.executable, "run_trainer.py", "--run_id", f"bench{num_peers}", "--host_maddrs", *LOOPBACK,
+    argv = ["run_trainer.py", "--run_id", f"bench{num_peers}", "--host_maddrs", *LOOPBACK,
             "--initial_peers", *visible_maddrs(bootstrap), "--target_batch_size", str(target_batch_size),
             "--per_device_batch_size", "8", "--max_sequence_length", "64", "--matchmaking_time", "2",
             "--averaging_timeout", "20", "--average_state_every", "5", "--max_epochs", str(1 + epochs),
             "--backup_every_epochs", "0", "--warmup_steps", "1", "--learning_rate", "0.01"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    processes = []
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    peers = []
     try:
-        for i, log in enumerate(logs):
-            with open(log, "wb") as file:
-                processes.append(subprocess.Popen([*argv, "--output_dir", str(workdir / f"out{num_peers}-{i}")],
-                                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=file, env=env))
-        for process in processes:
-            if process.wait(timeout=300) != 0:
-                raise RuntimeError(f"a trainer failed, see {workdir}")
+        for i in range(num_peers):
+            name = f"{num_peers}-peers-{i}"
+            peers.append(PeerProcess(name, [*argv, "--output_dir", str(workdir / name)], workdir, env, cwd=REPO))
+        for peer in peers:
+            if peer.wait(300) != 0:
+                raise RuntimeError(f"a trainer failed, see {peer.stderr_path}")
     finally:
-        for process in processes:
-            process.kill()
+        for peer in peers:
+            peer.kill()
         bootstrap.shutdown()
 
     samples, times = 0, []
-    for log in logs:
-        for stamp, epoch, count in EPOCH_LINE.findall(log.read_text()):
-            moment = datetime.strptime(stamp, "%b %d %H:%M:%S.%f").timestamp()
-            if int(epoch) == 1:
-                times.append(moment)
-            elif int(epoch) > 1:
-                samples += int(count)
-                times.append(moment)
+    for peer in peers:
+        for event in peer.events("epoch"):
+            if event["epoch"] == 1:
+                times.append(event["time"])
+            elif event["epoch"] > 1:
+                samples += event["samples"]
+                times.append(event["time"])
     return samples / (max(times) - min(times))
 
 

@@ -6,7 +6,7 @@ directions of its link are shaped with ``tc ... tbf`` (its egress inside the nam
 side of the pair) to 100 or 20 Mbit/s. Only the rate is limited: ``netem`` is not available on the machine this
 was written on, so no latency is added (the links have the bridge's sub-millisecond latency). The bootstrap DHT peer
 runs in this process, on the bridge. The links are shaped, and their byte counters read, once every trainer's
-progress line shows all of them at one epoch (a trainer that starts apart from the others catches up by downloading
+progress event shows all of them at one epoch (a trainer that starts apart from the others catches up by downloading
 the swarm's state, which is not what is measured here).
 
 Trainers: run_trainer.py, one process per namespace, one torch thread each (OMP_NUM_THREADS=1), a 25M-parameter
@@ -14,7 +14,7 @@ LeanGPT (benchmarks/wan_model.json) on the CPU, 2 sequences of 64 tokens per mic
 batch is one micro-batch of every trainer, so the peers average gradients after every local step (as DDP would).
 
 Measured per mode over the shaped window only (from shaping the links to stopping the trainers), from the trainers'
-progress lines (cumulative compute seconds, wall seconds, samples and loss sum since each trainer's loop started: a
+progress events (cumulative compute seconds, wall seconds, samples and loss sum since each trainer's loop started: a
 window's figures are the difference of its first and last line) and the namespaces' interface counters (read twice a
 second, interpolated at those lines' times):
 - compute utilization: each trainer's time in forward, backward and (DiLoCo) inner optimizer steps over its wall time
@@ -42,7 +42,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -51,21 +50,19 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from lean_transformer.swarm.peers.processes import (PeerProcess, hivemind_sockets, torch_shared_memory,  # noqa: E402
+                                                    wait_until)
+
 MODEL_CONFIG = REPO / "benchmarks" / "wan_model.json"
 BATCH, SEQUENCE = 2, 64
-HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
-DOWNLOAD = re.compile(r"Downloading the swarm's state")
-PROGRESS = re.compile(r"^(\w{3} \d+ [\d:.]+) .*\] epoch (\d+) \|.* \| (\d+) peers? \|(?:.* \|)? (\d+) samples computed, "
-                      r"compute [\d.]+% \(([\d.]+) s of ([\d.]+) s\), mean loss ([\d.]+|n/a) over (\d+) micro-batches")
 
 
 def progress(message: str) -> None:
@@ -179,9 +176,8 @@ class WanNetwork:
         run_ip("ip", "link", "del", self.bridge, check=False)
         for path in self.sockets:
             Path(path).unlink(missing_ok=True)
-        for pid in self.seen_pids:  # a killed peer leaves its shared tensors (hundreds of MB) in /dev/shm
-            for path in Path("/dev/shm").glob(f"torch_{pid}_*"):
-                path.unlink(missing_ok=True)
+        for path in torch_shared_memory(list(self.seen_pids)):
+            path.unlink(missing_ok=True)
         self.built = False
 
     def leftovers(self) -> List[str]:
@@ -191,21 +187,6 @@ class WanNetwork:
         return ([name for name in self.namespaces if name in namespaces]
                 + [name for name in [self.bridge, *self.host_ends] if name in links]
                 + [path for path in self.sockets if os.path.exists(path)])
-
-
-def hivemind_sockets(pids: Sequence[int]) -> set[str]:
-    """Paths of the hivemind unix sockets that ``pids`` hold open, each read in its own network namespace."""
-    paths = set()
-    for pid in pids:
-        try:
-            inodes = {os.readlink(entry.path)[len("socket:["):-1] for entry in os.scandir(f"/proc/{pid}/fd")
-                      if os.readlink(entry.path).startswith("socket:[")}
-            rows = [line.split() for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]]
-        except OSError:
-            continue  # exited meanwhile
-        paths |= {row[7] for row in rows if len(row) >= 8 and row[6] in inodes
-                  and row[7].startswith(HIVEMIND_SOCKET_PREFIX)}
-    return paths
 
 
 def check_requirements() -> Optional[str]:
@@ -266,7 +247,7 @@ def default_modes(quick: bool) -> List[Mode]:
 
 @dataclass(frozen=True)
 class Point:
-    """One progress line: cumulative figures since the trainer's training loop started."""
+    """One progress event: cumulative figures since the trainer's training loop started."""
     time: float  # unix time of the line
     epoch: int
     peers: int
@@ -278,30 +259,25 @@ class Point:
 
 
 @dataclass
-class TrainerLog:
-    path: Path
+class TrainerProgress:
+    """A trainer's ``progress`` events as points, and its state downloads."""
+    peer: PeerProcess
     points: List[Point] = field(default_factory=list)
     downloads: List[tuple] = field(default_factory=list)  # (unix time, samples computed) of state downloads
 
     def read(self) -> None:
-        text = self.path.read_text(errors="replace") if self.path.exists() else ""
-        year = datetime.now().year
         self.points, self.downloads = [], []
-        for line in text.splitlines():
-            if DOWNLOAD.search(line) and self.points:  # what it trained so far is replaced by the swarm's state
-                moment = datetime.strptime(f"{year} {line[:len('Nov 23 20:13:23.735')]}",
-                                           "%Y %b %d %H:%M:%S.%f").timestamp()
-                self.downloads.append((moment, self.points[-1].samples))
-            if match := PROGRESS.match(line):
-                moment = datetime.strptime(f"{year} {match.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp()
-                losses = int(match.group(8))
-                loss_sum = float(match.group(7)) * losses if losses else 0.0
-                self.points.append(Point(moment, int(match.group(2)), int(match.group(3)), int(match.group(4)),
-                                         float(match.group(5)), float(match.group(6)), loss_sum, losses))
+        for event in self.peer.events():
+            if event["event"] == "state_downloaded" and self.points:  # what it trained is replaced by the swarm's
+                self.downloads.append((event["time"], self.points[-1].samples))
+            elif event["event"] == "progress":
+                self.points.append(Point(event["time"], event["epoch"], event["peers"], event["samples"],
+                                         event["compute_seconds"], event["wall_seconds"], event["loss_sum"],
+                                         event["losses"]))
 
     @property
     def view(self) -> Optional[tuple]:
-        """(epoch, peers) of the last progress line."""
+        """(epoch, peers) of the last progress event."""
         return (self.points[-1].epoch, self.points[-1].peers) if self.points else None
 
     @property
@@ -309,14 +285,14 @@ class TrainerLog:
         return self.points[-1].samples if self.points else 0
 
     def window(self, start: float, stop: float) -> tuple:
-        """The first progress line at or after ``start`` and the last one at or before ``stop``."""
+        """The first progress event at or after ``start`` and the last one at or before ``stop``."""
         inside = [point for point in self.points if start <= point.time <= stop]
         if len(inside) < 2:
-            raise RuntimeError(f"{self.path}: fewer than two progress lines in the measured window")
+            raise RuntimeError(f"{self.peer.events_path}: fewer than two progress events in the measured window")
         return inside[0], inside[-1]
 
     def samples_at(self, moment: float) -> int:
-        """Samples computed by ``moment`` (its last progress line then)."""
+        """Samples computed by ``moment`` (its last progress event then)."""
         before = [point.samples for point in self.points if point.time <= moment]
         return before[-1] if before else 0
 
@@ -327,15 +303,15 @@ class TrainerLog:
         return self.samples_at(moment) - (lost[-1] if lost else 0)
 
 
-def swarm_samples(logs: Sequence[TrainerLog], moment: float) -> int:
+def swarm_samples(logs: Sequence[TrainerProgress], moment: float) -> int:
     """Samples in the swarm's model by ``moment``: each trainer's since its last state download."""
     return sum(log.samples_in_model_at(moment) for log in logs)
 
 
-def loss_at(logs: Sequence[TrainerLog], samples: int) -> float:
+def loss_at(logs: Sequence[TrainerProgress], samples: int) -> float:
     """Mean training loss of the trainers' micro-batches trained while the swarm's model went from 3/4 ``samples`` to
     ``samples`` per trainer (``swarm_samples`` / number of trainers), from the cumulative loss sums of consecutive
-    progress lines (pairs with a state download between them are left out); nan if the run did not get that far."""
+    progress events (pairs with a state download between them are left out); nan if the run did not get that far."""
     low, high = 0.75 * samples * len(logs), samples * len(logs)
     end = max(point.time for log in logs for point in log.points)
     if swarm_samples(logs, end) < high:
@@ -351,10 +327,10 @@ def loss_at(logs: Sequence[TrainerLog], samples: int) -> float:
 @dataclass
 class ModeResult:
     """A mode's logs and byte counters. The measured window runs from shaping the links to stopping the trainers:
-    each trainer's figures are the difference of its first and last progress lines inside it, and its bytes are read
+    each trainer's figures are the difference of its first and last progress events inside it, and its bytes are read
     off its interface's counter (sampled twice a second) at those two lines' times."""
     mode: Mode
-    logs: List[TrainerLog]
+    logs: List[TrainerProgress]
     counters: List[tuple]  # (unix time, [bytes sent by each trainer's interface]) from shaping to stopping
     shaped_at: float  # unix time
     stopped_at: float
@@ -410,7 +386,7 @@ def trainer_argv(mode: Mode, wan: WanNetwork, peer: int, initial_peers: Sequence
                "backup_every_epochs": "0", "warmup_steps": "10", "total_steps": "100000", "learning_rate": "0.002",
                "max_epochs": str(2 * budget), "progress_every": "1", "shutdown_timeout": "60",
                "output_dir": str(workdir / f"out{peer}"), **mode.flags}
-    argv = [sys.executable, str(REPO / "run_trainer.py"), "--initial_peers", *initial_peers]
+    argv = [str(REPO / "run_trainer.py"), "--initial_peers", *initial_peers]
     for key, value in options.items():
         argv += [f"--{key}", value]
     return argv
@@ -423,25 +399,21 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
 
     from lean_transformer.swarm.protocol.dht import visible_maddrs
 
-    logdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    logs = [TrainerLog(logdir / f"trainer{i}.log") for i in range(num_trainers)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with WanNetwork(num_trainers) as wan:
         bootstrap = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{wan.bridge_ip}/tcp/0"])
-        processes = []
+        peers: List[PeerProcess] = []
         try:
             initial_peers = visible_maddrs(bootstrap)
-            for i, log in enumerate(logs):
-                with log.path.open("wb") as file:
-                    processes.append(subprocess.Popen(
-                        wan.command(i, trainer_argv(mode, wan, i, initial_peers, budget, workdir)), cwd=REPO,
-                        stdin=subprocess.DEVNULL, stdout=file, stderr=subprocess.STDOUT, env=env,
-                        start_new_session=True))
+            for i in range(num_trainers):
+                peers.append(PeerProcess(f"trainer{i}", trainer_argv(mode, wan, i, initial_peers, budget, workdir),
+                                         logdir, env, cwd=REPO, argv_prefix=wan.command(i, []), merge_output=True))
+            logs = [TrainerProgress(peer) for peer in peers]
             # shape once the trainers train together: two peers that started apart catch up by downloading the
             # swarm's state, which on a shaped link would eat the measurement
             together = (lambda: len({log.view for log in logs}) == 1 and logs[0].view is not None
                         and logs[0].view[1] == num_trainers)
-            wait_until(together, logs, processes, 180, "the trainers to see each other at the same epoch")
+            wait_while_running(together, logs, 180, "the trainers to see each other at the same epoch")
             wan.shape(mode.rate_mbit)
             shaped_at = time.time()
             counters = [(shaped_at, wan.sent_bytes())]
@@ -460,41 +432,37 @@ def run_mode(mode: Mode, num_trainers: int, budget: int, logdir: Path, workdir: 
                     return time.monotonic() > deadline
                 return swarm_samples(logs, time.time()) >= budget * len(logs)
 
-            wait_until(done, logs, processes, 1800, "the sample budget")
+            wait_while_running(done, logs, 1800, "the sample budget")
             stopped_at = counters[-1][0]
             wan.remember_sockets()
-            for process in processes:
-                process.send_signal(signal.SIGTERM)  # SIGINT may be ignored (started in the background)
-            for process, log in zip(processes, logs):
+            for peer in peers:
+                peer.terminate()  # SIGTERM: SIGINT may be ignored (started in the background)
+            for peer, log in zip(peers, logs):
                 try:
-                    process.wait(timeout=75)
-                except subprocess.TimeoutExpired:
-                    progress(f"  a trainer did not stop within 75 s of SIGTERM, killed (see {log.path})")
+                    peer.wait(75)
+                except TimeoutError:
+                    progress(f"  a trainer did not stop within 75 s of SIGTERM, killed (see {peer.stderr_path})")
                 log.read()
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+            for peer in peers:
+                peer.kill()
             bootstrap.shutdown()
     return ModeResult(mode, logs, counters, shaped_at, stopped_at)
 
 
-def wait_until(condition, logs: Sequence[TrainerLog], processes: Sequence[subprocess.Popen], timeout: float,
-               what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_while_running(condition: Callable[[], bool], logs: Sequence[TrainerProgress], timeout: float,
+                       what: str) -> None:
+    """:func:`wait_until` ``condition`` (the trainers' events read afresh each time); RuntimeError if a trainer
+    exits meanwhile."""
+    def check() -> bool:
         for log in logs:
             log.read()
-        if condition():
-            return
-        for process, log in zip(processes, logs):
-            if process.poll() is not None:
-                tail = "\n".join(log.path.read_text(errors="replace").splitlines()[-15:])
-                raise RuntimeError(f"a trainer exited with {process.returncode} while waiting for {what}:\n{tail}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.5)
+            if log.peer.returncode is not None:
+                raise RuntimeError(f"{log.peer.name} exited with {log.peer.returncode} while waiting for {what}:\n"
+                                   f"{log.peer.log_tail()}")
+        return condition()
+
+    wait_until(check, timeout, what, interval=0.5)
 
 
 # ---------------------------------------------------------------- report
@@ -542,7 +510,7 @@ def plot(results: Sequence[ModeResult], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5), dpi=80)
     for result in results:
         times, losses = [], []
-        for log in result.logs:  # the mean loss between consecutive progress lines, per trainer
+        for log in result.logs:  # the mean loss between consecutive progress events, per trainer
             for a, b in zip(log.points, log.points[1:]):
                 if b.losses > a.losses:
                     times.append(b.time - result.shaped_at)

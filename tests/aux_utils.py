@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import socket
 import struct
-import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
+
+from lean_transformer.swarm.peers.processes import PeerProcess, stop_all, wait_until  # noqa: F401 (imported from here)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -76,87 +72,7 @@ def read_wandb_history(wandb_dir: Path) -> List[dict]:
 REPO = Path(__file__).resolve().parent.parent
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
-    """Poll ``condition`` until it returns something truthy (returned) or fail the test after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-class PeerProcess:
-    """A peer in its own process and session (so that stopping it also stops hivemind's child processes and the p2p
-    daemon), with stdout and stderr captured in files under ``log_dir``."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: Optional[dict] = None):
-        self.name = name
-        self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
-        with self.stdout_path.open("wb") as stdout, self.stderr_path.open("wb") as stderr:
-            self.process = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=stdout, stderr=stderr,
-                                            env={**os.environ, **(env or {})}, start_new_session=True)
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_path.read_text(errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float, stream: str = "stderr") -> re.Match:
-        """The first match of ``pattern`` in the output; fails early (with the output's tail) if the peer exits."""
-
-        def find():
-            match = re.search(pattern, getattr(self, stream), re.MULTILINE)
-            if match is None and self.process.poll() is not None:
-                raise AssertionError(f"{self.name} exited with code {self.process.returncode} before printing "
-                                     f"{pattern!r}:\n{self.stderr[-3000:]}")
-            return match
-
-        return wait_until(find, timeout, f"{self.name} to print {pattern!r}")
-
-    def initial_peers(self, timeout: float = 60) -> List[str]:
-        return self.wait_for(r"^--initial_peers (.+)$", timeout, stream="stdout").group(1).split()
-
-    def stop(self, timeout: float = 40) -> int:
-        """SIGTERM, then wait for a graceful exit; returns the exit code."""
-        self.terminate()
-        return self.wait(timeout)
-
-    def terminate(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int:
-        """The exit code; if the peer does not exit in time, its whole session is killed and the test fails."""
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{self.name} did not exit within {timeout:g} s:\n{self.stderr[-3000:]}") from None
-        finally:
-            self.kill_leftovers()
-
-    def kill(self) -> None:
-        """SIGKILL the peer's main process, then whatever it left behind."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        self.kill_leftovers()
-
-    def kill_leftovers(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def stop_all(peers: Sequence[PeerProcess], timeout: float = 40) -> List[int]:
-    """SIGTERM every peer at once, then collect their exit codes."""
-    for peer in peers:
-        peer.terminate()
-    return [peer.wait(timeout) for peer in peers]
+def start_peer(name: str, argv: Sequence[str], log_dir: Path, env: Optional[dict] = None, **options) -> PeerProcess:
+    """A peer process started from the repository's root (where run_trainer.py and tests/ are); ``options`` as
+    :class:`PeerProcess` takes them (``events=False`` for a command that is not a trainer or an aux peer)."""
+    return PeerProcess(name, argv, log_dir, env, cwd=REPO, **options)

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import torch
 
 from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments
-from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
+from lean_transformer.swarm.monitoring.events import emit, open_events, set_peer
+from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key, visible_maddrs
 from lean_transformer.swarm.protocol.metrics import make_validators
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from tasks import get_task
@@ -47,7 +48,10 @@ def main() -> None:
 
     task = get_task(task_args.task)(task_args, training)
     private_key = peer_private_key(network)
+    if training.events_path is not None:
+        open_events(training.events_path, "trainer")
     dht = build_dht(network, make_validators(network.run_id, private_key))
+    set_peer(str(dht.peer_id))  # before the averagers fork: their events (rounds, refusals) name this peer
     model = task.build_model()
     optimizer = SwarmOptimizer.from_settings(dht, model, task, network, collaboration, training, private_key)
     params = [param for group in optimizer.param_groups for param in group["params"]]
@@ -56,6 +60,8 @@ def main() -> None:
     batch_size = training.per_device_batch_size
 
     print(initial_peers_line(dht), flush=True)
+    emit("joined", epoch=optimizer.local_epoch, client_mode=network.client_mode,
+         initial_peers=[] if network.client_mode else visible_maddrs(dht), from_swarm=False)
     print("ready", flush=True)
     deadline = time.monotonic() + options.deadline
     while not Path(options.start_file).exists() and time.monotonic() < deadline:

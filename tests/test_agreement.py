@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aux_utils import PeerProcess, stop_all
+from aux_utils import PeerProcess, start_peer, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.protocol.agreement import AgreementRecord, first_difference, settings_digest, swarm_mismatch
@@ -58,15 +58,14 @@ def watch(peers: dict[str, PeerProcess], pattern: str, timeout: float) -> tuple[
 
 @pytest.mark.swarm
 def test_a_misconfigured_newcomer_is_refused_in_one_line_and_the_swarm_goes_on(tmp_path: Path, report):
-    swarm = PeerProcess("swarm", ["run_trainer.py", *command_line(dict(TINY, output_dir=str(tmp_path / "swarm")))],
+    swarm = start_peer("swarm", ["run_trainer.py", *command_line(dict(TINY, output_dir=str(tmp_path / "swarm")))],
                         tmp_path, ENV)
     newcomers = {}
     try:
-        initial_peers = swarm.initial_peers()
-        swarm.wait_for(r"Joined the swarm", 120)
+        initial_peers = swarm.initial_peers(timeout=120)  # its joined event
         cases = mismatches(tmp_path)
         for name, (flags, _) in cases.items():  # all at once; each one's time is counted from its own DHT start
-            newcomers[name] = PeerProcess(name.replace(" ", "-"), ["run_trainer.py", *command_line(dict(
+            newcomers[name] = start_peer(name.replace(" ", "-"), ["run_trainer.py", *command_line(dict(
                 TINY, output_dir=str(tmp_path / name), **flags)), "--initial_peers", *initial_peers], tmp_path, ENV)
         started = time.monotonic()
         joined, exited = watch(newcomers, r"Comparing this peer's .* run settings with the swarm's", timeout=180)
@@ -76,12 +75,15 @@ def test_a_misconfigured_newcomer_is_refused_in_one_line_and_the_swarm_goes_on(t
             errors = [line for line in newcomer.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
             assert newcomer.wait(1) == 1 and len(errors) == 1, f"{name}:\n{newcomer.stderr[-3000:]}"
             assert fragment in errors[0], (name, errors[0])
+            (mismatch,) = newcomer.events("settings_mismatch")
+            assert fragment.split(":")[0][2:] in mismatch["differences"], (name, mismatch)
+            assert (newcomer.events()[-1]["event"], newcomer.events()[-1]["reason"]) == ("shutdown", "error"), name
             assert seconds <= REFUSAL_LIMIT, f"{name}: refused {seconds:.0f} s after its DHT started"
             report(f"{name}: refused {seconds:.1f} s after its DHT started ({exited[name] - started:.0f} s after "
                    f"launch): {errors[0][len('run_trainer.py: error: '):][:100]}")
         assert swarm.process.poll() is None, f"the swarm's peer stopped:\n{swarm.stderr[-3000:]}"
-        epoch = int(re.findall(r"Reached epoch (\d+)", swarm.stderr)[-1])
-        swarm.wait_for(rf"Reached epoch {epoch + 1}\b", 60)  # and it still trains
+        epoch = swarm.events("epoch")[-1]["epoch"]
+        swarm.wait_for_event("epoch", lambda event: event["epoch"] > epoch, timeout=60)  # and it still trains
     finally:
         stop_all([swarm, *newcomers.values()])
 

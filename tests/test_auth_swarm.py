@@ -12,17 +12,18 @@ Run as a script, this file is one peer: it reads JSON commands on stdin and answ
 import argparse
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # run as a peer too
+from aux_utils import start_peer  # noqa: E402
+from lean_transformer.swarm.peers.processes import PeerExited, wait_until  # noqa: E402
 
 PREFIX = "@@ "  # marks protocol lines on stdout; everything else (e.g. logs) is ignored
 READY_TIMEOUT = 60
@@ -155,18 +156,13 @@ def _peer_main(argv) -> None:
 
 
 class Peer:
-    """A peer process driven over stdin/stdout; every wait is bounded. ``info`` waits for it to be ready."""
+    """A peer process driven over stdin and its stdout's protocol lines; every wait is bounded. ``info`` waits for it
+    to be ready."""
 
     def __init__(self, name: str, log_dir: Path, *args: str):
         self.name = name
-        self._log_path = log_dir / f"{name}.log"
-        self._log = open(self._log_path, "w")
-        self._proc = subprocess.Popen(
-            [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, cwd=Path(__file__).parent.parent, start_new_session=True,  # own process group: see close_all
-        )
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.process = start_peer(name, [__file__, *args], log_dir, events=False, stdin=True)
+        self._answers = 0  # protocol lines read so far
         self._info = None
 
     @property
@@ -176,45 +172,41 @@ class Peer:
             self._info = self._receive(READY_TIMEOUT)
         return self._info
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            if line.startswith(PREFIX):
-                self._lines.put(json.loads(line[len(PREFIX):]))
-        self._lines.put(None)
-
     def _receive(self, timeout: float) -> dict:
-        try:
-            message = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"{self.name} gave no answer within {timeout}s; see {self._log_path}") from None
-        if message is None:
-            tail = self._log_path.read_text()[-3000:]
-            raise RuntimeError(f"{self.name} exited with code {self._proc.wait(10)}:\n{tail}")
-        return message
+        def next_answer() -> Optional[str]:
+            exited = self.process.returncode is not None
+            text = self.process.stdout
+            answers = [line for line in text[:text.rfind("\n") + 1].splitlines() if line.startswith(PREFIX)]
+            if len(answers) > self._answers:
+                return answers[self._answers]
+            if exited:
+                raise PeerExited(f"{self.name} exited with code {self.process.returncode}:\n{self.process.log_tail()}")
+            return None
+
+        line = wait_until(next_answer, timeout, f"{self.name}'s answer", interval=0.05)
+        self._answers += 1
+        return json.loads(line[len(PREFIX):])
 
     def call(self, op: str, timeout: float = CALL_TIMEOUT, **kwargs) -> dict:
         self.info  # noqa: B018 (the ready message comes first)
-        self._proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self._proc.stdin.flush()
+        self.process.send(json.dumps({"op": op, **kwargs}))
         return self._receive(timeout)
 
 
 def close_all(peers) -> None:
-    """Ask every peer to shut down at once, then wait for each; kill whichever is still there after 20 s."""
+    """Ask every peer to shut down at once, then wait for each; kill whichever is still there after 20 s (its whole
+    process group: the peer, its DHT process and the p2p daemon)."""
     for peer in peers:
         try:
-            peer._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            peer._proc.stdin.flush()
+            peer.process.send(json.dumps({"op": "quit"}))
         except OSError:  # already gone
             pass
     deadline = time.monotonic() + 20
     for peer in peers:
         try:
-            peer._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # the whole group: the peer, its DHT process and the p2p daemon
-            os.killpg(peer._proc.pid, signal.SIGKILL)
-            peer._proc.wait(timeout=10)
-        peer._log.close()
+            peer.process.wait(max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            pass  # killed
 
 
 # case -> how the visitor starts: mode, whose token it presents, which authority signed it, token expiry (hours)

@@ -22,9 +22,9 @@ from matplotlib.image import imread
 from transformers import AutoTokenizer
 
 from arguments import AuxTrainingArguments, TaskArguments
-from aux_utils import PeerProcess, assert_valid_png, closed_port, read_wandb_history, stop_all, wait_until
+from aux_utils import assert_valid_png, closed_port, PeerProcess, read_wandb_history, start_peer, stop_all, wait_until
 from grad_peer import check_rounds
-from swarm_utils import epoch_reports
+from swarm_utils import epoch_reports, group_sizes
 from lean_transformer import LeanGPTForCausalLM
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.demo.local_swarm import command_line
@@ -47,7 +47,7 @@ def swarm_args(run_id: str, **overrides) -> List[str]:
 
 
 def start_trainer(name: str, root: Path, run_id: str, initial_peers: List[str], *extra: str) -> PeerProcess:
-    return PeerProcess(name, ["run_trainer.py", *swarm_args(run_id), "--initial_peers", *initial_peers,
+    return start_peer(name, ["run_trainer.py", *swarm_args(run_id), "--initial_peers", *initial_peers,
                               "--output_dir", str(root / name), *extra], root)
 
 
@@ -72,7 +72,7 @@ def tree_digest(path: Path) -> Dict[str, str]:
 def published_records(trainer: PeerProcess) -> Dict[int, tuple]:
     """epoch -> (mean loss, mini-steps, samples) as the trainer logged the metrics record it published."""
     return {epoch: (report.mean_loss, report.mini_steps, report.samples)
-            for epoch, report in epoch_reports(trainer.stderr).items()}
+            for epoch, report in epoch_reports(trainer).items()}
 
 
 @dataclass
@@ -107,7 +107,7 @@ def swarm_run(tmp_path_factory) -> SwarmRun:
                 "--metrics_path", str(root / "metrics" / "swarm.jsonl"), "--refresh_period", "0.5"]
     peers: List[PeerProcess] = []
     try:
-        aux = PeerProcess("aux", [*aux_args, "--wandb_dir", str(root), "--hub_repo_id", "swarm/lean-test",
+        aux = start_peer("aux", [*aux_args, "--wandb_dir", str(root), "--hub_repo_id", "swarm/lean-test",
                                   "--hub_upload_interval", "0"], root, env)
         peers.append(aux)
         initial_peers = aux.initial_peers()
@@ -126,7 +126,7 @@ def swarm_run(tmp_path_factory) -> SwarmRun:
         # restart on a slow disk with the same identity and port; SIGKILL it while it writes a checkpoint
         checkpoints_before = {path.name: tree_digest(path) for path in (root / "checkpoints").glob("epoch-*")}
         # the trainers dropped the dead aux peer from their routing tables: like an operator, point it at one of them
-        restarted = PeerProcess("aux-restarted", ["tests/slow_disk.py", *aux_args, "--wandb_project", "",
+        restarted = start_peer("aux-restarted", ["tests/slow_disk.py", *aux_args, "--wandb_project", "",
                                                   "--initial_peers", *trainers[0].initial_peers()], root,
                                 dict(SLOW_FSYNC_SECONDS="1"))
         peers.append(restarted)
@@ -151,7 +151,7 @@ def test_restarted_aux_peer_keeps_its_address(swarm_run: SwarmRun):
 
 def test_failed_hub_uploads_are_logged_and_the_peer_goes_on(swarm_run: SwarmRun):
     failures = re.findall(r"Hub upload of epoch (\d+) to swarm/lean-test failed", swarm_run.aux.stderr)
-    saved = [int(epoch) for epoch in re.findall(r"Saved the swarm's state at epoch (\d+)", swarm_run.aux.stderr)]
+    saved = [checkpoint["epoch"] for checkpoint in swarm_run.aux.events("checkpoint")]
     assert failures and saved and max(saved) > min(map(int, failures)), "checkpoints go on after a failed upload"
     assert swarm_run.aux.process.returncode == 0
 
@@ -205,7 +205,7 @@ def test_plot_is_a_valid_png_with_the_validation_loss(swarm_run: SwarmRun):
 def test_each_checkpoint_is_evaluated_on_held_out_data(swarm_run: SwarmRun):
     """The aux peer logs, for every checkpoint it saved, the validation loss that its model gives on the held-out
     batches (rebuilt here from the same flags), and the checkpoint carries the tokenizer."""
-    saved = [int(epoch) for epoch in re.findall(r"Saved the swarm's state at epoch (\d+)", swarm_run.aux.stderr)]
+    saved = [checkpoint["epoch"] for checkpoint in swarm_run.aux.events("checkpoint")]
     evaluations = {row["epoch"]: row["validation_loss"] for row in evaluation_rows(swarm_run.metrics_path)}
     assert len(saved) >= 2 and sorted(evaluations) == saved
     assert all(0 < loss < 6 for loss in evaluations.values()), evaluations  # finite, below chance (ln 261 = 5.56)
@@ -255,13 +255,13 @@ def test_resume_seeds_a_new_swarm_with_the_checkpoint(swarm_run: SwarmRun, tmp_p
     epoch, checkpoint = CheckpointDir(swarm_run.checkpoint_dir, keep_last=2).checkpoints()[-1]
     peers: List[PeerProcess] = []
     try:
-        aux = PeerProcess("aux-resumed", ["run_aux_peer.py", *swarm_args("aux-resume"), "--resume_from",
+        aux = start_peer("aux-resumed", ["run_aux_peer.py", *swarm_args("aux-resume"), "--resume_from",
                                           str(swarm_run.checkpoint_dir), "--checkpoint_dir", str(tmp_path / "ckpt"),
                                           "--metrics_path", str(tmp_path / "m.jsonl"), "--wandb_project", "",
                                           "--refresh_period", "0.5"], tmp_path)
         peers.append(aux)
         initial_peers = aux.initial_peers()
-        aux.wait_for(rf"Seeding the swarm with .*\(epoch {epoch}\)", timeout=60)
+        assert aux.events("joined")[0]["epoch"] == epoch  # seeded with the checkpoint
         # one trainer stops right after joining (its exit backup holds the parameters it would start from);
         # another one trains on
         joiner = start_trainer("joiner", tmp_path, "aux-resume", initial_peers, "--max_epochs", str(epoch))
@@ -271,7 +271,8 @@ def test_resume_seeds_a_new_swarm_with_the_checkpoint(swarm_run: SwarmRun, tmp_p
         assert joiner.wait(90) == 0, joiner.stderr[-3000:]
         assert trainer.wait(120) == 0, trainer.stderr[-3000:]
         for peer in (joiner, trainer):
-            assert f"Joined the swarm at epoch {epoch}" in peer.stderr
+            (joined,) = peer.events("joined")
+            assert (joined["epoch"], joined["from_swarm"]) == (epoch, True), peer.name
         assert published_records(trainer).keys() >= {epoch + 1, epoch + 2}
 
         saved = load_file(checkpoint / "model.safetensors")
@@ -311,12 +312,12 @@ def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchang
     start_file = tmp_path / "start"
     peers: List[PeerProcess] = []
     try:
-        aux = PeerProcess("aux", ["run_aux_peer.py", *run, "--assist_in_averaging", "--assist_refresh_period", "0.2",
+        aux = start_peer("aux", ["run_aux_peer.py", *run, "--assist_in_averaging", "--assist_refresh_period", "0.2",
                                   "--checkpoint_every_epochs", "0", "--metrics_path", str(tmp_path / "m.jsonl"),
                                   "--wandb_project", ""], tmp_path)
         peers.append(aux)
         initial_peers = aux.initial_peers()
-        workers = [PeerProcess(f"worker{seed}", ["tests/grad_peer.py", "--out", str(tmp_path / f"{seed}.pt"),
+        workers = [start_peer(f"worker{seed}", ["tests/grad_peer.py", "--out", str(tmp_path / f"{seed}.pt"),
                                                  "--grad_seed", str(seed), "--rounds", "2", "--group_size", "3",
                                                  "--max_epochs", "15", "--start_file", str(start_file), *run,
                                                  "--per_device_batch_size", str(batch), *mode,
@@ -339,4 +340,4 @@ def test_assisting_aux_peer_is_counted_and_leaves_the_averaged_gradients_unchang
     everyone = sorted([*(dump["peer_id"] for dump in dumps.values()), initial_peers[0].rsplit("/p2p/", 1)[1]])
     assert sum(r["group"] == everyone for r in dumps[1]["rounds"]) >= 2, dumps[1]["rounds"]
     assert check_rounds(dumps, outsiders=set()) >= 2, "the two peers should share rounds through the aux peer"
-    assert re.search(r"Averaged gradients with 3 peers", aux.stderr)
+    assert 3 in group_sizes(aux)

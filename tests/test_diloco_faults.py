@@ -19,8 +19,8 @@ from typing import Dict, List
 import pytest
 import torch
 
-from aux_utils import REPO, PeerProcess, stop_all, wait_until
-from swarm_utils import kill_during_round, transitions
+from aux_utils import REPO, PeerProcess, start_peer, stop_all, wait_until
+from swarm_utils import epochs_after_outer_steps, kill_during_round, transitions
 from test_auth_averaging import RUN as GATED_RUN
 from test_auth_averaging import RUN_ID, _grad_schema_hash, _result
 
@@ -33,13 +33,7 @@ TRAINERS = ("steady", "victim", "faulty")
 # the model, task and run of test_auth_averaging (so that its visitor computes the right schema hash)
 RUN = {**GATED_RUN, "target_batch_size": 12, "local_steps": 3, "matchmaking_time": 2, "learning_rate": 0.01,
        "warmup_steps": 2}
-OUTER_ROUND_BEGINS = r"Epoch (\d+) ends: all-reducing pseudo-gradients"
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# an outer step of all three that left this peer on the swarm's anchor: the epoch it moved to, reached with no state
-# download in between (a peer whose outer state was behind steps with the group, then downloads the swarm's)
-ALL_THREE = re.compile(r"Outer step with 3 peers \(round \d+\)\n(?:(?!.*(?:Outer step|Transitioning)).*\n)*?"
-                       r".*Transitioning to epoch (\d+)\n"
-                       r"(?:(?!.*(?:differs|Downloading)).*\n)*?.*Reached epoch \1\b")
 
 
 @dataclass
@@ -87,34 +81,37 @@ def diloco_faults(tmp_path_factory) -> DiLoCoFaults:
 
     peers: Dict[str, PeerProcess] = {}
     try:
-        peers["steady"] = PeerProcess("steady", trainer_argv("steady", []), root, ENV)
+        peers["steady"] = start_peer("steady", trainer_argv("steady", []), root, ENV)
         maddrs = peers["steady"].initial_peers(timeout=90)
-        peers["victim"] = PeerProcess("victim", trainer_argv("victim", maddrs), root, ENV)
-        peers["faulty"] = PeerProcess("faulty", [str(REPO / "tests" / "test_faults.py"), "nonfinite",
+        peers["victim"] = start_peer("victim", trainer_argv("victim", maddrs), root, ENV)
+        peers["faulty"] = start_peer("faulty", [str(REPO / "tests" / "test_faults.py"), "nonfinite",
                                                  *trainer_argv("faulty", maddrs)], root, ENV)
-        peers["stranger"] = PeerProcess("stranger", [
+        peers["stranger"] = start_peer("stranger", [
             str(REPO / "tests" / "test_auth_averaging.py"), "--identity", str(root / "stranger.id"),
             "--initial_peers", *maddrs, "--member", steady_id, "--schema_hash", _grad_schema_hash().hex(),
-            "--service", "outer", "--probe_file", str(probe_file), "--stop_file", str(stop_file)], root, ENV)
+            "--service", "outer", "--probe_file", str(probe_file), "--stop_file", str(stop_file)], root, ENV,
+            events=False)
         steady, victim, faulty = (peers[name] for name in TRAINERS)
 
-        wait_until(lambda: ALL_THREE.search(steady.stderr), timeout=150, what="an outer step of all three trainers")
+        # an outer step of all three that left a peer on the swarm's anchor: the epoch it moved to, with no state
+        # download in between (a peer whose outer state was behind steps with the group, then downloads the swarm's)
+        wait_until(lambda: epochs_after_outer_steps(steady, 3), timeout=150, what="an outer step of all three trainers")
         probe_file.touch()
         stranger_probe = _result(peers["stranger"], "probe", timeout=60)
 
         # SIGKILL the victim once it and steady are both in the same epoch's outer all-reduce; restart it
-        killed_at, mid_round = kill_during_round(victim, steady, OUTER_ROUND_BEGINS, timeout=120)
+        killed_at, mid_round = kill_during_round(victim, steady, "outer", timeout=120)
         killed = time.monotonic()
-        peers["victim-restarted"] = PeerProcess("victim-restarted", trainer_argv("victim", maddrs), root, ENV)
+        peers["victim-restarted"] = start_peer("victim-restarted", trainer_argv("victim", maddrs), root, ENV)
         seconds_to_go_on = {}
         for survivor in (steady, faulty):
-            wait_until(lambda: max(transitions(survivor.stderr), default=0) > killed_at,
+            wait_until(lambda: max(transitions(survivor), default=0) > killed_at,
                        timeout=RUN["matchmaking_time"] + RUN["averaging_timeout"] + 30,
                        what=f"{survivor.name} to go on", interval=0.05)
             seconds_to_go_on[survivor.name] = time.monotonic() - killed
         restarted = peers["victim-restarted"]
-        restarted.wait_for(r"Joined the swarm at epoch \d+", timeout=120)
-        wait_until(lambda: ALL_THREE.search(restarted.stderr), timeout=120,
+        restarted.wait_for_event("joined", timeout=120)
+        wait_until(lambda: epochs_after_outer_steps(restarted, 3), timeout=120,
                    what="an outer step of the restarted victim with the two others")
 
         stop_file.touch()
@@ -138,11 +135,10 @@ def test_sigkill_during_the_outer_all_reduce(diloco_faults: DiLoCoFaults, report
     # the survivors' round failed or formed without the victim, and they went on to the next epoch
     assert max(run.seconds_to_go_on.values()) < RUN["matchmaking_time"] + RUN["averaging_timeout"] + 30
     restarted = run.peers["victim-restarted"]
-    joined = int(re.search(r"Joined the swarm at epoch (\d+)", restarted.stderr).group(1))
+    (joined,) = [event["epoch"] for event in restarted.events("joined")]
     assert joined >= run.killed_at
     # after an outer step of all three, the restarted victim holds the same anchor and momentum as steady
-    epochs = (set(map(int, ALL_THREE.findall(restarted.stderr))) & set(map(int, ALL_THREE.findall(
-        run.peers["steady"].stderr))))
+    epochs = epochs_after_outer_steps(restarted, 3) & epochs_after_outer_steps(run.peers["steady"], 3)
     epoch = min(epochs)
     for mine, theirs in zip(outer_state(run.root, "victim", epoch), outer_state(run.root, "steady", epoch)):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
@@ -161,8 +157,7 @@ def test_nonfinite_micro_batches_poison_no_anchor(diloco_faults: DiLoCoFaults, r
     for folder in backups:
         state = torch.load(folder / TRAINING_STATE_FILE, weights_only=True)
         assert all(torch.isfinite(tensor).all() for tensor in state["outer"]), folder
-    together = set(map(int, ALL_THREE.findall(run.peers["faulty"].stderr))) & set(
-        map(int, ALL_THREE.findall(run.peers["steady"].stderr)))
+    together = epochs_after_outer_steps(run.peers["faulty"], 3) & epochs_after_outer_steps(run.peers["steady"], 3)
     assert together, "faulty and steady took no outer step together"
     for epoch in sorted(together):
         for mine, theirs in zip(outer_state(run.root, "faulty", epoch), outer_state(run.root, "steady", epoch)):
@@ -177,13 +172,11 @@ def test_a_stranger_is_refused_by_the_outer_all_reduce(diloco_faults: DiLoCoFaul
                                       download=dict(messages=0, metadata=False)), run.stranger_probe
     answered = {code: n for code, n in run.stranger_codes.items() if not code.startswith("error")}
     assert set(answered) == {"PROTOCOL_VIOLATION"} and sum(answered.values()) >= 10, run.stranger_codes
-    steady = run.peers["steady"].stderr
     stranger_id = json.loads(run.peers["stranger"].stdout.splitlines()[0])["ready"]
-    warnings = re.findall(rf"\b{RUN_ID}_outer: refusing averaging requests from peer {stranger_id}: (.*)$", steady,
-                          re.MULTILINE)
+    warnings = [event["reason"] for event in run.peers["steady"].events("peer_refused")
+                if (event["source"], event["service"]) == (stranger_id, f"{RUN_ID}_outer")]
     assert len(warnings) == 1, warnings
-    groups = [int(size) for peer in run.peers.values() for size in re.findall(r"Outer step with (\d+) peers?",
-                                                                              peer.stderr)]
+    groups = [step["group_size"] for peer in run.peers.values() for step in peer.events("outer_step")]
     assert groups and max(groups) <= len(TRAINERS), groups  # nobody but the three trainers in any group
     report(f"stranger calling steady's outer all-reduce directly: join and tensor part -> PROTOCOL_VIOLATION, state "
            f"download -> nothing; {sum(answered.values())} more join requests during training, all refused; steady "

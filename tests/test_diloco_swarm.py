@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import List
 
@@ -17,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aux_utils import PeerProcess, stop_all, wait_until
+from aux_utils import PeerProcess, start_peer, stop_all, wait_until
+from swarm_utils import epoch_reports, epochs_after_outer_steps, transitions
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
@@ -25,7 +25,6 @@ from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 ROUNDS, LOCAL_STEPS = 3, 3  # outer steps the two trainers must take together
-TOGETHER = re.compile(r"Outer step with 2 peers \(round \d+\)\n(?:.*\n)*?.*Reached epoch (\d+)")
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -51,18 +50,18 @@ def diloco_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("diloco")
     peers: List[PeerProcess] = []
     try:
-        aux = PeerProcess("aux", ["run_aux_peer.py", *args("diloco"), "--checkpoint_dir", str(root / "checkpoints"),
+        aux = start_peer("aux", ["run_aux_peer.py", *args("diloco"), "--checkpoint_dir", str(root / "checkpoints"),
                                   "--checkpoint_every_epochs", "2", "--metrics_path", str(root / "swarm.jsonl"),
                                   "--refresh_period", "0.5", "--wandb_project", ""], root, ENV)
         peers.append(aux)
         initial_peers = aux.initial_peers()
-        trainers = [PeerProcess(name, ["run_trainer.py", *args("diloco"), "--initial_peers", *initial_peers,
+        trainers = [start_peer(name, ["run_trainer.py", *args("diloco"), "--initial_peers", *initial_peers,
                                        "--max_epochs", "1000", "--backup_every_epochs", "1",
                                        "--keep_backups", "100", "--output_dir", str(root / name)], root, ENV)
                     for name in ("t1", "t2")]
         peers += trainers
-        wait_until(lambda: all(len(TOGETHER.findall(trainer.stderr)) >= ROUNDS for trainer in trainers), timeout=150,
-                   what=f"{ROUNDS} outer steps of both trainers together")
+        wait_until(lambda: all(len(epochs_after_outer_steps(trainer, 2)) >= ROUNDS for trainer in trainers),
+                   timeout=150, what=f"{ROUNDS} outer steps of both trainers together")
         assert stop_all(trainers) == [0, 0], [trainer.stderr[-3000:] for trainer in trainers]
         wait_until(lambda: CheckpointDir(root / "checkpoints", keep_last=3).checkpoints(), timeout=30,
                    what="an aux checkpoint")
@@ -75,10 +74,10 @@ def diloco_run(tmp_path_factory):
 
 def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
     root, _, trainers = diloco_run
-    together = [set(map(int, TOGETHER.findall(trainer.stderr))) for trainer in trainers]
+    together = [epochs_after_outer_steps(trainer, 2) for trainer in trainers]
     # both reached it by an outer step together, then backed up; not the last epoch (SIGTERM's final backup, taken
     # mid-round, replaces that one)
-    last = min(max(map(int, re.findall(r"Reached epoch (\d+)", trainer.stderr))) for trainer in trainers)
+    last = min(max(transitions(trainer)) for trainer in trainers)
     epoch = max(e for e in together[0] & together[1] if e < last)
     # right after an outer step both trainers' parameters are the shared anchor: equal
     first, second = (load_file(backup(root, trainer.name, epoch) / "model.safetensors") for trainer in trainers)
@@ -93,8 +92,8 @@ def test_loss_falls_over_the_rounds(diloco_run):
     trainer that joins later starts from the swarm's state, and an epoch's mean over a few micro-batches is noisy
     (a late joiner once logged 2.78, 4.11, 3.28, 2.72 in its 4 epochs)."""
     _, _, trainers = diloco_run
-    losses = {trainer.name: {int(e): float(loss) for e, loss in re.findall(
-        r"Reached epoch (\d+): mean loss ([\d.]+)", trainer.stderr)} for trainer in trainers}
+    losses = {trainer.name: {epoch: report.mean_loss for epoch, report in epoch_reports(trainer).items()}
+              for trainer in trainers}
     first_epoch = min(min(by_epoch) for by_epoch in losses.values())
     untrained = max(by_epoch[first_epoch] for by_epoch in losses.values() if first_epoch in by_epoch)
     for name, by_epoch in losses.items():
@@ -117,7 +116,7 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
                        if backup(root, name, epoch).exists()]
     assert any(all(torch.equal(a, b) for a, b in zip(anchor, theirs)) for theirs in trainer_anchors)
     assert any(torch.equal(weight.float(), anchor[0]) for weight in model.values() if weight.shape == anchor[0].shape)
-    assert "Saved the swarm's state at epoch" in aux.stderr
+    assert epoch in [saved["epoch"] for saved in aux.events("checkpoint")]
 
 
 def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, tmp_path: Path):
@@ -125,22 +124,22 @@ def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, 
     epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
     peers: List[PeerProcess] = []
     try:
-        aux = PeerProcess("aux-resumed", ["run_aux_peer.py", *args("diloco-resume", target_batch_size=4),
+        aux = start_peer("aux-resumed", ["run_aux_peer.py", *args("diloco-resume", target_batch_size=4),
                                           "--resume_from", str(checkpoint),
                                           "--checkpoint_dir", str(tmp_path / "checkpoints"), "--assist_in_averaging",
                                           "--metrics_path", str(tmp_path / "swarm.jsonl"), "--refresh_period", "0.5",
                                           "--wandb_project", ""], tmp_path, ENV)
         peers.append(aux)
-        trainer = PeerProcess("joiner", ["run_trainer.py", *args("diloco-resume", target_batch_size=4),
+        trainer = start_peer("joiner", ["run_trainer.py", *args("diloco-resume", target_batch_size=4),
                                          "--initial_peers", *aux.initial_peers(), "--max_epochs", str(epoch + 1),
                                          "--output_dir", str(tmp_path / "joiner"), "--backup_every_epochs", "1"],
                               tmp_path, ENV)
         peers.append(trainer)
         assert trainer.wait(120) == 0, trainer.stderr[-3000:]
-        assert f"Joined the swarm at epoch {epoch}" in trainer.stderr
+        assert [joined["epoch"] for joined in trainer.events("joined")] == [epoch]
         # it continues the checkpoint's outer steps (the count travels with the anchor)
         steps = int(torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)["outer"][-1])
-        assert re.search(rf"Outer step with \d+ peers? \(round {steps + 1}\)", trainer.stderr), trainer.stderr[-3000:]
+        assert steps + 1 in [step["outer_steps"] for step in trainer.events("outer_step")], trainer.stderr[-3000:]
         assert stop_all([aux]) == [0]
     finally:
         for peer in peers:

@@ -34,8 +34,9 @@ import torch
 # aux_utils and swarm_utils when run as a script; arguments.py and tasks/ (at the repository root) in any case
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
-from aux_utils import REPO, PeerProcess, stop_all, wait_until  # noqa: E402
-from swarm_utils import EpochReport, epoch_reports, kill_during_round, transitions  # noqa: E402
+from aux_utils import REPO, PeerProcess, start_peer, stop_all, wait_until  # noqa: E402
+from swarm_utils import (EpochReport, assert_shut_down, epoch_reports, group_sizes, kill_during_round,  # noqa: E402
+                         transitions)
 
 from lean_transformer.demo.local_swarm import command_line  # noqa: E402
 
@@ -45,7 +46,6 @@ PREFIX = "@@ "  # marks the attacker's result lines on stdout
 SWARM = dict(target_batch_size=64, per_device_batch_size=4, max_sequence_length=32, matchmaking_time=3,
              averaging_timeout=10, startup_timeout=90, learning_rate=0.02, warmup_steps=2)
 NONFINITE_EVERY = 3
-STEP_BEGINS = r"Beginning optimizer step #(\d+)"  # a gradient averaging round starts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,7 +78,7 @@ def read_jsonl(path: Path) -> List[dict]:
 
 
 def newest_epoch(peer: PeerProcess) -> int:
-    return max(epoch_reports(peer.stderr), default=0)
+    return max(epoch_reports(peer), default=0)
 
 
 # ---------------------------------------------------------------- the swarm under faults
@@ -113,34 +113,35 @@ def faults(tmp_path_factory) -> FaultRun:
     run_id = "faults"
     peers: List[PeerProcess] = []
     try:
-        aux = PeerProcess("aux", ["run_aux_peer.py", *swarm_args(run_id), "--refresh_period", "0.5",
+        aux = start_peer("aux", ["run_aux_peer.py", *swarm_args(run_id), "--refresh_period", "0.5",
                                   "--metrics_path", str(root / "metrics.jsonl"), "--checkpoint_every_epochs", "0",
                                   "--wandb_project", ""], root)
         peers.append(aux)
         initial_peers = aux.initial_peers()
-        attacker = PeerProcess("attacker", [__file__, "attack-metrics", "--run_id", run_id, "--initial_peers",
-                                            *initial_peers], root)
-        steady = PeerProcess("steady", trainer_argv("steady", root, run_id, initial_peers), root)
+        attacker = start_peer("attacker", [__file__, "attack-metrics", "--run_id", run_id, "--initial_peers",
+                                            *initial_peers], root, events=False)
+        steady = start_peer("steady", trainer_argv("steady", root, run_id, initial_peers), root)
         victim_argv = trainer_argv("victim", root, run_id, initial_peers, "--identity_path", str(root / "victim.id"))
-        victim = PeerProcess("victim", victim_argv, root)
-        faulty = PeerProcess("faulty", [__file__, "nonfinite", *trainer_argv("faulty", root, run_id, initial_peers)],
+        victim = start_peer("victim", victim_argv, root)
+        faulty = start_peer("faulty", [__file__, "nonfinite", *trainer_argv("faulty", root, run_id, initial_peers)],
                              root)
         peers += [attacker, steady, victim, faulty]
 
         # once the three trainers have averaged together, kill the victim in the middle of a round and restart it
-        steady.wait_for(r"Averaged gradients with [34] peers", timeout=180)
-        killed_at, mid_round = kill_during_round(victim, steady, STEP_BEGINS, timeout=120,
+        steady.wait_for_event("averaged", lambda event: event["kind"] == "gradients" and event["group_size"] in (3, 4),
+                              timeout=180)
+        killed_at, mid_round = kill_during_round(victim, steady, "gradients", timeout=120,
                                                  min_epoch=max(2, newest_epoch(steady) + 1))
         killed = time.monotonic()
-        restarted = PeerProcess("victim-restarted", victim_argv, root)
+        restarted = start_peer("victim-restarted", victim_argv, root)
         peers.append(restarted)
         seconds_to_go_on = {}
         for survivor in (steady, faulty):
-            wait_until(lambda: max(transitions(survivor.stderr), default=0) > killed_at,
+            wait_until(lambda: max(transitions(survivor), default=0) > killed_at,
                        timeout=SWARM["averaging_timeout"] + 30, what=f"{survivor.name} to go on", interval=0.05)
             seconds_to_go_on[survivor.name] = time.monotonic() - killed
-        joined = int(restarted.wait_for(r"Joined the swarm at epoch (\d+)", timeout=150).group(1))
-        restarted.wait_for(rf"Reached epoch {joined + 1}\b", timeout=90)
+        joined = restarted.wait_for_event("joined", timeout=150)["epoch"]
+        restarted.wait_for_event("epoch", lambda event: event["epoch"] == joined + 1, timeout=90)
         assert attacker.wait(120) == 0, attacker.stderr[-3000:]
 
         # none crashed: all still running until told to stop, then a clean exit (hivemind may log the tracebacks of
@@ -161,23 +162,23 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
     timeout = SWARM["averaging_timeout"]
     assert faults.exit_codes == {"steady": 0, "victim-restarted": 0, "faulty": 0, "aux": 0}
     for peer in (faults.steady, faults.faulty, faults.restarted, faults.aux):
-        assert "Shut down cleanly" in peer.stderr, peer.name
+        assert_shut_down(peer)
     assert faults.kill_landed_mid_round, "the kill should land while victim and steady were in the same open round"
     for name, seconds in faults.seconds_to_go_on.items():
         assert seconds < timeout + 10, f"{name} took {seconds:.1f} s to go on after the kill"
 
     # nothing lost: the survivors' epochs only went forward, the restarted victim joined at the swarm's epoch
     for survivor in (faults.steady, faults.faulty):
-        epochs = transitions(survivor.stderr)
+        epochs = transitions(survivor)
         assert epochs == sorted(epochs) and epochs[-1] >= faults.killed_at_epoch + 2, (survivor.name, epochs)
-    joined = int(re.search(r"Joined the swarm at epoch (\d+)", faults.restarted.stderr).group(1))
+    (joined,) = [event["epoch"] for event in faults.restarted.events("joined")]
     assert joined >= faults.killed_at_epoch
 
     # caught up: its first epoch's loss (computed with the parameters it loaded) is the swarm's, not a fresh model's
     # (the swarm's first epoch, trained from the initial parameters; the victim may have joined after it)
-    steady_reports, second_life = epoch_reports(faults.steady.stderr), epoch_reports(faults.restarted.stderr)
+    steady_reports, second_life = epoch_reports(faults.steady), epoch_reports(faults.restarted)
     first_reports = [each for peer in (faults.steady, faults.victim, faults.faulty)
-                     for each in epoch_reports(peer.stderr).values() if each.epoch == 1]
+                     for each in epoch_reports(peer).values() if each.epoch == 1]
     assert first_reports, "some peer trained the swarm's first epoch from the initial parameters"
     initial = first_reports[0].mean_loss
     first_epoch = min(second_life)
@@ -194,13 +195,13 @@ def test_sigkill_during_averaging_survivors_go_on_and_the_victim_catches_up(faul
 def test_nonfinite_gradients_are_not_contributed_and_poison_nobody(faults: FaultRun, report):
     from safetensors.torch import load_file
 
-    reports = epoch_reports(faults.faulty.stderr)
+    reports = epoch_reports(faults.faulty)
     skipped = sum(each.skipped for each in reports.values())
     skip_lines = faults.faulty.stderr.count("with non-finite loss or gradients (not counted)")
     assert 2 <= skipped <= skip_lines, (skipped, skip_lines)  # the last, unfinished epoch reports no skips
     batch = SWARM["per_device_batch_size"]
     assert all(each.samples == each.mini_steps * batch for each in reports.values()), "skipped ones counted"
-    assert re.search(r"Averaged gradients with [234] peers", faults.faulty.stderr), "it should still average"
+    assert set(group_sizes(faults.faulty)) & {2, 3, 4}, "it should still average"
 
     checked = 0
     for trainer in ("steady", "victim", "faulty"):
@@ -229,7 +230,7 @@ def test_bad_metrics_records_are_rejected_and_aggregates_undisturbed(faults: Fau
     # every row the aux peer logged is made of honest trainers' reports only
     honest: Dict[int, List[EpochReport]] = {}
     for trainer in faults.trainers:
-        for epoch, each in epoch_reports(trainer.stderr).items():
+        for epoch, each in epoch_reports(trainer).items():
             honest.setdefault(epoch, []).append(each)
     rows = read_jsonl(faults.metrics_path)
     assert len(rows) >= 4
@@ -276,7 +277,7 @@ def test_backups_stay_loadable_through_kills_at_several_moments_of_a_write(tmp_p
     def writer(index: int, *extra: str) -> PeerProcess:
         argv = trainer_argv(f"writer{index}", tmp_path, f"kills{index}", [], "--keep_backups", "2",
                             "--target_batch_size", "16", *extra)
-        return PeerProcess(f"writer{index}-{'restarted' if extra else 'killed'}", ["tests/slow_disk.py", *argv],
+        return start_peer(f"writer{index}-{'restarted' if extra else 'killed'}", ["tests/slow_disk.py", *argv],
                            tmp_path, dict(SLOW_FSYNC_SECONDS="0.3"))  # a backup takes ~2 s: time to hit each moment
 
     folders = [tmp_path / f"writer{index}" / "backups" for index in range(len(KILL_MOMENTS))]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lean_transformer.swarm.monitoring.events import read_events
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "lean_transformer"
 APPLICATION = {"tasks", "arguments", "run_trainer", "run_aux_peer"}
@@ -128,7 +130,9 @@ def test_wheel_runs_a_one_peer_swarm_from_another_directory(tmp_path: Path):
          "--matchmaking_time", "0.5", "--max_epochs", "3", "--output_dir", "out", "--shutdown_timeout", "20"],
         cwd=workdir, env=env, text=True, capture_output=True, timeout=240)
     assert trainer.returncode == 0, trainer.stderr[-3000:]
-    assert "Reached epoch 3" in trainer.stderr + trainer.stdout, trainer.stderr[-3000:]
+    events = read_events(workdir / "out" / "events.jsonl")  # the default --events_path, in --output_dir
+    assert [event["epoch"] for event in events if event["event"] == "epoch"][-1] == 3, trainer.stderr[-3000:]
+    assert (events[-1]["event"], events[-1]["reason"], events[-1]["clean"]) == ("shutdown", "finished", True)
     assert (workdir / "out" / "backups").is_dir()
 
 

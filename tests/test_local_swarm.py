@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aux_utils import PeerProcess, assert_valid_png
+from aux_utils import assert_valid_png, PeerProcess, start_peer
 from lean_transformer.demo import local_swarm
-from swarm_utils import TreeWatcher
+from lean_transformer.swarm.peers.processes import ProcessTracker
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -26,14 +26,14 @@ VIEW = re.compile(r"^\[\d+:\d\d / \d+:\d\d\] aux +swarm epoch \d+ \|.*\n +traine
                   re.MULTILINE)
 
 
-def start_local_swarm(tmp_path: Path, *args: str) -> tuple[PeerProcess, TreeWatcher]:
-    run = PeerProcess("local_swarm", ["-m", "lean_transformer.demo", "--output_dir",
-                                      str(tmp_path / "demo"), "--refresh", "2", *args], tmp_path)
-    return run, TreeWatcher(run.process.pid).start()
+def start_local_swarm(tmp_path: Path, *args: str) -> tuple[PeerProcess, ProcessTracker]:
+    run = start_peer("local_swarm", ["-m", "lean_transformer.demo", "--output_dir",
+                                      str(tmp_path / "demo"), "--refresh", "2", *args], tmp_path, events=False)
+    return run, ProcessTracker(run.pid).watch()
 
 
-def assert_nothing_left(watcher: TreeWatcher, tmp_path: Path) -> None:
-    tracker = watcher.stop()
+def assert_nothing_left(tracker: ProcessTracker, tmp_path: Path) -> None:
+    tracker.stop_watching()
     assert len(tracker.processes) >= 6, "expected the peers and their hivemind processes to have been seen"
     assert tracker.sockets, "expected the peers' p2p sockets to have been seen"
     assert tracker.alive() == [], "processes outlived the command"

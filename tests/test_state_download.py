@@ -7,7 +7,6 @@ The server side is checked directly: a served state is a copy taken between two 
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aux_utils import PeerProcess, stop_all
+from aux_utils import start_peer, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.hivemind_fixes.state_download import StateLayout, ValidatedStateSharing
@@ -32,23 +31,26 @@ def test_a_broken_state_is_rejected_in_one_line_and_the_newcomer_trains_on(tmp_p
     servers, trainers = {}, {}
     try:
         for kind in REASONS:
-            servers[kind] = PeerProcess(f"bad-{kind}", ["tests/bad_state_peer.py", "--kind", kind, *command_line(
-                dict(TINY, run_id=f"bad_{kind}"))], tmp_path, ENV)
+            servers[kind] = start_peer(f"bad-{kind}", ["tests/bad_state_peer.py", "--kind", kind, *command_line(
+                dict(TINY, run_id=f"bad_{kind}"))], tmp_path, ENV, events=False)  # not a trainer: no events
         for kind, server in servers.items():
             server.wait_for("^serving$", 120, stream="stdout")
-            trainers[kind] = PeerProcess(f"newcomer-{kind}", ["run_trainer.py", *command_line(dict(
+            initial_peers = server.wait_for(r"^--initial_peers (.+)$", 1, stream="stdout").group(1).split()
+            trainers[kind] = start_peer(f"newcomer-{kind}", ["run_trainer.py", *command_line(dict(
                 TINY, run_id=f"bad_{kind}", output_dir=str(tmp_path / kind), max_epochs=2)),
-                "--initial_peers", *server.initial_peers()], tmp_path, ENV)
+                "--initial_peers", *initial_peers], tmp_path, ENV)
         codes = {kind: trainer.wait(240) for kind, trainer in trainers.items()}
     finally:
         stop_all([*servers.values(), *trainers.values()])
     for kind, trainer in trainers.items():
         log = trainer.stderr
-        rejected = re.findall(r"Rejected the state of \S+: (.*); trying the next peer", log)
+        rejected = [event["reason"] for event in trainer.events("state_rejected")]
         assert codes[kind] == 0, f"{kind}:\n{log[-3000:]}"
         assert rejected and all(REASONS[kind] in reason for reason in rejected), f"{kind}: {rejected}\n{log[-2000:]}"
+        assert trainer.events("state_downloaded") == [], kind  # it kept its own state
         training = log.partition("Leaving the swarm")[0]  # (hivemind's DHT may log a pipe race while it shuts down)
-        assert "Traceback" not in training and "Reached epoch 2" in training, f"{kind}:\n{log[-3000:]}"
+        assert "Traceback" not in training, f"{kind}:\n{log[-3000:]}"
+        assert [event["epoch"] for event in trainer.events("epoch")][-1] == 2, kind
         report(f"{kind}: rejected ({rejected[0][:70]}), the newcomer trained to epoch 2 and exited 0")
 
 

@@ -10,14 +10,14 @@ bfloat16 or float16 (``--model_dtype``), on the CPU, in real hivemind swarms on 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from aux_utils import REPO, PeerProcess
+from aux_utils import REPO, PeerProcess, start_peer
+from swarm_utils import epoch_reports, group_sizes
 
 pytestmark = pytest.mark.swarm
 
@@ -25,7 +25,6 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # the loss falls by ~0.7 nats in the first 3 epochs on either peer kind (the tests want 0.2)
 PAIR_EPOCHS, FP16_EPOCHS = 3, 3
 DILOCO_EPOCHS = 4  # outer rounds of the lone DiLoCo trainers
-EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+) over (\d+) mini-steps \((\d+) samples, (\d+) skipped")
 
 
 def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs: int, target_batch: int,
@@ -41,18 +40,18 @@ def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs:
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory) -> dict[str, PeerProcess]:
     root = tmp_path_factory.mktemp("host_gradients")
-    boot = PeerProcess("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
-                       root, ENV)
+    boot = start_peer("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                       root, ENV, events=False)
     started = {"boot": boot}
     try:
         # the fp16 trainer needs no swarm: it starts while the bootstrap node does
-        started["fp16"] = PeerProcess("fp16", trainer_argv("fp16", "fp16", root, [], FP16_EPOCHS, 64,
+        started["fp16"] = start_peer("fp16", trainer_argv("fp16", "fp16", root, [], FP16_EPOCHS, 64,
                                                            "--model_dtype", "float16"), root, ENV)
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
         # epochs of 256 samples last a few seconds: long enough for the 3 s matchmaking window
         for name, kind in (("a", ["--model_dtype", "bfloat16"]), ("b", ["--offload_gradients", "false"])):
-            started[name] = PeerProcess(name, trainer_argv("pair", name, root, initial, PAIR_EPOCHS, 256, *kind),
-                                        root, ENV)
+            started[name] = start_peer(name, trainer_argv("pair", name, root, initial, PAIR_EPOCHS, 256, *kind),
+                                       root, ENV)
         for name in ("a", "b", "fp16"):
             started[name].wait(300)
         return started
@@ -65,7 +64,7 @@ def peers(tmp_path_factory) -> dict[str, PeerProcess]:
 
 def epochs(peer: PeerProcess) -> dict[int, tuple[float, int]]:
     """epoch -> (mean loss, skipped micro-batches)"""
-    return {int(match[0]): (float(match[1]), int(match[4])) for match in EPOCH_LINE.findall(peer.stderr)}
+    return {epoch: (report.mean_loss, report.skipped) for epoch, report in epoch_reports(peer).items()}
 
 
 def test_host_gradient_and_plain_trainers_average_together_and_learn(peers):
@@ -76,7 +75,7 @@ def test_host_gradient_and_plain_trainers_average_together_and_learn(peers):
     for name, by_epoch in reports.items():
         peer = peers[name]
         assert peer.process.returncode == 0, peer.stderr[-3000:]
-        assert "Averaged gradients with 2 peers" in peer.stderr, peer.stderr[-3000:]
+        assert 2 in group_sizes(peer), peer.stderr[-3000:]
         assert max(by_epoch) == PAIR_EPOCHS and all(skipped == 0 for _, skipped in by_epoch.values()), by_epoch
     first_epoch = min(min(by_epoch) for by_epoch in reports.values())
     untrained = max(by_epoch[first_epoch][0] for by_epoch in reports.values() if first_epoch in by_epoch)
@@ -119,7 +118,7 @@ def test_diloco_local_steps_take_the_same_steps_with_host_gradients(tmp_path, re
     runs = {"grad": ["--offload_gradients", "false"], "host": ["--offload_gradients", "true"],
             "bf16": ["--offload_gradients", "true", "--model_dtype", "bfloat16"],
             "fp16": ["--offload_gradients", "true", "--model_dtype", "float16"]}
-    peers = {name: PeerProcess(name, trainer_argv(f"diloco_{name}", name, tmp_path, [], DILOCO_EPOCHS, 16,
+    peers = {name: start_peer(name, trainer_argv(f"diloco_{name}", name, tmp_path, [], DILOCO_EPOCHS, 16,
                                                   "--local_steps", "3", "--identity_path", str(identity), *extra),
                                tmp_path, ENV)
              for name, extra in runs.items()}
@@ -131,7 +130,7 @@ def test_diloco_local_steps_take_the_same_steps_with_host_gradients(tmp_path, re
             peer.kill()
     for name, peer in peers.items():
         assert peer.process.returncode == 0, peer.stderr[-3000:]
-        assert peer.stderr.count("Outer step with 1 peer") == DILOCO_EPOCHS, peer.stderr[-3000:]
+        assert [step["group_size"] for step in peer.events("outer_step")] == [1] * DILOCO_EPOCHS, peer.stderr[-3000:]
     weights = {name: load_file(max((tmp_path / name / "backups").glob("epoch-*")) / "model.safetensors")
                for name in ("grad", "host")}
     assert weights["grad"].keys() == weights["host"].keys()

@@ -27,14 +27,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aux_utils import PeerProcess
+from aux_utils import PeerProcess, start_peer
+from swarm_utils import assert_shut_down, epoch_reports, group_sizes
 
 pytestmark = pytest.mark.swarm
 
 EPOCHS, TARGET_BATCH, BATCH = 10, 256, 8
 MIXED_EPOCHS = 3  # the mixed-precision lone peers' loss falls by 0.4-0.75 in 3 epochs (the test wants 0.2)
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+)")
 
 
 def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], batch_size: int, max_epochs: int,
@@ -57,8 +57,8 @@ def first_backup(output_dir: Path) -> Path:
     return min((output_dir / "backups").glob("epoch-*"))
 
 
-def epoch_losses(log: str) -> dict[int, float]:
-    return {int(epoch): float(loss) for epoch, loss in EPOCH_LINE.findall(log)}
+def epoch_losses(peer: PeerProcess) -> dict[int, float]:
+    return {epoch: report.mean_loss for epoch, report in epoch_reports(peer).items()}
 
 
 @dataclass
@@ -91,29 +91,30 @@ def go(go_file: Path, *args: object) -> None:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     root = tmp_path_factory.mktemp("swarm")
-    boot = PeerProcess("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
-                       root, ENV)
+    boot = start_peer("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                       root, ENV, events=False)
     peers = [boot]
     try:
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
-        p1, p2 = (PeerProcess(name, trainer_argv("pair", root / name, initial, BATCH, EPOCHS), root, ENV)
+        p1, p2 = (start_peer(name, trainer_argv("pair", root / name, initial, BATCH, EPOCHS), root, ENV)
                   for name in ("p1", "p2"))
-        p0 = PeerProcess("p0", trainer_argv("solo", root / "p0", initial, 2 * BATCH, EPOCHS), root, ENV)
+        p0 = start_peer("p0", trainer_argv("solo", root / "p0", initial, 2 * BATCH, EPOCHS), root, ENV)
         peers += [p1, p2, p0]
         # the resuming peers start now and wait (imported) for their moment, their --resume_from in their go file
         slower = ["--target_batch_size", str(4 * TARGET_BATCH)]  # so that the late peer catches up in one download
-        resumed, late = (PeerProcess(name, ["tests/start_when.py", str(root / f"{name}.go"), "300",
+        resumed, late = (start_peer(name, ["tests/start_when.py", str(root / f"{name}.go"), "300",
                                             *trainer_argv("resume", root / name, initial, BATCH, 1000, *slower)],
                                      root, ENV) for name in ("p4", "p3"))
         peers += [resumed, late]
 
         p1.wait_for(r"Backed up epoch 2\b", 150)
         go(root / "p4.go", "--resume_from", backup(root / "p1", 2))
-        resumed.wait_for(r"Reached epoch 3\b", 150)
-        late_started_at_epoch = max(epoch_losses(resumed.stderr))
+        resumed.wait_for_event("epoch", lambda event: event["epoch"] == 3, 150)
+        late_started_at_epoch = max(epoch_losses(resumed))
         go(root / "p3.go", "--resume_from", first_backup(root / "p1"))
-        late.wait_for(r"Joined the swarm at epoch (\d+)", 150)
-        late.wait_for(r"Averaged gradients with 2 peers", 120)  # it trains with the swarm, not just alongside
+        late.wait_for_event("joined", timeout=150)
+        # it trains with the swarm, not just alongside
+        late.wait_for_event("averaged", lambda event: event["kind"] == "gradients" and event["group_size"] == 2, 120)
 
         exits = stop_together(late, resumed)
         exits.update({peer.name: (peer.wait(240), math.nan) for peer in (p1, p2, p0)})
@@ -129,16 +130,16 @@ def scenario(tmp_path_factory) -> Scenario:
 
 def test_peers_finish_cleanly(scenario: Scenario):
     assert scenario.exit_codes == {"p0": 0, "p1": 0, "p2": 0, "p3": 0, "p4": 0}
-    for peer in (*scenario.pair, scenario.solo, scenario.late, scenario.resumed):
-        assert "Shut down cleanly" in peer.stderr, peer.name
+    for peer in (*scenario.pair, scenario.solo):
+        assert_shut_down(peer, "finished")
+    for peer in (scenario.late, scenario.resumed):
+        assert_shut_down(peer, "signal")
 
 
 def test_pair_averages_with_two_peers_and_loss_falls(scenario: Scenario):
     for peer in scenario.pair:
-        log = peer.stderr
-        assert "Averaged gradients with 2 peers" in log, peer.name
-        assert "Averaged parameters with 2 peers" in log, peer.name
-        losses = epoch_losses(log)
+        assert 2 in group_sizes(peer) and 2 in group_sizes(peer, "parameters"), peer.name
+        losses = epoch_losses(peer)
         first, last = losses[min(losses)], losses[EPOCHS]
         assert last < first - 0.5, f"{peer.name}: loss went from {first} to {last}"
 
@@ -178,26 +179,27 @@ def test_late_peer_loads_the_swarm_state_and_continues(scenario: Scenario):
     log = scenario.late.stderr
     oldest = first_backup(scenario.root / "p1").name
     assert re.search(rf"Loaded local checkpoint .*{oldest} \(epoch {int(oldest[6:])}\)", log)
-    joined = int(re.search(r"Joined the swarm at epoch (\d+)", log).group(1))
-    assert joined >= scenario.late_started_at_epoch >= 3, log[-3000:]  # the swarm's newer state won over the local one
-    assert max(epoch_losses(log)) > joined
-    assert "Averaged gradients with 2 peers" in log
+    (joined,) = scenario.late.events("joined")
+    assert joined["from_swarm"], log[-3000:]
+    # the swarm's newer state won over the local one
+    assert joined["epoch"] >= scenario.late_started_at_epoch >= 3, log[-3000:]
+    assert max(epoch_losses(scenario.late)) > joined["epoch"]
+    assert 2 in group_sizes(scenario.late)
     assert "Downloading parameters from peer" not in log  # hivemind's gradient averager downloads no gradients
 
 
 def test_sigterm_exits_cleanly_within_30_seconds(scenario: Scenario):
     for peer in (scenario.late, scenario.resumed):
-        log = peer.stderr
         assert scenario.exit_codes[peer.name] == 0 and scenario.exit_seconds[peer.name] < 30, peer.name
-        assert "Caught SIGTERM" in log and "stop requested" in log and "Shut down cleanly" in log, peer.name
-        assert "Abandoning" not in log, peer.name
+        assert "Caught SIGTERM" in peer.stderr, peer.name  # told to the person who stopped it
+        assert_shut_down(peer, "signal")
 
 
 def test_resume_keeps_a_local_checkpoint_newer_than_the_swarm(scenario: Scenario):
     log = scenario.resumed.stderr
     assert re.search(r"Loaded local checkpoint .*epoch-000002 \(epoch 2\)", log)
-    assert "Joined the swarm at epoch 2" in log
-    assert min(epoch_losses(log)) == 3
+    assert [joined["epoch"] for joined in scenario.resumed.events("joined")] == [2]
+    assert min(epoch_losses(scenario.resumed)) == 3
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +224,7 @@ def lone_peers(scenario: Scenario) -> dict[str, PeerProcess]:
              "mlm_bf16": (MIXED_EPOCHS, [*healthy, "--bf16", "--task", "mlm", "--gradient_accumulation_steps", "2",
                               "--initial_sequence_length", "32", "--sequence_length_warmup_steps", "2",
                               "--gradient_checkpointing", "true"])}
-    peers = {name: PeerProcess(name, trainer_argv(name, root / name, [], 2 * BATCH, epochs, *extra), root, ENV)
+    peers = {name: start_peer(name, trainer_argv(name, root / name, [], 2 * BATCH, epochs, *extra), root, ENV)
              for name, (epochs, extra) in cases.items()}
     for peer in peers.values():
         peer.wait(240)
@@ -234,7 +236,7 @@ def test_broken_parameters_are_restored_from_the_latest_backup(lone_peers):
     assert peer.process.returncode == 0, peer.stderr[-2000:]
     log = peer.stderr
     assert re.search(rf"at epoch 1; restored the backup of epoch {EPOCHS} from .*epoch-{EPOCHS:06d}", log)
-    assert EPOCHS + 2 in epoch_losses(log)  # trained on from the backup (whose optimizer state has the sane LR)
+    assert EPOCHS + 2 in epoch_losses(peer)  # trained on from the backup (whose optimizer state has the sane LR)
 
 
 def test_broken_parameters_without_a_backup_stop_the_peer_with_a_clear_error(lone_peers):
@@ -252,7 +254,7 @@ def test_broken_parameters_without_a_backup_stop_the_peer_with_a_clear_error(lon
 def test_mixed_precision_training(lone_peers, name):
     peer = lone_peers[name]
     assert peer.process.returncode == 0, peer.stderr[-2000:]
-    losses = epoch_losses(peer.stderr)
+    losses = epoch_losses(peer)
     assert sorted(losses) == list(range(1, MIXED_EPOCHS + 1))
     assert losses[MIXED_EPOCHS] < losses[1] - 0.2, losses
     if name == "fp16_blocks":  # each epoch line reports the blocks' overflows and the range of their scales

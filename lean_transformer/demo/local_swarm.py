@@ -4,9 +4,11 @@ on the embedded corpus (no GPU, no internet), with a live view, then a checkpoin
     python -m lean_transformer.demo [--duration 180] [--num_trainers 2] [--output_dir outputs/demo]
 
 Every peer is a separate process running the project's own ``run_aux_peer`` / ``run_trainer`` modules (exactly what a
-volunteer runs: the scripts at the repository root, installed as ``lean_transformer_app`` by ``pip install .``), in its own
-session, logging to ``OUTPUT_DIR/logs/NAME.log``. The live view is read from those
-logs; the summary from the aux peer's metrics file and the trainers' logs. Ctrl+C or SIGTERM stops every peer
+volunteer runs: the scripts at the repository root, installed as
+``lean_transformer_app`` by ``pip install .``), in its own
+session, logging to ``OUTPUT_DIR/logs/NAME.log`` and writing its events to ``NAME.events.jsonl`` beside it. The live
+view shows the peers' newest progress lines; every number (epochs, losses, samples, averaging rounds) comes from the
+events, or from the aux peer's metrics file. Ctrl+C or SIGTERM stops every peer
 gracefully (a second Ctrl+C at once); whatever is left of a peer's process group afterwards is killed, and the p2p
 daemons' socket files left in /tmp are removed, so nothing outlives the command.
 """
@@ -20,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,11 +33,11 @@ from lean_transformer.data.markov import MarkovCorpus
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.cli import OneLineErrorParser
 from lean_transformer.swarm.monitoring.run_history import read_evaluations, read_rows
-from lean_transformer.swarm.peers.shutdown import descendant_pids
+from lean_transformer.swarm.monitoring.events import EventReader
+from lean_transformer.swarm.peers.processes import PeerProcess, ProcessTracker
 
 PEER_MODULES = ("run_aux_peer", "run_trainer")  # the application's entry points; started, never imported
 MARKER_FILE = "local_swarm.json"  # marks an output directory as ours, so that a new run may replace it
-HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"  # where hivemind's p2p daemon and clients put their unix sockets
 KEEP_CHECKPOINTS = 3
 STARTUP_LIMIT = 300  # seconds for the peers to start and join (minutes on a busy machine)
 
@@ -52,18 +53,16 @@ SWARM_ARGS = dict(target_batch_size=128, per_device_batch_size=8, max_sequence_l
 _LOG_PREFIX = re.compile(r"^\w{3} \d{1,2} [\d:.]+ \[\w+\] (?:\[[^\]]*\] )?")  # hivemind's "Nov 21 13:19:44.098 [INFO] "
 _TRAINER_STATUS = re.compile(r"^epoch \d+ \|")
 _AUX_STATUS = re.compile(r"^swarm epoch \d+ \|")
-_EPOCH_REPORT = re.compile(r"^Reached epoch (\d+): mean loss (\S+) over (\d+) mini-steps \((\d+) samples")
-_GRADIENT_ROUND = re.compile(r"^Averaged gradients with (\d+) peers")
-_STATE_ROUND = re.compile(r"^Averaged parameters with (\d+) peers")
-_JOINED = re.compile(r"^Joined the swarm at epoch \d+")
 
 
 class PeerLog:
-    """Follows one peer's log file and keeps what the live view and the summary need."""
+    """Follows one peer: the newest line of its log for the live view (text for people), and its events, where every
+    number that the demo shows comes from."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, events_path: Path):
         self.path = path
         self._offset, self._partial = 0, ""
+        self._events = EventReader(events_path)
         self.initial_peers: Optional[list[str]] = None
         self.status = ""  # the newest progress line, or the newest line of any kind before the first one
         self.epoch_reports: dict[int, tuple[float, int, int]] = {}  # epoch -> (mean loss, mini-steps, samples)
@@ -71,6 +70,8 @@ class PeerLog:
         self.joined = False
 
     def update(self) -> None:
+        for event in self._events.new():
+            self._read_event(event)
         try:
             with self.path.open("r", encoding="utf-8", errors="replace") as file:
                 file.seek(self._offset)
@@ -83,24 +84,25 @@ class PeerLog:
         for line in lines:
             self._read_line(_LOG_PREFIX.sub("", line.strip()))
 
+    def _read_event(self, event: dict) -> None:
+        if event["event"] == "joined":
+            self.joined, self.initial_peers = True, event["initial_peers"]
+        elif event["event"] == "epoch":
+            loss = math.nan if event["loss"] is None else event["loss"]
+            self.epoch_reports[event["epoch"]] = (loss, event["mini_steps"], event["samples"])
+        elif event["event"] == "averaged" and (event["group_size"] or 0) > 1:
+            if event["kind"] == "gradients":
+                self.gradient_rounds += 1
+            elif event["kind"] == "parameters":
+                self.state_rounds += 1
+
     def _read_line(self, line: str) -> None:
         if not line:
             return
-        if line.startswith("--initial_peers "):
-            self.initial_peers = line.split()[1:]
-        elif _TRAINER_STATUS.match(line) or _AUX_STATUS.match(line):
+        if _TRAINER_STATUS.match(line) or _AUX_STATUS.match(line):
             self.status = line
         elif not _TRAINER_STATUS.match(self.status) and not _AUX_STATUS.match(self.status):
             self.status = line[:160]  # starting up: show what it is doing
-        if _JOINED.match(line):
-            self.joined = True
-        elif match := _EPOCH_REPORT.match(line):
-            epoch, loss, mini_steps, samples = match.groups()
-            self.epoch_reports[int(epoch)] = (float(loss), int(mini_steps), int(samples))
-        elif (match := _GRADIENT_ROUND.match(line)) and int(match.group(1)) > 1:
-            self.gradient_rounds += 1
-        elif (match := _STATE_ROUND.match(line)) and int(match.group(1)) > 1:
-            self.state_rounds += 1
 
     def tail(self, lines: int = 8) -> str:
         try:
@@ -111,111 +113,42 @@ class PeerLog:
 
 @dataclass
 class Peer:
-    """One peer process in its own session (so that its hivemind children can be found and stopped with it)."""
+    """One peer of the demo: its command, its process (:class:`PeerProcess`, in its own session, output and events in
+    ``log_dir``) once started, and what the demo knows of it."""
 
     name: str
     argv: list[str]
-    log: PeerLog
+    log_dir: Path
     env: dict
-    process: Optional[subprocess.Popen] = None
+    process: Optional[PeerProcess] = None
     stop_requested: bool = False
     reported_exit: bool = False
 
+    def __post_init__(self):
+        self.log = PeerLog(self.log_dir / f"{self.name}.log", self.log_dir / f"{self.name}.events.jsonl")
+
     def start(self) -> None:
-        self.log.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.path.open("ab") as log_file:
-            self.process = subprocess.Popen([sys.executable, *self.argv], stdin=subprocess.DEVNULL,
-                                            stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+        self.process = PeerProcess(self.name, self.argv, self.log_dir, self.env, merge_output=True)
 
     @property
     def returncode(self) -> Optional[int]:
-        return self.process.poll() if self.process is not None else None
+        return self.process.returncode if self.process is not None else None
 
     def request_stop(self) -> None:
         """SIGTERM to the peer itself (not its group): it leaves the swarm and stops its hivemind processes."""
         self.stop_requested = True
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+        if self.process is not None:
+            self.process.terminate()
 
     def kill_group(self) -> None:
         if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
-
-
-class ProcessTracker:
-    """Remembers every process below ``root_pid`` (default: this one) and the hivemind socket files they listen on,
-    so that after the peers have stopped nothing of them is left: no process that escaped its group, no socket file
-    in /tmp (hivemind leaves its clients' sockets behind even when it shuts down cleanly)."""
-
-    def __init__(self, root_pid: Optional[int] = None):
-        self.root_pid = os.getpid() if root_pid is None else root_pid
-        self.processes: dict[int, str] = {}  # pid -> start time (to tell a recycled pid apart)
-        self.sockets: set[str] = set()
-
-    def scan(self) -> None:
-        pids = descendant_pids(self.root_pid)
-        for pid in pids:
-            started = _start_time(pid)
-            if started is not None:
-                self.processes.setdefault(pid, started)
-        self.sockets |= _listening_sockets(pids)
-
-    def alive(self) -> list[int]:
-        return [pid for pid, started in self.processes.items() if _start_time(pid) == started]
-
-    def leftover_sockets(self) -> list[str]:
-        return [path for path in self.sockets if os.path.exists(path)]
-
-    def clean_up(self, timeout: float = 10.0) -> None:
-        """SIGKILL the processes still alive and wait (up to ``timeout`` s) until they are gone; remove the sockets."""
-        for pid in self.alive():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout
-        while self.alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for path in self.leftover_sockets():
-            Path(path).unlink(missing_ok=True)
+            self.process.kill_leftovers()
+            self.process.process.wait()
 
 
 def command_line(options: Mapping[str, object]) -> list[str]:
     """``{"run_id": "x", "matchmaking_time": 0.5}`` -> ``["--run_id", "x", "--matchmaking_time", "0.5"]``."""
     return [item for key, value in options.items() for item in (f"--{key}", str(value))]
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """The start time of a living (not zombie) process ``pid``, which tells it apart from a later one with its pid."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[19] if fields[0] != "Z" else None
-
-
-def _listening_sockets(pids: Sequence[int]) -> set[str]:
-    """Paths of the hivemind unix sockets that ``pids`` hold open (read from /proc; empty where there is none)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for entry in os.scandir(f"/proc/{pid}/fd"):
-                target = os.readlink(entry.path)
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:["):-1])
-        except OSError:
-            continue  # exited meanwhile, or not ours to read
-    try:
-        with open("/proc/net/unix") as table:
-            rows = [line.split() for line in table.readlines()[1:]]
-    except OSError:
-        return set()
-    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith(HIVEMIND_SOCKET_PREFIX)}
 
 
 class StopSignals:
@@ -275,7 +208,7 @@ class LocalSwarm:
             env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(self.output_dir))
         argv = ["-m", module, "--run_id", "local_swarm", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
                 *command_line(SWARM_ARGS), *args]
-        return Peer(name, argv, PeerLog(self.output_dir / "logs" / f"{name}.log"), env)
+        return Peer(name, argv, self.output_dir / "logs", env)
 
     def _poll(self) -> None:
         """Read the peers' new log lines, remember their processes and sockets, report peers that died."""
@@ -350,7 +283,8 @@ class LocalSwarm:
         self.tracker.scan()  # remember its hivemind processes, so that clean_up finds any that left its group
         peer.kill_group()
         peer.reported_exit = True
-        again = Peer(peer.name, peer.argv, peer.log, peer.env)
+        again = Peer(peer.name, peer.argv, peer.log_dir, peer.env)
+        again.log = peer.log
         self.peers[self.peers.index(peer)] = again
         again.start()
         return again

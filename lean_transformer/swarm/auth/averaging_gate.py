@@ -42,6 +42,7 @@ from lean_transformer.swarm.auth.tokens import (InvalidTokenError, check_token, 
                                                 token_expiration)
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
+from lean_transformer.swarm.monitoring.events import emit
 
 logger = get_logger(__name__)
 
@@ -138,6 +139,7 @@ class AveragingGate:
             verdict = (False, time.time() + REFUSAL_TTL)
             if previous is None or previous[0]:
                 logger.warning(f"{service}: refusing averaging requests from peer {peer_id}: {e}")
+                emit("peer_refused", source=str(peer_id), reason=str(e), service=service)
         if len(self._verdicts) >= _MAX_VERDICTS:
             self._verdicts = {peer: item for peer, item in self._verdicts.items() if time.time() < item[1]}
         self._verdicts[peer_id] = verdict

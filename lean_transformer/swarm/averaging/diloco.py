@@ -56,6 +56,7 @@ from hivemind.utils.asyncio import amap_in_executor
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
+from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 
 logger = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class _SameResultRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class _Averager(WholeControlMessages, CancelSafe, DecentralizedAverager):
+class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
     same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).

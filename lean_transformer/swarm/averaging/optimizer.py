@@ -31,6 +31,7 @@ from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, Oute
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
+from lean_transformer.swarm.monitoring.events import emit
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
@@ -278,6 +279,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                 else:
                     logger.info(f"Outer step with {group_size} peer{'s' if group_size != 1 else ''} "
                                 f"(round {int(self.outer_loop.outer.steps)})")
+                    emit("outer_step", epoch=self.local_epoch, group_size=group_size,
+                         outer_steps=int(self.outer_loop.outer.steps))
 
     def _trainers_in_swarm(self) -> int:
         """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the

@@ -35,6 +35,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
 from hivemind.utils.mpfuture import MPFuture
 
+from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
 from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
@@ -87,7 +88,7 @@ class CancelSafe:
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
 
-class GradientAverager(NamedRPCs, CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
+class GradientAverager(ReportsRounds, NamedRPCs, CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
     """hivemind's GradientAverager (same RPC names, for its subclasses too: :mod:`.rpc_names`), safe to cancel, its
     answers delivered (:mod:`.stream_answers`), and with no state to share or download.
 
@@ -106,7 +107,7 @@ class GradientAverager(NamedRPCs, CancelSafe, AnswersDelivered, grad_averager.Gr
         return None
 
 
-class TrainingStateAverager(CancelSafe, AnswersDelivered, ValidatedStateSharing,
+class TrainingStateAverager(ReportsRounds, CancelSafe, AnswersDelivered, ValidatedStateSharing,
                             state_averager.TrainingStateAverager):
     """hivemind's TrainingStateAverager (same RPC names), safe to cancel, its answers delivered
     (:mod:`.stream_answers`), sharing consistent states and loading only states that fit (:mod:`.state_download`)."""

@@ -55,6 +55,8 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from lean_transformer.swarm.monitoring.events import emit
+
 logger = get_logger(__name__)
 
 MIN_CHUNK_TIMEOUT = 10.0  # seconds to wait for the next part of a state, whatever the (short) request timeout
@@ -234,9 +236,11 @@ class ValidatedStateSharing:
                     continue
                 if problem is not None:
                     logger.warning(f"Rejected the state of {peer}: {problem}; trying the next peer")
+                    emit("state_rejected", source=str(peer), reason=problem)
                     continue
                 logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {peer} in "
                             f"{time.monotonic() - started:.3f} s")
+                emit("state_downloaded", epoch=metadata["epoch"], source=str(peer), seconds=time.monotonic() - started)
                 future.set_result((metadata, tensors))
                 return
         finally:

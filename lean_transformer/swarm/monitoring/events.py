@@ -9,25 +9,33 @@ line is a self-contained JSON object::
 not bump it: readers ignore what they do not know). ``time`` is Unix time in seconds, ``peer`` the peer's libp2p ID
 (``None`` before its DHT starts), ``role`` ``"trainer"`` or ``"aux"``. The events and their fields:
 
-===================  ==================================================================================================
-``joined``           ``epoch``, ``client_mode``, ``initial_peers`` (the addresses others join through; ``[]`` for a
-                     client), ``from_swarm`` (whether it loaded the swarm's state)
-``epoch``            the peer reached ``epoch``: ``loss`` (mean over the epoch it finished; ``null`` if none),
-                     ``samples``, ``mini_steps``, ``skipped``, ``compute_seconds`` and ``wall_seconds`` (since start)
-``averaged``         an averaging round succeeded: ``kind`` (``gradients``, ``parameters`` or ``outer``), ``epoch``,
-                     ``group_size``, ``bytes`` (sent by this peer, when known, else ``null``)
-``round_missed``     an averaging round failed or found no group: ``kind``, ``epoch``, ``reason``
-``outer_step``       DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
-``state_downloaded`` loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``
-``state_rejected``   refused a donor's state: ``source``, ``reason``
-``peer_refused``     an averager refused a peer (authorized swarms): ``source``, ``reason``
+====================  =================================================================================================
+``joined``            ``epoch``, ``client_mode``, ``initial_peers`` (the addresses others join through; ``[]`` for a
+                      client), ``from_swarm`` (whether it loaded the swarm's state)
+``epoch``             the peer reached ``epoch``: ``loss`` (mean over the epoch it finished; ``null`` if none),
+                      ``samples``, ``mini_steps``, ``skipped``, ``compute_seconds`` and ``wall_seconds`` (since start)
+``progress``          (trainer) with each progress line: ``epoch``, ``peers`` (in the swarm, as hivemind sees it),
+                      and since the training loop started: ``samples`` (computed), ``compute_seconds``,
+                      ``wall_seconds``, ``loss_sum`` and ``losses`` (over the micro-batches trained on)
+``round_started``     an averager began an averaging round (it looks for a group): ``kind`` (``gradients``,
+                      ``parameters`` or ``outer``), ``epoch`` (the round's, where the averager knows it, else ``null``)
+``averaged``          the round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``, ``bytes``
+                      (sent by this peer, when known, else ``null``)
+``round_missed``      the round failed, found no group or was cancelled: ``kind``, ``epoch``, ``reason``
+                      (``cancelled``, or the error)
+``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
+``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``
+``state_rejected``    refused a donor's state: ``source``, ``reason``
+``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
+                      averager's prefix)
 ``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
-``checkpoint``       (aux) wrote the swarm's state: ``epoch``, ``path``
-``evaluation``       (aux) ``epoch``, ``validation_loss``
-``swarm_epoch``      (aux) one epoch of the swarm's statistics: ``epoch``, ``loss``, ``samples``,
-                     ``samples_per_second``, ``alive_peers``
-``shutdown``         ``reason`` (``finished``, ``signal`` or ``error``), ``epoch``, ``clean``
-===================  ==================================================================================================
+``checkpoint``        (aux) wrote the swarm's state: ``epoch``, ``path``
+``evaluation``        (aux) ``epoch``, ``validation_loss``
+``swarm_epoch``       (aux) one epoch of the swarm's statistics: ``epoch``, ``loss``, ``samples``,
+                      ``samples_per_second``, ``alive_peers``
+``shutdown``          ``reason`` (``finished``, ``signal`` or ``error``), ``epoch`` (``null`` if unknown), ``clean``,
+                      ``error`` (with ``error``: the exception, one line)
+====================  =================================================================================================
 
 Writing: a peer opens its stream once (:func:`open_events`) and any code of that process, or of a process forked from
 it (hivemind's averagers), calls :func:`emit`. Each event is one ``write`` of one line to a file opened with
@@ -36,6 +44,7 @@ the library works the same when embedded without events.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -45,8 +54,8 @@ from pathlib import Path
 from typing import Any, Iterator, List, Optional, Union
 
 SCHEMA_VERSION = 1
-EVENTS = ("joined", "epoch", "averaged", "round_missed", "outer_step", "state_downloaded", "state_rejected",
-          "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
+EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
+          "state_rejected", "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
 
 
 class EventLog:
@@ -117,6 +126,24 @@ def close_events() -> None:
     if _current is not None:
         _current.close()
         _current = None
+
+
+@contextlib.contextmanager
+def peer_events(path: Union[str, Path], role: str) -> Iterator[dict]:
+    """This process's stream for the length of a peer's run, ended by its ``shutdown`` event: the block fills the
+    dict it gets with the event's ``reason`` and ``epoch``; an exception ends it with ``reason="error"``."""
+    open_events(path, role)
+    ending: dict = {}
+    try:
+        yield ending
+    except BaseException as error:
+        emit("shutdown", reason="error", epoch=ending.get("epoch"), clean=False,
+             error=f"{type(error).__name__}: {error}")
+        raise
+    else:
+        emit("shutdown", clean=True, **ending)
+    finally:
+        close_events()
 
 
 def read_events(path: Union[str, Path], event: Optional[str] = None) -> List[dict]:

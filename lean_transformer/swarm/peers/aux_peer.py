@@ -22,6 +22,8 @@ from transformers import PreTrainedModel
 from lean_transformer.swarm.monitoring.aggregation import EpochCollector, SwarmStats
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.monitoring.events import emit, peer_events
+from lean_transformer.swarm.protocol.dht import visible_maddrs
 from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
 from lean_transformer.swarm.storage.hub import HubUploader, resolve_checkpoint
 from lean_transformer.swarm.protocol.metrics import fetch_metrics
@@ -143,6 +145,8 @@ class AuxPeer:
         records = fetch_metrics(self.dht, self.run_id)
         completed = self.collector.update(records, now=time.time())
         for stats in completed:
+            emit("swarm_epoch", epoch=stats.epoch, loss=stats.loss, samples=stats.samples_in_epoch,
+                 samples_per_second=stats.samples_per_second, alive_peers=stats.alive_peers)
             self.history.append(stats)
             if self.wandb is not None:
                 self.wandb.log(stats)
@@ -173,6 +177,7 @@ class AuxPeer:
             validation_loss = evaluate(self.model, self.validation_batches) if self.validation_batches else None
         self.last_checkpoint_epoch = epoch
         logger.info(f"Saved the swarm's state at epoch {epoch} to {path}")
+        emit("checkpoint", epoch=epoch, path=str(path))
         if validation_loss is not None:
             self.log_evaluation(Evaluation(epoch, validation_loss, time.time()))
         if self.hub is not None:
@@ -189,6 +194,7 @@ class AuxPeer:
             return
         logger.info(f"Validation loss of the epoch {evaluation.epoch} checkpoint: {evaluation.validation_loss:.4f} "
                     f"({len(self.validation_batches)} held-out batches)")
+        emit("evaluation", epoch=evaluation.epoch, validation_loss=evaluation.validation_loss)
         self.history.append(evaluation)
         if self.wandb is not None:
             self.wandb.log(evaluation)
@@ -226,7 +232,16 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
     """Run an aux peer for a swarm training ``task`` until Ctrl+C / SIGTERM. ``swarm_settings`` must agree with the
     trainers' (see :func:`lean_transformer.swarm.peers.trainer.train`); ``run_config`` is logged with the metrics (wandb).
     Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before the peer
-    joins."""
+    joins. Its events go to ``training.events_path`` (default: events.jsonl beside ``aux.metrics_path``)."""
+    events_path = training.events_path or Path(aux.metrics_path).with_name("events.jsonl")
+    with peer_events(events_path, "aux") as ending:
+        ending.update(_run_aux_peer(task, network, collaboration, training, aux, swarm_settings, run_config))
+
+
+def _run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
+                  training: TrainingSettings, aux: AuxSettings, swarm_settings: Mapping[str, Any],
+                  run_config: Optional[dict]) -> dict:
+    """:func:`run_aux_peer`; returns the ``shutdown`` event's reason and epoch."""
     shutdown = GracefulShutdown(training.shutdown_timeout)
     if aux.assist_in_averaging and network.client_mode:
         raise ValueError("--assist_in_averaging: averaging through this peer needs incoming connections; "
@@ -247,7 +262,10 @@ def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: Co
             optimizer.share_snapshot()
             logger.info(f"Seeding the swarm with {checkpoint} (epoch {epoch}): trainers that join continue from it")
         peer.print_initial_peers()  # printed once ready, so trainers started on this line find the state
+        emit("joined", epoch=optimizer.local_epoch, client_mode=network.client_mode,
+             initial_peers=[] if network.client_mode else visible_maddrs(peer.dht), from_swarm=False)
         AuxPeer(peer.dht, model, optimizer, network, aux, run_config or {}, shutdown, peer.agreement,
                 save_tokenizer=lambda directory: task.save_tokenizer(str(directory)),
                 validation_batches=validation_batches).run()
     logger.info("Shut down cleanly")
+    return dict(reason="signal", epoch=optimizer.local_epoch)

@@ -18,6 +18,8 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from lean_transformer.swarm.monitoring.events import emit
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,14 +75,18 @@ class ProgressLine:
         finally:
             self._computing_since = time.monotonic()
 
+    def wall_seconds(self) -> float:
+        """Seconds since construction."""
+        return time.monotonic() - self.started
+
     def utilization(self) -> float:
         """Compute seconds / wall seconds since construction (0 before any time has passed)."""
-        wall = time.monotonic() - self.started
+        wall = self.wall_seconds()
         return self.compute_seconds / wall if wall > 0 else 0.0
 
     def summary(self) -> str:
         return (f"Compute utilization {self.utilization():.1%}: {self.compute_seconds:.1f} s in forward, backward and "
-                f"inner steps of {time.monotonic() - self.started:.1f} s training ({self.samples} samples)")
+                f"inner steps of {self.wall_seconds():.1f} s training ({self.samples} samples)")
 
     def maybe_report(self, optimizer: hivemind.Optimizer, mean_loss: float) -> None:
         now = time.monotonic()
@@ -92,6 +98,9 @@ class ProgressLine:
         if self.device is not None and self.device.type == "cuda":
             peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
         line = format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes)
+        emit("progress", epoch=optimizer.local_epoch, peers=optimizer.tracker.global_progress.num_peers,
+             samples=self.samples, compute_seconds=self.compute_seconds, wall_seconds=now - self.started,
+             loss_sum=self.loss_sum, losses=self.losses)
         mean_loss_text = f"{self.loss_sum / self.losses:.4f}" if self.losses else "n/a"
         logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%} "
                     f"({self.compute_seconds:.2f} s of {now - self.started:.2f} s), mean loss {mean_loss_text} over "

@@ -22,24 +22,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional
 
+from lean_transformer.swarm.monitoring.events import emit
+from lean_transformer.swarm.peers.processes import descendant_pids
+
 logger = logging.getLogger(__name__)
-
-
-def descendant_pids(pid: int) -> list[int]:
-    """All processes below ``pid`` (children first), read from /proc; empty where there is no /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, frontier = [], [pid]
-    while frontier:
-        below = [child for parent in frontier for child in children.get(parent, [])]
-        found.extend(below)
-        frontier = below
-    return found
 
 
 def terminate_descendants(grace: float = 2.0) -> None:
@@ -103,6 +89,7 @@ class GracefulShutdown:
             self._critical = None
 
     def abandon(self, reason: str) -> None:
+        emit("shutdown", reason="signal", epoch=None, clean=False)
         if self._critical is not None:
             logger.error(f"Abandoning the {self._critical} unfinished ({reason}); it is lost. Give the peer more "
                          f"time to stop (--shutdown_timeout, and a supervisor's stop timeout above it)")

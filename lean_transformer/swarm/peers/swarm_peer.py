@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeVar
 
 from torch import nn
 
+from lean_transformer.swarm.monitoring.events import set_peer
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
 from lean_transformer.swarm.protocol.metrics import make_validators
@@ -42,6 +43,7 @@ class SwarmPeer:
         signature_validator, metrics_validator = make_validators(self.network.run_id, self.private_key)
         self.public_key: bytes = signature_validator.local_public_key
         self.dht = build_dht(self.network, [signature_validator, metrics_validator])
+        set_peer(str(self.dht.peer_id))  # before the averagers fork: their events name this peer too
         try:
             self.agreement = SwarmAgreement(self.dht, self.network.run_id, self.public_key,
                                             self.swarm_settings).start()

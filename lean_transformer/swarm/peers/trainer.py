@@ -24,7 +24,8 @@ from lean_transformer.optim.loss_scale import DynamicLossScale
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.peers.backups import LocalBackups
 from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
-from lean_transformer.swarm.protocol.dht import derive_peer_seed
+from lean_transformer.swarm.monitoring.events import EventReader, emit, peer_events
+from lean_transformer.swarm.protocol.dht import derive_peer_seed, visible_maddrs
 from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.storage.hub import resolve_checkpoint
 from lean_transformer.swarm.protocol.metrics import LocalMetrics, publish_metrics
@@ -61,12 +62,21 @@ class EpochWork:
 
 def train(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
           training: TrainingSettings, swarm_settings: Mapping[str, Any]) -> None:
-    """Run a trainer peer on ``task`` until ``training.stop_epoch`` or Ctrl+C / SIGTERM.
+    """Run a trainer peer on ``task`` until ``training.stop_epoch`` or Ctrl+C / SIGTERM, writing its events to
+    ``training.events_path`` (default: events.jsonl in ``training.output_dir``).
 
     Bad input raises ValueError / FileNotFoundError (naming the flag) or SwarmConnectionError before any training;
     ``swarm_settings`` (what all peers of the run must agree on, named by flag) that differ from an older peer's
     raise SettingsMismatchError, at start or within a minute of training.
     """
+    events_path = Path(training.events_path or Path(training.output_dir) / "events.jsonl")
+    with peer_events(events_path, "trainer") as ending:
+        ending.update(_train(task, network, collaboration, training, swarm_settings, events_path))
+
+
+def _train(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
+           training: TrainingSettings, swarm_settings: Mapping[str, Any], events_path: Path) -> dict:
+    """:func:`train`; returns the ``shutdown`` event's reason and epoch."""
     shutdown = GracefulShutdown(training.shutdown_timeout)
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" and not collaboration.offload_optimizer:
@@ -104,26 +114,33 @@ def train(task: TrainingTask, network: NetworkSettings, collaboration: Collabora
         optimizer = peer.start_optimizer(SwarmOptimizer, model, task, collaboration, training,
                                          host_gradients=host_gradients, waiting=progress.waiting)
         shutdown.on_overdue = optimizer.cancel_rounds_in_flight
-        join_swarm(model, optimizer, checkpoint)
-        training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network, collaboration,
-                      training, peer.agreement, progress, block_scaling)
+        join_swarm(model, optimizer, checkpoint, peer.dht, network.client_mode, events_path)
+        finished = training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network,
+                                 collaboration, training, peer.agreement, progress, block_scaling)
     logger.info("Shut down cleanly")
+    return dict(reason="finished" if finished else "signal", epoch=optimizer.local_epoch)
 
 
-def join_swarm(model: PreTrainedModel, optimizer: SwarmOptimizer, checkpoint: Optional[Path]) -> None:
+def join_swarm(model: PreTrainedModel, optimizer: SwarmOptimizer, checkpoint: Optional[Path], dht: hivemind.DHT,
+               client_mode: bool, events_path: Path) -> None:
     """Load the local checkpoint (if any), then the swarm's state; hivemind refuses a state older than ours, so the
     newer of the two wins."""
     if checkpoint is not None:
         epoch = load_training_state(checkpoint, model, optimizer)
         logger.info(f"Loaded local checkpoint {checkpoint} (epoch {epoch})")
+    downloads = EventReader(events_path)
+    list(downloads.new())  # skip what earlier runs wrote; the averager's process reports the download
     optimizer.load_state_from_peers()
     logger.info(f"Joined the swarm at epoch {optimizer.local_epoch}")
+    emit("joined", epoch=optimizer.local_epoch, client_mode=client_mode,
+         initial_peers=[] if client_mode else visible_maddrs(dht), from_swarm=any(downloads.new("state_downloaded")))
 
 
 def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOptimizer, dht: hivemind.DHT,
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
                   collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
-                  progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None) -> None:
+                  progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None) -> bool:
+    """Train until ``training.stop_epoch`` (returns True) or a stop request (returns False)."""
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -212,6 +229,9 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
                         f"{work.mini_steps} mini-steps ({work.samples} samples, {work.skipped} skipped)"
                         + (f"; {work.skipped_blocks} block overflow(s), block scales "
                            f"{format_scales(block_scaling.scales)}" if block_scaling is not None else ""))
+            emit("epoch", epoch=optimizer.local_epoch, loss=work.mean_loss, samples=work.samples,
+                 mini_steps=work.mini_steps, skipped=work.skipped, compute_seconds=progress.compute_seconds,
+                 wall_seconds=progress.wall_seconds())
             metrics = LocalMetrics(epoch=optimizer.local_epoch,
                                    samples_per_second=float(optimizer.tracker.performance_ema.samples_per_second),
                                    samples_accumulated=work.samples, loss_sum=work.loss_sum,
@@ -233,6 +253,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
                 f"({f'reached epoch {training.stop_epoch}' if finished else 'stop requested'})")
     with shutdown.critical("final backup"):
         backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
+    return finished
 
 
 def short_epoch_warning(target_batch_size: int, matchmaking_time: float, samples_per_second: float,

@@ -26,11 +26,18 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from lean_transformer.swarm.monitoring.events import emit
+
 logger = logging.getLogger(__name__)
 
 
 class SettingsMismatchError(ValueError):
-    """This peer's settings differ from those of an older peer of the same run."""
+    """This peer's settings differ from those of an older peer of the same run: ``differences`` maps each setting
+    that differs to [ours, theirs] (``None`` where a peer has none)."""
+
+    def __init__(self, message: str, differences: Optional[dict[str, list]] = None):
+        super().__init__(message)
+        self.differences = differences or {}
 
 
 class AgreementRecord(BaseModel):
@@ -73,10 +80,20 @@ def swarm_mismatch(ours: AgreementRecord, others: list) -> Optional[SettingsMism
         return None
     name = first_difference(ours.settings, oldest.settings)
     started = time.strftime("%H:%M:%S", time.localtime(oldest.since))
+    differences = {key: [_decoded(ours.settings.get(key)), _decoded(oldest.settings.get(key))]
+                   for key in sorted(set(ours.settings) | set(oldest.settings))
+                   if ours.settings.get(key) != oldest.settings.get(key)}
     return SettingsMismatchError(
         f"--{name}: this peer has {ours.settings.get(name, 'nothing')}, the swarm has "
         f"{oldest.settings.get(name, 'nothing')} (a peer running since {started}); every peer of a run must use the "
-        f"same value")
+        f"same value", differences)
+
+
+def _decoded(value: Optional[str]) -> Any:
+    try:
+        return None if value is None else json.loads(value)
+    except ValueError:  # a record is validated as strings, not as JSON
+        return value
 
 
 class SwarmAgreement:
@@ -116,6 +133,7 @@ class SwarmAgreement:
         others = [item.value for owner, item in records.items() if owner != self.public_key and hasattr(item, "value")]
         mismatch = swarm_mismatch(self.record, others)
         if mismatch is not None:
+            emit("settings_mismatch", differences=mismatch.differences)
             raise mismatch
 
     def raise_if_mismatched(self) -> None:

@@ -293,6 +293,9 @@ class TrainingSettings:
         "help": "Stop once this peer reaches this epoch (default: total_steps)."})
     device: Optional[str] = field(default=None, metadata={"help": "Torch device (default: cuda if available)."})
     progress_every: float = field(default=5.0, metadata={"help": "Seconds between progress lines."})
+    events_path: Optional[str] = field(default=None, metadata={
+        "help": "JSON-lines file of this peer's events (epochs, averaging rounds, state downloads, shutdown), for "
+                "programs; appended to (default: events.jsonl in --output_dir)."})
     shutdown_timeout: float = field(default=25.0, metadata={
         "help": "On Ctrl+C / SIGTERM, seconds to finish the current step and leave the swarm; averaging rounds "
                 "still in flight after a fifth of it are cancelled, and the step is abandoned when it is spent."})

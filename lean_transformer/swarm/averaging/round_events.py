@@ -1,0 +1,40 @@
+"""Averaging rounds as peer events (:mod:`lean_transformer.swarm.monitoring.events`): ``round_started`` when an
+averager begins a round (it looks for a group), then ``averaged`` or ``round_missed``, emitted from the averager's own
+(forked) process, which inherits the peer's event stream."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from hivemind.averaging.control import StepControl
+
+from lean_transformer.swarm.monitoring.events import emit
+
+# the averager's prefix ends with one of these (hivemind.Optimizer's two averagers, DiLoCo's outer averager)
+_KINDS = {"_grad_averager": "gradients", "_state_averager": "parameters", "_outer": "outer"}
+
+
+class ReportsRounds:
+    """Mixed in front of a hivemind averager class: each round of its ``_step`` becomes events."""
+
+    async def _step(self, *, step: StepControl, **kwargs: Any) -> None:
+        kind = next((kind for suffix, kind in _KINDS.items() if self.prefix.endswith(suffix)), self.prefix)
+        epoch = self._round_epoch(step)
+        emit("round_started", kind=kind, epoch=epoch)
+        try:
+            await super()._step(step=step, **kwargs)
+        finally:
+            if step.cancelled() or not step.done():
+                emit("round_missed", kind=kind, epoch=epoch, reason="cancelled")
+            elif step.exception() is not None:
+                error = step.exception()
+                emit("round_missed", kind=kind, epoch=epoch, reason=f"{type(error).__name__}: {error}")
+            else:
+                emit("averaged", kind=kind, epoch=epoch, group_size=len(step.result() or ()), bytes=None)
+
+    def _round_epoch(self, step: StepControl) -> Optional[int]:
+        """The epoch that hivemind.Optimizer gathers with a state-averaging round; the other rounds carry none."""
+        try:
+            gathered = self.serializer.loads(self.serializer.loads(step.data_for_gather)[2])
+        except Exception:  # not the layout that hivemind's DecentralizedAverager.step writes
+            return None
+        return gathered if isinstance(gathered, int) and not isinstance(gathered, bool) else None
