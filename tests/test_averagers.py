@@ -105,7 +105,7 @@ def main(variant: str, case: str) -> None:
     from hivemind.optim import grad_averager
     from hivemind.utils.mpfuture import MPFuture
 
-    from lean_transformer.swarm.hivemind_fixes import averagers
+    from lean_transformer.swarm.averaging import averagers
 
     parent = averagers.GradientAverager if variant == "lean_transformer" else grad_averager.GradientAverager
 
@@ -179,7 +179,7 @@ def test_averagers_of_one_protocol_share_their_rpc_names():
 
     from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
     from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
-    from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
+    from lean_transformer.swarm.averaging.averagers import GradientAverager
 
     def names(cls) -> set:
         cls._collect_rpc_handlers()

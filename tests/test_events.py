@@ -150,7 +150,7 @@ def average_twice(path: str) -> None:
     import hivemind
     import torch
 
-    from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
+    from lean_transformer.swarm.averaging.averagers import GradientAverager
 
     open_events(path, "trainer")
     set_peer("12D3KooWaverager")

@@ -40,7 +40,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from lean_transformer.swarm.auth.tokens import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
                                                 token_expiration)
-from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
+from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
 from lean_transformer.swarm.monitoring.events import emit
 

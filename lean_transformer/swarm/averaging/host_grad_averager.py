@@ -33,7 +33,7 @@ import torch
 
 from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.auth.averaging_gate import GatedGradientAverager
-from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager
+from lean_transformer.swarm.averaging.averagers import GradientAverager
 
 
 class HostAccumulated:

@@ -2,8 +2,8 @@
 averaging (hivemind's) or DiLoCo's local steps and outer rounds (:mod:`lean_transformer.swarm.averaging.diloco`),
 built from the collaboration arguments and a task (its param groups, LAMB factory and LR schedule) by
 :meth:`SwarmOptimizer.from_settings`, for trainers and, with ``auxiliary=True``, for peers that only help averaging.
-Its averagers are hivemind's, safe to cancel (:mod:`lean_transformer.swarm.hivemind_fixes.averagers`); in an authorized
-swarm they serve token holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
+Its averagers are hivemind's with our fixes (:mod:`lean_transformer.swarm.averaging.averagers`); in an authorized swarm
+they serve token holders only (:mod:`lean_transformer.swarm.auth.averaging_gate`)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +30,7 @@ from lean_transformer.swarm.auth.keys import load_public_key
 from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov, RoundProgress,
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
-from lean_transformer.swarm.hivemind_fixes.averagers import GradientAverager, TrainingStateAverager
+from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.monitoring.events import emit
 
 if TYPE_CHECKING:

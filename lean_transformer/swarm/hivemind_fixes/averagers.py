@@ -1,4 +1,6 @@
-"""hivemind's averagers with fixes for two bugs of a cancelled averaging round.
+"""Fixes of hivemind's averagers: two bugs of a cancelled averaging round (:class:`CancelSafe`), and a gradient
+download nobody uses (:class:`NoGradientDownload`). The averagers the swarm runs combine them with the other fixes in
+:mod:`lean_transformer.swarm.averaging.averagers`.
 
 hivemind.Optimizer cancels a pre-scheduled gradient-averaging round whenever it then finds itself alone, so rounds
 are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 that can go wrong in two ways:
@@ -17,7 +19,7 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
   round cancelled as soon as the signal arrives, so it stops looking for a group at once; and a round that is
   cancelled by the time its all-reduce begins serves its group with weight 0, on copies of its tensors.
 
-:class:`CancelSafe` does both.
+:class:`CancelSafe` fixes both.
 
 ``tests/test_averagers.py`` reproduces both against hivemind's own classes.
 """
@@ -32,13 +34,7 @@ from typing import Any, Coroutine, Optional, Sequence, Set
 import torch
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.optim import grad_averager, state_averager
 from hivemind.utils.mpfuture import MPFuture
-
-from lean_transformer.swarm.averaging.round_events import ReportsRounds
-from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
-from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
-from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 
 _live_tasks: Set[asyncio.Task] = set()
 _current_step: ContextVar[Optional[StepControl]] = ContextVar("current_step", default=None)  # one per _step task
@@ -88,27 +84,17 @@ class CancelSafe:
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
 
-class GradientAverager(ReportsRounds, NamedRPCs, CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
-    """hivemind's GradientAverager (same RPC names, for its subclasses too: :mod:`.rpc_names`), safe to cancel, its
-    answers delivered (:mod:`.stream_answers`), and with no state to share or download.
+class NoGradientDownload:
+    """Mixed in front of hivemind's GradientAverager: it shares and downloads no state.
 
     hivemind 1.1.12's ``Optimizer.load_state_from_peers`` also calls the gradient averager's, which downloads a
     donor's averaged gradients (float32, uncompressed: 4 bytes per parameter, 5.2 GB for the 1.3B model, half an hour
     over a 20 Mbit/s link) and then discards them (``reset_accumulated_grads_``). hivemind's master no longer calls it
     (checked at 00ff07d); this can go with a release that has that. Reproduced by ``tests/test_trainer_swarm.py``'s
-    late peer: its log has no second download after the swarm's state."""
-
-    rpc_class_name = "GradientAverager"
+    late peer: it downloads no second state after the swarm's."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **{**kwargs, "allow_state_sharing": False})
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None) -> None:
         return None
-
-
-class TrainingStateAverager(ReportsRounds, CancelSafe, AnswersDelivered, ValidatedStateSharing,
-                            state_averager.TrainingStateAverager):
-    """hivemind's TrainingStateAverager (same RPC names), safe to cancel, its answers delivered
-    (:mod:`.stream_answers`), sharing consistent states and loading only states that fit (:mod:`.state_download`)."""
-

@@ -5,7 +5,7 @@ p2p daemon too), with its output in files and its events (:mod:`lean_transformer
 ``NAME.events.jsonl`` beside them; :meth:`PeerProcess.wait_for_event` waits for what the peer reports, failing early
 with the log's tail if it exits. :class:`ProcessTracker` remembers every process below a root and the hivemind
 sockets and torch shared-memory files they leave, so that nothing of a swarm outlives its run. :func:`wait_until` is the
-one bounded wait. Process trees are read from /proc (empty where there is none).
+one bounded wait. Process trees come from psutil.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
+
+import psutil
 
 from lean_transformer.swarm.monitoring.events import EventReader, read_events
 
@@ -180,33 +182,25 @@ def _read(path: Path) -> str:
 
 
 def descendant_pids(pid: int) -> List[int]:
-    """All processes below ``pid`` (children first)."""
-    children: Dict[int, List[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, frontier = [], [pid]
-    while frontier:
-        below = [child for parent in frontier for child in children.get(parent, [])]
-        found.extend(below)
-        frontier = below
-    return found
+    """All processes below ``pid`` (children first; none if ``pid`` is gone)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
-def start_time(pid: int) -> Optional[str]:
+def start_time(pid: int) -> Optional[float]:
     """The start time of a living (not zombie) process ``pid``, which tells it apart from a later one with its pid."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    except psutil.NoSuchProcess:
         return None
-    return fields[19] if fields[0] != "Z" else None
 
 
 def hivemind_sockets(pids: Sequence[int]) -> set[str]:
-    """Paths of the hivemind unix sockets that ``pids`` hold open, each read in its own network namespace."""
+    """Paths of the hivemind unix sockets that ``pids`` hold open, each read in its own network namespace (from
+    /proc/PID/net/unix: psutil reads only this process's namespace)."""
     paths = set()
     for pid in pids:
         try:
@@ -234,7 +228,7 @@ class ProcessTracker:
 
     def __init__(self, root_pid: Optional[int] = None):
         self.root_pid = os.getpid() if root_pid is None else root_pid
-        self.processes: Dict[int, str] = {}  # pid -> start time (to tell a recycled pid apart)
+        self.processes: Dict[int, float] = {}  # pid -> start time (to tell a recycled pid apart)
         self.sockets: set[str] = set()
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None

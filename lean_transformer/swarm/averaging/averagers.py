@@ -1,0 +1,26 @@
+"""The averagers the swarm runs: hivemind's, with our fixes (:mod:`lean_transformer.swarm.hivemind_fixes`) and
+their rounds reported as peer events (:mod:`.round_events`). Their class names are on the wire (hivemind names RPCs
+after them, see :mod:`~lean_transformer.swarm.hivemind_fixes.rpc_names`): keep them."""
+from __future__ import annotations
+
+from hivemind.optim import grad_averager, state_averager
+
+from lean_transformer.swarm.averaging.round_events import ReportsRounds
+from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, NoGradientDownload
+from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
+from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
+from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
+
+
+class GradientAverager(ReportsRounds, NamedRPCs, NoGradientDownload, CancelSafe, AnswersDelivered,
+                       grad_averager.GradientAverager):
+    """hivemind's GradientAverager (same RPC names, for its subclasses too), safe to cancel, its answers delivered,
+    with no state to share or download."""
+
+    rpc_class_name = "GradientAverager"
+
+
+class TrainingStateAverager(ReportsRounds, CancelSafe, AnswersDelivered, ValidatedStateSharing,
+                            state_averager.TrainingStateAverager):
+    """hivemind's TrainingStateAverager (same RPC names), safe to cancel, its answers delivered, sharing consistent
+    states and loading only states that fit."""
