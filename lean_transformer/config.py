@@ -186,7 +186,7 @@ class LeanTransformerConfig(PretrainedConfig):
     def _validate_weight_layout(self) -> None:
         """Build the block masks of every large matrix now, so that a layout that cannot tile them fails here
         rather than when the model is built."""
-        from lean_transformer.modules.blocksparse.layout import make_layout, parse_layout  # ValueError on bad layouts
+        from lean_transformer.layouts import make_layout, parse_layout  # ValueError on bad layouts
 
         spec = parse_layout(self.weight_layout)
         for name in ("hidden_size", "intermediate_size"):

@@ -144,3 +144,11 @@ def test_the_wheel_lists_every_package_of_the_tree():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     tree = {module_name(path.parent / "__init__.py") for path in PACKAGE.rglob("__init__.py")}
     assert listed == tree | {"lean_transformer_app", "lean_transformer_app.tasks"}
+
+
+def test_the_config_stands_below_the_models_parts():
+    """config.py (floor 1) reaches for nothing above it, not even inside a function: the block layouts it checks
+    live in lean_transformer/layouts.py, below both."""
+    above = ("lean_transformer.modules", "lean_transformer.models", "lean_transformer.optim", "lean_transformer.swarm")
+    found = imports(PACKAGE / "config.py", runtime_only=False)
+    assert "lean_transformer.layouts" in found and not [name for name in found if name.startswith(above)], found

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lean_transformer.modules.blocksparse.layout import LayoutSpec, make_layout, parse_layout
+from lean_transformer.layouts import LayoutSpec, make_layout, parse_layout
 from lean_transformer.modules.blocksparse.native import blocksparse_matmul, blocksparse_matmul_backward
 from lean_transformer.modules.linear_op import Grads, LinearOp
 from lean_transformer.modules.replay import AutocastState

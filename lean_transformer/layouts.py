@@ -1,4 +1,6 @@
-"""Block layouts: which ``block_size x block_size`` tiles of a weight matrix exist.
+"""Block layouts: which ``block_size x block_size`` tiles of a weight matrix exist. Here, below both the config
+(which checks a layout against the model's shapes when it is built) and ``modules/blocksparse`` (which builds the
+weights from it).
 
 A layout is named by a string that reads like a call, e.g. ``"pixelfly(block_size=64)"`` or
 ``"hypercube(block_size=32, folded=True)"``. The string is parsed with :mod:`ast` and only literal keyword values
