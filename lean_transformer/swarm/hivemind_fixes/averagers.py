@@ -35,6 +35,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim import grad_averager, state_averager
 from hivemind.utils.mpfuture import MPFuture
 
+from lean_transformer.swarm.averaging.robust import Aggregated
 from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
 from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
@@ -87,9 +88,10 @@ class CancelSafe:
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
 
-class GradientAverager(NamedRPCs, CancelSafe, AnswersDelivered, grad_averager.GradientAverager):
+class GradientAverager(NamedRPCs, CancelSafe, Aggregated, AnswersDelivered, grad_averager.GradientAverager):
     """hivemind's GradientAverager (same RPC names, for its subclasses too: :mod:`.rpc_names`), safe to cancel, its
-    answers delivered (:mod:`.stream_answers`), and with no state to share or download.
+    answers delivered (:mod:`.stream_answers`), and with no state to share or download. ``aggregation="centered_clip"``
+    reduces with CenteredClip instead of the mean (:mod:`lean_transformer.swarm.averaging.robust`).
 
     hivemind 1.1.12's ``Optimizer.load_state_from_peers`` also calls the gradient averager's, which downloads a
     donor's averaged gradients (float32, uncompressed: 4 bytes per parameter, 5.2 GB for the 1.3B model, half an hour
