@@ -46,7 +46,7 @@ def main() -> None:
                 print(cells[-1], flush=True)
     base = next((cell["final_loss"] for cell in cells if cell["attack"] == "none" and cell["aggregation"] == "mean"),
                 float("nan"))
-    print(f"\n| attack | aggregation | honest final loss | ratio to no attacker, mean |\n|---|---|---|---|")
+    print("\n| attack | aggregation | honest final loss | ratio to no attacker, mean |\n|---|---|---|---|")
     for cell in cells:
         cell["ratio"] = cell["final_loss"] / base
         print(f"| {cell['attack']} | {cell['aggregation']} | {cell['final_loss']:.3f} | {cell['ratio']:.2f} |")

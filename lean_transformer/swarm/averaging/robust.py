@@ -3,7 +3,9 @@ the all-reduce as in BTARD, Gorbunov et al., ICML 2022) instead of hivemind's we
 
 With the mean, one peer that sends a huge, finite, wrong update moves every peer (issue 24: a gradient sign-flipped
 x1000 took the honest trainers' loss from 3.91 to 6.35). CenteredClip pulls each input at most ``tau`` towards a
-running centre, so a sender at any distance moves the result by at most its share of the weight times ``tau``.
+running centre, so a sender at any distance moves the result by at most its share of the weight times ``tau``
+(``benchmarks/attacks.py``: 3 honest trainers and one liar, loss 4.66 without it, 6.65 with it under the mean, 4.65
+under CenteredClip).
 
 hivemind 1.1.12 has no robust aggregation (its CenteredClip, PR #379, was never merged), hence our own:
 
@@ -24,9 +26,10 @@ Choices of :func:`centered_clip` (all peers of a swarm must agree on ``--aggrega
   of the honest updates (gradients shrink during training; pseudo-gradients are larger), and the median ignores how
   far a minority is. Honest inputs are all about equally far from their centre (many coordinates of independent
   noise: the distances concentrate), so with a factor of 2 none is clipped and the result is the weighted mean,
-  exactly (the first step lands on it). The price of the factor: a minority of weight share ``a`` can shift the
-  result by up to ``a / (1 - a) x tau`` (the fixed point balances its clipped pull against the honest ones), i.e.
-  of the order of one honest input's own noise, not 1000x it.
+  exactly (the first step lands on it). Not so for an honest sender whose noise is over twice the others' (e.g. a
+  far smaller batch): it is clipped, and the result leans towards the better estimates. The price of the factor:
+  a minority of weight share ``a`` can shift the result by up to ``a / (1 - a) x tau`` (the fixed point balances
+  its clipped pull against the honest ones), i.e. of the order of one honest input's own noise, not 1000x it.
 - **one vote per sender** for the start and tau, the weights only in the steps: a sender's weight (its samples) is
   its own claim, and a weighted median would sit on any sender holding more than half of the weight (tau 0: its
   part alone). So the median's breakdown counts liars, not what they claim; that a liar can inflate its weight in
