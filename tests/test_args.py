@@ -90,6 +90,9 @@ BAD = {
     "unknown outer compression": (["--outer_compression", "zip"], "--outer_compression"),
     "local steps with delayed steps": (["--local_steps", "5", "--delay_optimizer_step"],
                                        "--delay_optimizer_step: does not apply with --local_steps"),
+    "unknown aggregation": (["--aggregation", "median"], "--aggregation"),
+    "centered clip with top-k": (["--local_steps", "5", "--outer_compression", "topk", "--aggregation",
+                                  "centered_clip"], "--aggregation: the sparse top-k all-reduce"),
 }
 
 
@@ -129,7 +132,8 @@ def test_every_agreed_setting_reaches_the_swarm_settings_and_no_other():
     network, collaboration, training, task_args = parse_arguments(TRAINER, ["--run_id", "r"])
     settings = get_task(task_args.task)(task_args, training).swarm_settings(collaboration)
     agreed = {item.name for group in TRAINER for item in dataclasses.fields(group) if item.metadata.get("agree")}
-    assert {"learning_rate", "target_batch_size", "local_steps", "outer_topk_fraction", "validation_fraction"} <= agreed
+    assert {"learning_rate", "target_batch_size", "local_steps", "outer_topk_fraction", "validation_fraction",
+            "aggregation"} <= agreed
     assert not any(item.metadata.get("agree") for item in dataclasses.fields(NetworkSettings))
     flagged = {name for name in settings if not name.startswith("model_config_path (")}
     assert flagged == agreed | {"task", "tokenizer_path"}, flagged ^ (agreed | {"task", "tokenizer_path"})

@@ -210,14 +210,15 @@ def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anch
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("compression", ["none", "blockwise8bit", "overlap"])  # top-k: the sparse test below
+@pytest.mark.parametrize("compression", ["none", "blockwise8bit", "overlap", "centered_clip"])  # top-k: below
 def test_two_peers_average_pseudo_gradients_by_samples_and_take_the_hand_computed_outer_step(compression, tmp_path,
                                                                                              report):
     """Uncompressed, the result is exact; block-wise 8-bit codes carry each value to within 1/127 of its block's
     absolute maximum, here the value itself (constant shifts), compounded over 2 rounds: rtol 2e-2. Whatever the
     codec, both peers end bit-identical.
     With overlap (uncompressed), round t's average is applied at the end of round t+1: after 3 rounds the anchor has
-    taken the outer steps of rounds 1 and 2, and each peer carries its own round-3 shift on top of it."""
+    taken the outer steps of rounds 1 and 2, and each peer carries its own round-3 shift on top of it.
+    With CenteredClip reducers (uncompressed), two honest peers are both within its radius: the weighted mean again."""
     outputs = run_peers({"a": [compression], "b": [compression]}, tmp_path)
     for code, _, err in outputs.values():
         assert code == 0, err[-3000:]
@@ -421,7 +422,8 @@ def peer(name: str, compression: str, role: str) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco", [weight.shape], matchmaking_time=2.0,
                                       allreduce_timeout=30.0, target_group_size=2,
-                                      compression=make_compression(compression if "8bit" in compression else "none"))
+                                      compression=make_compression(compression if "8bit" in compression else "none"),
+                                      aggregation="centered_clip" if compression == "centered_clip" else "mean")
     overlap = compression == "overlap"
     rounds = OuterLoop(outer, averager, overlap=overlap)
     samples, shifts = PEERS[name]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hivemind.optim import grad_averager, state_averager
 
+from lean_transformer.swarm.averaging.robust import Aggregated
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, NoGradientDownload
 from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
@@ -12,10 +13,11 @@ from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateS
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 
 
-class GradientAverager(ReportsRounds, NamedRPCs, NoGradientDownload, CancelSafe, AnswersDelivered,
+class GradientAverager(ReportsRounds, NamedRPCs, NoGradientDownload, CancelSafe, Aggregated, AnswersDelivered,
                        grad_averager.GradientAverager):
     """hivemind's GradientAverager (same RPC names, for its subclasses too), safe to cancel, its answers delivered,
-    with no state to share or download."""
+    with no state to share or download. ``aggregation="centered_clip"`` reduces with CenteredClip instead of the mean
+    (:mod:`.robust`)."""
 
     rpc_class_name = "GradientAverager"
 

@@ -57,6 +57,7 @@ from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
+from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,10 @@ class _SameResultRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
+class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
+    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`)."""
+
+
 class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
     same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
@@ -227,18 +232,23 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAv
     differ. Here a round with any part missing fails instead (a missed round; hivemind retries it within the step's
     deadline), and the buffers change only once every part has arrived, so a retry sends the peer's own
     pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
-    during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round)."""
+    during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round).
+    ``aggregation="centered_clip"``: the dense all-reduce's reducers use CenteredClip instead of the mean."""
 
-    def __init__(self, *args: Any, topk_fraction: Optional[float] = None, **kwargs: Any):
-        self.topk_fraction, self.topk = topk_fraction, None  # set before hivemind starts the averager's process
+    def __init__(self, *args: Any, topk_fraction: Optional[float] = None, aggregation: str = "mean", **kwargs: Any):
+        if topk_fraction is not None and check_aggregation(aggregation) != "mean":
+            raise ValueError("aggregation: the sparse top-k all-reduce averages with the mean only")
+        # set before hivemind starts the averager's process
+        self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         if self.topk_fraction is not None:
             return await self._run_sparse_allreduce(tensors, group_info, group_id, **kwargs)
-        runner = _SameResultRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                   group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        runner_class = _SameResultRunner if self.aggregation == "mean" else _CenteredClipSameResultRunner
+        runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                              group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -295,7 +305,7 @@ class PseudoGradientAverager:
     weighted mean, the group size and the group's tags (each peer's ``tag``, all-gathered: the outer loop sends the
     fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
     ``average`` does both. With ``topk_fraction`` the peers send top-k values with error feedback (a sparse
-    all-reduce) instead of ``compression``.
+    all-reduce) instead of ``compression``; ``aggregation`` picks the dense all-reduce's (mean or centered_clip).
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging).
     """
 

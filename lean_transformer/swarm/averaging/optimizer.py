@@ -81,13 +81,15 @@ class SwarmOptimizer(hivemind.Optimizer):
     - :meth:`cancel_rounds_in_flight`, for a peer that leaves; :meth:`restart_from_anchor`, after its parameters were
       replaced; :meth:`checkpoint_state` / :meth:`load_checkpoint_state`, what a checkpoint holds besides hivemind's.
 
-    ``gate``: averagers that serve token holders only (authorized swarms). ``averager_opts`` go to every averager
-    (hivemind passes its own to the state averager only). Other arguments are ``hivemind.Optimizer``'s.
+    ``gate``: averagers that serve token holders only (authorized swarms). ``aggregation``: how the gradient (or
+    pseudo-gradient) all-reduce combines the peers' parts, "mean" or "centered_clip"
+    (:mod:`lean_transformer.swarm.averaging.robust`); parameter averaging stays a mean. ``averager_opts`` go to every
+    averager (hivemind passes its own to the state averager only). Other arguments are ``hivemind.Optimizer``'s.
     """
 
     def __init__(self, *, params: list[dict], averager_opts: Optional[dict] = None,
                  gate: Optional[AveragingGate] = None, host_gradients: bool = False,
-                 diloco: Optional[DiLoCoSettings] = None,
+                 diloco: Optional[DiLoCoSettings] = None, aggregation: str = "mean",
                  waiting: Callable[[], ContextManager] = contextlib.nullcontext, **kwargs: Any):
         averager_opts = dict(averager_opts or {}, **({} if gate is None else dict(gate=gate)))
         self.waiting = waiting
@@ -98,7 +100,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         outer = None
         if diloco is None:
             averager_class = gradient_averager_class(gate is not None, host_gradients)
-            kwargs["grad_averager_factory"] = functools.partial(averager_class, **averager_opts)
+            kwargs["grad_averager_factory"] = functools.partial(averager_class, aggregation=aggregation,
+                                                                **averager_opts)
         else:
             outer = OuterNesterov([param for group in params for param in group["params"]], lr=diloco.outer_lr,
                                   momentum=diloco.outer_momentum)
@@ -112,7 +115,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.dht, f"{self.run_id}_outer", [anchor.shape for anchor in outer.anchor],
             matchmaking_time=self.matchmaking_time, allreduce_timeout=self.averaging_timeout,
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
-            auxiliary=self.auxiliary, **averager_opts)
+            auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap)
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
@@ -174,6 +177,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             gate=gate,
             host_gradients=host_gradients,
             diloco=diloco,
+            aggregation=collaboration.aggregation,
             waiting=waiting,
         )
 

@@ -1,0 +1,133 @@
+"""CenteredClip (lean_transformer.swarm.averaging.robust) against a float64 reference written here, and its reducer
+driven as hivemind's all-reduce drives one (senders' parts arriving concurrently, a sender failing half-way)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from lean_transformer.swarm.averaging.robust import TAU_FACTOR, CenteredClipReducer, centered_clip
+
+RTOL, ATOL = 1e-4, 1e-5
+SIZE = 4096
+
+
+def reference(parts: list, weights: list) -> tuple[np.ndarray, float]:
+    """CenteredClip in float64, iterated to convergence: (result, tau)."""
+    kept = [(np.asarray(p, np.float64).ravel(), w) for p, w in zip(parts, weights) if w > 0]
+    x, w = np.stack([p for p, _ in kept]), np.array([w for _, w in kept], np.float64)
+    v = np.median(x, axis=0)  # one vote per sender
+    tau = TAU_FACTOR * np.median(np.linalg.norm(x - v, axis=1))
+    for _ in range(10_000):
+        d = x - v
+        factor = np.minimum(1.0, tau / np.maximum(np.linalg.norm(d, axis=1), 1e-300))
+        step = (w * factor) @ d / w.sum()
+        v = v + step
+        if np.linalg.norm(step) < 1e-13 * tau:
+            break
+    return v, tau
+
+
+def honest(count: int, seed: int = 0) -> list[torch.Tensor]:
+    """Gradients of one model on different batches: a common direction plus each sender's own noise."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(SIZE, generator=generator)
+    return [common + 0.5 * torch.randn(SIZE, generator=generator) for _ in range(count)]
+
+
+def assert_matches_reference(result: torch.Tensor, parts: list, weights: list) -> tuple[np.ndarray, float]:
+    expected, tau = reference(parts, weights)
+    assert result.dtype == torch.float32
+    torch.testing.assert_close(result.double(), torch.from_numpy(expected), rtol=RTOL, atol=ATOL)
+    return expected, tau
+
+
+def weighted_mean(parts: list, weights: list) -> torch.Tensor:
+    return sum(w * p.double() for p, w in zip(parts, weights)) / sum(weights)
+
+
+@pytest.mark.parametrize("weights", [[1, 1, 1, 1], [1, 2, 3, 10], [64, 8, 8, 8, 8, 8, 8, 16]])
+def test_honest_inputs_give_their_weighted_mean(weights):
+    parts = honest(len(weights))
+    result = centered_clip(parts, weights)
+    assert_matches_reference(result, parts, weights)
+    torch.testing.assert_close(result.double(), weighted_mean(parts, weights), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("senders, attackers, attacker_weight", [(4, 1, 1.0), (16, 3, 1.0), (16, 7, 1.0), (4, 1, 2.0)])
+@pytest.mark.parametrize("attack", ["sign_flip", "random_direction"])
+def test_attackers_move_the_result_at_most_their_share_of_tau(senders, attackers, attacker_weight, attack):
+    """BTARD's attacks, at x1000: the mean goes with the attackers, CenteredClip stays within a / (1 - a) x tau of
+    the honest mean (a: the attackers' share of the weight; weights are respected in the steps)."""
+    parts = honest(senders, seed=senders + attackers)
+    generator = torch.Generator().manual_seed(7)
+    direction = torch.randn(SIZE, generator=generator)
+    for index in range(attackers):
+        parts[index] = (-1000 * parts[index] if attack == "sign_flip"
+                        else 1000 * parts[index].norm() * direction / direction.norm())
+    weights = [attacker_weight] * attackers + [1.0 + index % 3 for index in range(senders - attackers)]
+    result = centered_clip(parts, weights)
+    _, tau = assert_matches_reference(result, parts, weights)
+    honest_mean = weighted_mean(parts[attackers:], weights[attackers:])
+    share = sum(weights[:attackers]) / sum(weights)
+    error = float((result.double() - honest_mean).norm())
+    assert error <= share / (1 - share) * tau * (1 + 1e-4)
+    mean_error = float((weighted_mean(parts, weights) - honest_mean).norm())
+    assert error < mean_error / 100, (error, mean_error)
+
+
+def test_degenerate_cases_are_exact():
+    parts = honest(3, seed=2)
+    assert torch.equal(centered_clip(parts[:1], [5.0]), parts[0])
+    assert torch.equal(centered_clip([parts[0]] * 4, [1.0, 2.0, 3.0, 4.0]), parts[0])
+    # weight 0 (a cancelled round) and non-finite parts or weights count for nothing
+    assert torch.equal(centered_clip(parts, [0.0, 2.0, 0.0]), parts[1])
+    poisoned = parts[0].clone()
+    poisoned[5] = float("nan")
+    assert torch.equal(centered_clip([poisoned, parts[1], parts[2]], [1.0, 1.0, 1.0]),
+                       centered_clip(parts[1:], [1.0, 1.0]))
+    assert torch.equal(centered_clip(parts, [float("inf"), 1.0, 1.0]), centered_clip(parts[1:], [1.0, 1.0]))
+    assert torch.equal(centered_clip(parts, [0.0, 0.0, 0.0]), torch.zeros(SIZE))
+    # two senders: the median is their midpoint, both are within tau, the result is their weighted mean
+    torch.testing.assert_close(centered_clip(parts[:2], [1.0, 3.0]).double(),
+                               weighted_mean(parts[:2], [1.0, 3.0]), rtol=RTOL, atol=ATOL)
+    # most senders on one value (one vote each, whatever their weights): the others are clipped to radius 0
+    assert torch.equal(centered_clip([parts[0], parts[0], parts[1]], [1.0, 1.0, 10.0]), parts[0])
+
+
+def test_the_reducer_clips_each_part_and_leaves_out_a_sender_that_failed():
+    """Four senders, three parts arriving concurrently; sender 3 fails after its first part (as hivemind's runner
+    reports a sender that stopped sending): parts 1 and 2 are aggregated from the other three."""
+    shapes = [torch.Size([1000]), torch.Size([1000]), torch.Size([24])]
+    senders = [honest(3, seed=part) for part in range(3)]
+    for part in senders:
+        part.append(-1000 * part[0])
+    weights = [1.0, 2.0, 3.0, 4.0]
+
+    async def run() -> list:
+        reducer = CenteredClipReducer(shapes, num_senders=4)
+
+        async def send(sender: int) -> list:
+            results = []
+            for index, shape in enumerate(shapes):
+                if sender == 3 and index == 1:
+                    reducer.on_sender_failed(sender)
+                    return results
+                results.append(await reducer.accumulate_part(sender, index, senders[index][sender][:shape[0]],
+                                                             weight=weights[sender]))
+            return results
+
+        results = await asyncio.wait_for(asyncio.gather(*(send(sender) for sender in range(4))), 10)
+        assert reducer.finished.is_set()
+        return results
+
+    results = asyncio.run(run())
+    for sender in range(3):
+        for index, shape in enumerate(shapes):
+            arrived = 4 if index == 0 else 3
+            expected = centered_clip([senders[index][s][:shape[0]] for s in range(arrived)], weights[:arrived])
+            torch.testing.assert_close(results[sender][index], expected, rtol=RTOL, atol=ATOL)  # in arrival order
+    assert len(results[3]) == 1 and torch.equal(results[3][0], results[0][0])
+    assert_matches_reference(results[0][0], [senders[0][s][:1000] for s in range(4)], weights)
