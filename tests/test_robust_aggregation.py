@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lean_transformer.swarm.averaging.robust import TAU_FACTOR, CenteredClipReducer, centered_clip
+from lean_transformer.swarm.averaging.robust import TAU_FACTOR, WEIGHT_CAP, CenteredClipReducer, centered_clip
 
 RTOL, ATOL = 1e-4, 1e-5
 SIZE = 4096
@@ -18,6 +18,7 @@ def reference(parts: list, weights: list) -> tuple[np.ndarray, float]:
     """CenteredClip in float64, iterated to convergence: (result, tau)."""
     kept = [(np.asarray(p, np.float64).ravel(), w) for p, w in zip(parts, weights) if w > 0]
     x, w = np.stack([p for p, _ in kept]), np.array([w for _, w in kept], np.float64)
+    w = np.minimum(w, WEIGHT_CAP * np.median(w))  # no sender counts more than 2x the median sender
     v = np.median(x, axis=0)  # one vote per sender
     tau = TAU_FACTOR * np.median(np.linalg.norm(x - v, axis=1))
     for _ in range(10_000):
@@ -50,17 +51,19 @@ def weighted_mean(parts: list, weights: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("weights", [[1, 1, 1, 1], [1, 2, 3, 10], [64, 8, 8, 8, 8, 8, 8, 16]])
 def test_honest_inputs_give_their_weighted_mean(weights):
+    """... with every weight capped at WEIGHT_CAP x the median weight (64 counts as 16 among 8s)."""
     parts = honest(len(weights))
     result = centered_clip(parts, weights)
     assert_matches_reference(result, parts, weights)
-    torch.testing.assert_close(result.double(), weighted_mean(parts, weights), rtol=RTOL, atol=ATOL)
+    capped = [min(weight, WEIGHT_CAP * float(np.median(weights))) for weight in weights]
+    torch.testing.assert_close(result.double(), weighted_mean(parts, capped), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("senders, attackers, attacker_weight", [(4, 1, 1.0), (16, 3, 1.0), (16, 7, 1.0), (4, 1, 2.0)])
 @pytest.mark.parametrize("attack", ["sign_flip", "random_direction"])
 def test_attackers_move_the_result_at_most_their_share_of_tau(senders, attackers, attacker_weight, attack):
     """BTARD's attacks, at x1000: the mean goes with the attackers, CenteredClip stays within a / (1 - a) x tau of
-    the honest mean (a: the attackers' share of the weight; weights are respected in the steps)."""
+    the honest mean (a: the attackers' share of the weight, each capped at 2x the median as in the steps)."""
     parts = honest(senders, seed=senders + attackers)
     generator = torch.Generator().manual_seed(7)
     direction = torch.randn(SIZE, generator=generator)
@@ -70,12 +73,25 @@ def test_attackers_move_the_result_at_most_their_share_of_tau(senders, attackers
     weights = [attacker_weight] * attackers + [1.0 + index % 3 for index in range(senders - attackers)]
     result = centered_clip(parts, weights)
     _, tau = assert_matches_reference(result, parts, weights)
+    weights = [min(weight, WEIGHT_CAP * float(np.median(weights))) for weight in weights]  # as the steps count them
     honest_mean = weighted_mean(parts[attackers:], weights[attackers:])
     share = sum(weights[:attackers]) / sum(weights)
     error = float((result.double() - honest_mean).norm())
     assert error <= share / (1 - share) * tau * (1 + 1e-4)
     mean_error = float((weighted_mean(parts, weights) - honest_mean).norm())
     assert error < mean_error / 100, (error, mean_error)
+
+
+def test_a_sender_cannot_inflate_its_weight():
+    """A liar that claims 1000x the samples of the others weighs as much as one that claims the cap (2x), exactly;
+    its pull stays within share / (1 - share) x tau of the honest mean (share 2/5), where with its claim believed
+    (share 1000/1003) CenteredClip would walk all the way to it."""
+    parts = honest(3) + [-1000 * honest(1, seed=1)[0]]
+    inflated, capped = centered_clip(parts, [1, 1, 1, 1000]), centered_clip(parts, [1, 1, 1, WEIGHT_CAP])
+    assert torch.equal(inflated, capped)
+    _, tau = assert_matches_reference(inflated, parts, [1, 1, 1, 1000])
+    share = WEIGHT_CAP / (WEIGHT_CAP + 3)
+    assert float((inflated - torch.stack(parts[:3]).mean(0)).norm()) <= share / (1 - share) * tau * (1 + 1e-4)
 
 
 def test_degenerate_cases_are_exact():

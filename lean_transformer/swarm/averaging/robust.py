@@ -32,8 +32,13 @@ Choices of :func:`centered_clip` (all peers of a swarm must agree on ``--aggrega
   its clipped pull against the honest ones), i.e. of the order of one honest input's own noise, not 1000x it.
 - **one vote per sender** for the start and tau, the weights only in the steps: a sender's weight (its samples) is
   its own claim, and a weighted median would sit on any sender holding more than half of the weight (tau 0: its
-  part alone). So the median's breakdown counts liars, not what they claim; that a liar can inflate its weight in
-  the steps is left to issue 24's "weights that cannot be inflated".
+  part alone). So the median's breakdown counts liars, not what they claim.
+- **weights that cannot be inflated**: in the steps a sender's weight counts up to ``WEIGHT_CAP`` (2) x the median
+  of the senders' weights, so a liar that claims 1000x the samples it computed weighs as much as one that claims
+  2x: among 4 or more senders one liar's share stays at most 2/5, below the half beyond which CenteredClip walks
+  to it (with a share ``a`` >= 1/2 no fixed point near the honest ones exists; with 3 senders a capped liar holds
+  half). The price: an honest peer more than 2x faster than the median (a big GPU among small ones) counts as 2x in
+  this mode (the mean keeps every peer's samples as they are).
 - **iterations**: ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i`` until a step is shorter than
   ``TOLERANCE x tau`` or after ``ITERATIONS`` steps (BTARD uses ~20). Each step shrinks the distance to the fixed
   point by about the clipped share of the weight (below 1/2), so 50 steps reach float32 resolution; the honest case
@@ -62,6 +67,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 AGGREGATIONS = ("mean", "centered_clip")
 TAU_FACTOR = 2.0
+WEIGHT_CAP = 2.0  # a sender's weight counts up to this many times the senders' median weight
 ITERATIONS = 50
 TOLERANCE = 1e-6
 
@@ -94,6 +100,7 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ta
         return kept[0][0].clone().view(shape)
     inputs = torch.stack([part for part, _ in kept])
     weights64 = torch.tensor([weight for _, weight in kept], dtype=torch.float64)
+    weights64 = weights64.clamp(max=WEIGHT_CAP * float(median(weights64[:, None])))
     shares = (weights64 / weights64.sum()).float()
     centre = median(inputs)
     tau = tau_factor * float(median((inputs - centre).norm(dim=1, keepdim=True)))
