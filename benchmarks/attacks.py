@@ -3,8 +3,10 @@ CenteredClip (``--aggregation centered_clip``), on loopback, CPU only.
 
 Each cell is one swarm of 3 honest trainers (tiny LeanGPT, one torch thread each) and, under attack, one lying peer
 (tests/lying_peer.py): ``sign_flip`` sends its gradients x -1000, ``random_direction`` a fixed random direction at
-1000x their norm. The table gives the honest trainers' mean loss over their last epoch and its ratio to the baseline
-(no attacker, mean); it is written to benchmarks/results/attacks.json with the machine's description.
+1000x their norm; the liar starts with the others, so a round while the swarm forms may pair it with one honest
+trainer, where it is half of the senders (tests/test_robust_swarm.py lets it join later). The table gives the honest
+trainers' mean loss over their last epoch and its ratio to the baseline (no attacker, mean); it is written to
+benchmarks/results/attacks.json with the machine's description. One run per cell: no spread measured.
 
 Usage: python benchmarks/attacks.py [--epochs 8] [--attacks none sign_flip random_direction]
 About 1.5 minutes a cell on 2 cores.

@@ -8,10 +8,15 @@ optimizer step, i.e. before hivemind accumulates and averages them, its honest g
 Both are finite, so no non-finite guard catches them. Everything else (data, loss reports, weight = its samples) is
 an honest trainer's.
 
-Usage: python tests/lying_peer.py [--attack sign_flip|random_direction] [--scale 1000] [run_trainer.py arguments]
+With ``--start_file`` it imports everything, then waits (at most ``--start_timeout`` s) for that file before it
+joins, so that a test can have it join at a chosen moment without the imports' delay.
+
+Usage: python tests/lying_peer.py [--attack sign_flip|random_direction] [--scale 1000] [--start_file F]
+       [run_trainer.py arguments]
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,8 +55,18 @@ if __name__ == "__main__":
     own = argparse.ArgumentParser()
     own.add_argument("--attack", choices=("sign_flip", "random_direction"), default="sign_flip")
     own.add_argument("--scale", type=float, default=1000.0)
+    own.add_argument("--start_file")
+    own.add_argument("--start_timeout", type=float, default=300.0)
     options, rest = own.parse_known_args()
     lie(options.attack, options.scale)
     import run_trainer
+    import transformers  # noqa: F401  (run_trainer's own imports, done before waiting)
+    import lean_transformer.swarm.peers.trainer  # noqa: F401
+    if options.start_file is not None:
+        deadline = time.monotonic() + options.start_timeout
+        while not Path(options.start_file).exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"lying_peer.py: error: {options.start_file} did not appear within {options.start_timeout} s")
+            time.sleep(0.05)
     sys.argv = [str(REPO / "run_trainer.py"), *rest]
     run_trainer.cli()
