@@ -21,7 +21,7 @@ import torch
 
 from arguments import CollaborationSettings, NetworkSettings, TaskArguments, TrainingSettings, parse_arguments
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
-from lean_transformer.swarm.hivemind_fixes import averagers
+from lean_transformer.swarm.averaging import averagers
 from lean_transformer.swarm.protocol.metrics import make_validators
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from tasks import get_task

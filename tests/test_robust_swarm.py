@@ -10,19 +10,19 @@ of this test for time. ``run_swarm`` is shared with that benchmark.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Dict, Optional
 
 import pytest
 
-from aux_utils import PeerProcess
+from aux_utils import start_peer
+from lean_transformer.swarm.monitoring.events import read_events
+from swarm_utils import epoch_reports
 
 pytestmark = pytest.mark.swarm
 
 EPOCHS, TARGET_BATCH, BATCH, HONEST = 8, 96, 8, 3
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-EPOCH_LINE = re.compile(r"Reached epoch (\d+): mean loss ([\d.]+|nan)")
 
 
 def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], aggregation: str, epochs: int) -> list[str]:
@@ -41,27 +41,28 @@ def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int =
     averaged with the two others, so that it never meets one honest trainer alone in a group of two (where it is
     half of the senders: no aggregation can outvote it; seen while the swarm forms)."""
     root.mkdir(parents=True, exist_ok=True)
-    boot = PeerProcess("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
-                       root, ENV)
+    boot = start_peer("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                      root, ENV, events=False)
     peers = [boot]
     try:
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
         run_id = f"robust_{aggregation}_{attack or 'none'}"
-        honest = [PeerProcess(f"honest{index}", ["run_trainer.py", *trainer_argv(
+        honest = [start_peer(f"honest{index}", ["run_trainer.py", *trainer_argv(
             run_id, root / f"honest{index}", initial, aggregation, epochs)], root, ENV) for index in range(HONEST)]
         peers += honest
         if attack is not None:
             # it stops once the honest ones have (its own epoch count may lag)
             start = ["--start_file", str(root / "liar.go")] if liar_joins_late else []
-            peers.append(PeerProcess("liar", ["tests/lying_peer.py", "--attack", attack, *start, *trainer_argv(
+            peers.append(start_peer("liar", ["tests/lying_peer.py", "--attack", attack, *start, *trainer_argv(
                 run_id, root / "liar", initial, aggregation, 10 * epochs)], root, ENV))
         if attack is not None and liar_joins_late:
             for peer in honest:
-                peer.wait_for(rf"Averaged gradients with {HONEST} peers", timeout)
+                peer.wait_for_event("averaged", lambda event: event["kind"] == "gradients"
+                                    and event["group_size"] == HONEST, timeout)
             (root / "liar.go").touch()
         for peer in honest:
-            peer.wait_for(rf"Reached epoch {epochs}\b|run_trainer.py: error", timeout)
-        return {peer.name: {int(epoch): float(loss) for epoch, loss in EPOCH_LINE.findall(peer.stderr)}
+            peer.wait_for_event("epoch", lambda event: event["epoch"] >= epochs, timeout)
+        return {peer.name: {epoch: report.mean_loss for epoch, report in epoch_reports(peer).items()}
                 for peer in honest}
     finally:
         for peer in peers:
@@ -72,8 +73,9 @@ def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int =
 
 def attacked_rounds(root: Path) -> Dict[str, int]:
     """Rounds each honest trainer averaged in with all four peers, the liar included."""
-    return {f"honest{index}": (root / f"honest{index}.err").read_text(errors="replace").count(
-        f"Averaged gradients with {HONEST + 1} peers") for index in range(HONEST)}
+    return {f"honest{index}": sum(event["kind"] == "gradients" and event["group_size"] == HONEST + 1
+                                  for event in read_events(root / f"honest{index}.events.jsonl", "averaged"))
+            for index in range(HONEST)}
 
 
 def test_centered_clip_trains_through_a_sign_flipping_peer_as_an_honest_swarm_trains(tmp_path, report):
