@@ -155,3 +155,25 @@ def test_flags_parse_without_loading_torch_transformers_or_hivemind(script, argv
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = result.stdout.splitlines()
     assert lines[-2:] == [f"exit {code}", "loaded"], (result.stdout[-2000:], result.stderr[-2000:])
+
+
+@pytest.mark.parametrize("argv, device, bf16_gpu, expected", [
+    ([], "cuda", True, ("bfloat16", True)),
+    (["--offload_gradients", "false"], "cuda", True, ("float32", False)),  # found on an H200: this used to refuse to run
+    (["--fp16", "--block_grad_scaling"], "cuda", True, ("float32", False)),
+    ([], "cuda", False, ("float32", True)),
+    ([], "cpu", False, ("float32", False)),
+    (["--model_dtype", "float16"], "cuda", True, ("float16", True)),
+])
+def test_auto_weight_dtype_follows_where_the_gradients_go(monkeypatch, argv, device, bf16_gpu, expected):
+    """--model_dtype auto is bfloat16 on a bf16 GPU only when the gradients go to the host: the float32 master weights
+    need float32 gradients, so --offload_gradients false alone gives a valid float32 GPU trainer."""
+    import torch
+
+    from lean_transformer.swarm.peers.trainer import model_dtype, offload_gradients
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_gpu)  # the GPU's capability
+    training = parse_arguments(TRAINER, ["--run_id", "r", *argv])[2]
+    host_gradients = offload_gradients(training, torch.device(device))
+    assert (str(model_dtype(training, torch.device(device), host_gradients)).removeprefix("torch."),
+            host_gradients) == expected

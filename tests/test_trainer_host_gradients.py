@@ -1,5 +1,6 @@
 """Trainers whose gradients leave the model during backward (``--offload_gradients true``) and whose weights are in
-bfloat16 or float16 (``--model_dtype``), on the CPU, in real hivemind swarms on 127.0.0.1.
+bfloat16 or float16 (``--model_dtype``), in real hivemind swarms on 127.0.0.1: on the CPU, and on a GPU where there
+is one (``make gpu-check``; the trainers take it by default).
 
 - "pair": a trainer with bfloat16 weights and host gradients (as on a GPU) and a plain float32 trainer (as on a CPU),
   2 micro-batches per local step each, average their gradients through hivemind for 3 epochs;
@@ -115,7 +116,8 @@ def test_diloco_local_steps_take_the_same_steps_with_host_gradients(tmp_path, re
 
     identity = tmp_path / "peer.id"
     load_identity_key(identity, create=True)
-    runs = {"grad": ["--offload_gradients", "false"], "host": ["--offload_gradients", "true"],
+    runs = {"grad": ["--offload_gradients", "false", "--model_dtype", "float32"],
+            "host": ["--offload_gradients", "true", "--model_dtype", "float32"],
             "bf16": ["--offload_gradients", "true", "--model_dtype", "bfloat16"],
             "fp16": ["--offload_gradients", "true", "--model_dtype", "float16"]}
     peers = {name: start_peer(name, trainer_argv(f"diloco_{name}", name, tmp_path, [], DILOCO_EPOCHS, 16,

@@ -81,7 +81,8 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
     device = torch.device(training.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" and not collaboration.offload_optimizer:
         raise ValueError("--offload_optimizer: 8-bit LAMB runs on the CPU, so training on a GPU needs it")
-    dtype, host_gradients = model_dtype(training, device), offload_gradients(training, device)
+    host_gradients = offload_gradients(training, device)
+    dtype = model_dtype(training, device, host_gradients)
     if training.block_grad_scaling:
         check_block_grad_scaling(training, dtype, host_gradients)
     if collaboration.local_steps > 0 and training.fp16 and not host_gradients:
@@ -273,11 +274,12 @@ def short_epoch_warning(target_batch_size: int, matchmaking_time: float, samples
             f"{enough} or more (or a shorter --matchmaking_time)")
 
 
-def model_dtype(training: TrainingSettings, device: torch.device) -> torch.dtype:
-    """``--model_dtype``: auto is bfloat16 on a GPU that supports it, else (and with --block_grad_scaling) float32."""
+def model_dtype(training: TrainingSettings, device: torch.device, host_gradients: bool) -> torch.dtype:
+    """``--model_dtype``: auto is bfloat16 on a GPU that supports it when gradients go to the host (the float32 master
+    weights need float32 gradients), else float32: ``--offload_gradients false`` alone keeps a GPU trainer valid."""
     if training.model_dtype == "auto":
         bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16_gpu and not training.block_grad_scaling else torch.float32
+        return torch.bfloat16 if bf16_gpu and host_gradients else torch.float32
     return getattr(torch, training.model_dtype)
 
 

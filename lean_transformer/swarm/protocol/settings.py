@@ -258,8 +258,8 @@ class TrainingSettings:
                 "and no host gradients (--model_dtype and --offload_gradients auto choose them). Peers with and "
                 "without it average together (each sends unscaled gradients)."})
     model_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata={
-        "help": "The dtype of the weights on the device (auto: bfloat16 on a GPU that supports it, else and with "
-                "--block_grad_scaling float32). "
+        "help": "The dtype of the weights on the device (auto: bfloat16 on a GPU that supports it when gradients "
+                "go to the host, else float32). "
                 "The optimizer keeps float32 master weights in host memory either way; float16 gets loss scaling. "
                 "Anything but float32 needs --offload_gradients."})
     offload_gradients: Literal["auto", "true", "false"] = field(default="auto", metadata={
