@@ -69,7 +69,7 @@ def saved_activation_storages(module: nn.Module, x: torch.Tensor) -> tuple[list[
     return [nbytes for _, nbytes in saved], len({ptr for ptr, _ in saved})
 
 
-def test_custom_ffn_backward_keeps_only_its_input_and_hidden_state(gpt_config):
+def test_custom_ffn_backward_keeps_only_its_input_hidden_state_and_mask(gpt_config):
     config = gpt_config(**SPARSE, hidden_dropout_prob=0.1)
     ffn = LeanGPTForCausalLM(config).body.layers[0].ffn.train()
     x = torch.randn(2, 12, config.hidden_size, requires_grad=True)
@@ -77,8 +77,9 @@ def test_custom_ffn_backward_keeps_only_its_input_and_hidden_state(gpt_config):
 
     ffn.custom_grad = True
     saved, distinct = saved_activation_storages(ffn, x)
-    assert distinct == len(saved) == 2  # nothing saved twice: the block input and the pre-activation
-    assert sorted(saved) == sorted([x_bytes, x_bytes * config.intermediate_size // config.hidden_size])
+    assert distinct == len(saved) == 3  # nothing saved twice: the block input, the pre-activation, the kept mask
+    assert sorted(saved) == sorted([x_bytes, x_bytes * config.intermediate_size // config.hidden_size,
+                                    x.numel()])  # one byte per output element
 
     ffn.custom_grad = False  # plain autograd keeps the layer-norm output, the activation, the dropout mask, ...
     assert sum(saved_activation_storages(ffn, x)[0]) > sum(saved)

@@ -118,13 +118,15 @@ def saved_storages(model, input_ids) -> list[int]:
     return sorted(nbytes // 4 for nbytes in counter.storages.values())
 
 
-def test_ffn_saves_only_input_and_preactivation(gpt_config):
-    config = gpt_config(num_hidden_layers=1, intermediate_size=64, hidden_dropout_prob=0.1)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_ffn_saves_only_input_preactivation_and_kept_mask(gpt_config, dropout):
+    config = gpt_config(num_hidden_layers=1, intermediate_size=64, hidden_dropout_prob=dropout)
     ffn = LeanGPTForCausalLM(config).transformer.encoder.layers[0].ffn.train()
     x = torch.randn(2, 8, 32, requires_grad=True)
     with SavedTensorCounter(exclude=ffn.parameters()).record() as counter:
         ffn(x)
-    assert sorted(counter.storages.values()) == [2 * 8 * 32 * 4, 2 * 8 * 64 * 4]  # x and the pre-activation
+    mask = [2 * 8 * 32] if dropout else []  # one byte per output element: which ones dropout kept
+    assert sorted(counter.storages.values()) == [*mask, 2 * 8 * 32 * 4, 2 * 8 * 64 * 4]  # x and the pre-activation
 
 
 def test_reversible_memory_does_not_grow_with_depth(gpt_config):

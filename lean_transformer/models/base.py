@@ -62,8 +62,8 @@ class LeanPreTrainedModel(PreTrainedModel):
             recomputation); or an int N to keep only the inputs of N equal segments of layers.
         :param checkpoint_attention_core: recompute the attention core in backward; it pays off where the core
             keeps more than q, k, v and its output (SDPA's math kernel keeps the attention matrix).
-        :param ffn_custom_grad: use the feed-forward's hand-written backward (keeps 5 d-words per token instead of
-            about 10 for a 4x-wide plain-autograd feed-forward).
+        :param ffn_custom_grad: use the feed-forward's hand-written backward (keeps 5 d-words per token, and with
+            dropout d bytes for its mask, instead of about 10 d-words for a 4x-wide plain-autograd feed-forward).
         :param preserve_rng_state: replay the RNG in recomputations so that dropout masks match the forward pass.
             Turning it off is only faster, and wrong with dropout.
         :param attention_core: "sdpa" (``F.scaled_dot_product_attention``), "chunked" (``chunked_attention``:

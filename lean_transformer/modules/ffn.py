@@ -1,9 +1,10 @@
 """The feed-forward sub-layer, with a hand-written backward that keeps only two activations.
 
 Plain autograd would keep the layer-norm output, the pre-activation, the activation output and the dropout mask.
-``_FFNFunction`` saves only the block input ``x`` and the pre-activation ``h``; in backward it recomputes the layer
-norm from ``x``, the activation from ``h`` and the dropout mask by replaying the forward's RNG state (restoring the
-caller's afterwards). The two projections are differentiated through the ``LinearOp`` protocol, so no matmul is
+``_FFNFunction`` saves only the block input ``x``, the pre-activation ``h`` and, with dropout, which outputs the mask
+kept (one byte each); in backward it recomputes the layer norm from ``x`` and the activation from ``h``. (The mask was
+once redrawn by replaying the forward's RNG state: on a CPU that second Bernoulli draw cost as much as the rest of
+the layer's forward and backward, ``benchmarks/ffn_backward.py``.) The two projections are differentiated through the ``LinearOp`` protocol, so no matmul is
 recomputed, whichever kind of linear layer the config chose.
 
 ``backward_chunks`` (``set_optimizations``): the backward then runs over the tokens N chunks at a time, so the
@@ -24,7 +25,7 @@ from lean_transformer.config import LeanTransformerConfig
 from lean_transformer.modules.activations import get_activation, get_activation_backward
 from lean_transformer.modules.linear import SharedMatrix, make_linear
 from lean_transformer.modules.linear_op import even_bounds
-from lean_transformer.modules.replay import AutocastState, RNGState, dropout_mask
+from lean_transformer.modules.replay import AutocastState, dropout_mask
 
 Params = tuple[Tensor, ...]
 Piece = tuple[tuple, Callable[[Tensor], Tensor]]  # (index into the input and output, function of that part)
@@ -123,23 +124,25 @@ class _FFNFunction(torch.autograd.Function):
     def forward(ctx, ffn: LeanFFN, dropout_p: float, chunks: int, x: Tensor, *flat: Tensor) -> Tensor:
         ctx.ffn, ctx.dropout_p, ctx.chunks = ffn, dropout_p, chunks
         ctx.autocast = AutocastState.capture()
-        ctx.rng = RNGState.capture(x) if dropout_p > 0 else None
-        hidden, projected, out = ffn.compute(x, ffn.split_params(flat), dropout_p)
+        hidden, projected, out = ffn.compute(x, ffn.split_params(flat), 0.0)
+        kept = None
+        if dropout_p > 0:  # the very mask compute() would draw: 0 or 1/(1-p), rebuilt exactly from where it is not 0
+            mask = dropout_mask(out.shape, dropout_p, out.dtype, out.device)
+            out, kept = out * mask, mask != 0
         ctx.out_dtype = out.dtype
         keep_projected = ffn.post_norm is not None  # the post-norm's backward needs its input
-        ctx.save_for_backward(x, hidden, projected if keep_projected else None, *flat)
+        ctx.save_for_backward(x, hidden, projected if keep_projected else None, kept, *flat)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         ffn: LeanFFN = ctx.ffn
-        x, hidden, projected, *flat = ctx.saved_tensors
+        x, hidden, projected, kept, *flat = ctx.saved_tensors
         groups = ffn.split_params(flat)
         with ctx.autocast.restore():
             grad = grad_out
-            if ctx.dropout_p > 0:
-                with ctx.rng.replay():
-                    grad = grad * dropout_mask(grad_out.shape, ctx.dropout_p, ctx.out_dtype, grad_out.device)
+            if kept is not None:
+                grad = grad * kept.to(ctx.out_dtype).div_(1.0 - ctx.dropout_p)
             rows = [_rows(t) if t is not None else None for t in (x, hidden, projected, grad)]
             needs_x = ctx.needs_input_grad[3]
             grad_x = torch.empty(rows[0].shape, dtype=x.dtype, device=x.device) if needs_x else None
