@@ -28,10 +28,10 @@ from lean_transformer.modules.ffn import LeanFFN
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def layer(hidden: int, dropout: float, custom: bool, device: torch.device) -> LeanFFN:
+def layer(hidden: int, dropout: float, custom: bool, device: torch.device, dtype: torch.dtype) -> LeanFFN:
     config = LeanGPTConfig(vocab_size=128, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=16,
                            intermediate_size=4 * hidden, hidden_dropout_prob=dropout)
-    ffn = LeanFFN(config).to(device).train()
+    ffn = LeanFFN(config).to(device=device, dtype=dtype).train()
     ffn.custom_grad = custom
     return ffn
 
@@ -90,17 +90,24 @@ def main() -> None:
     x = torch.randn(1, args.tokens, args.hidden, device=device, requires_grad=True)
     grad = torch.randn_like(x)
     rows = []
-    for dropout in (0.1, 0.0):
-        for custom in (False, True):
-            name = f"{'hand-written' if custom else 'autograd (baseline)'}, dropout {dropout}"
-            print(f"  measuring {name} ...", file=sys.stderr, flush=True)
-            result = measure(layer(args.hidden, dropout, custom, device), x, grad, args.reps)
-            rows.append({"variant": name, "custom": custom, "dropout": dropout, **result})
+    # float32 weights under bf16 autocast (benchmarks/throughput.py's setting), and bfloat16 weights (the trainer's
+    # default on a GPU, where backward casts no weight)
+    for weights in (torch.float32, torch.bfloat16):
+        inputs = x.detach().to(weights).requires_grad_(), grad.to(weights)
+        for dropout in (0.1, 0.0):
+            for custom in (False, True):
+                name = (f"{'hand-written' if custom else 'autograd (baseline)'}, {str(weights)[6:]} weights, "
+                        f"dropout {dropout}")
+                print(f"  measuring {name} ...", file=sys.stderr, flush=True)
+                result = measure(layer(args.hidden, dropout, custom, device, weights), *inputs, args.reps)
+                rows.append({"variant": name, "custom": custom, "dropout": dropout, "weights": str(weights),
+                             **result})
     machine = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     columns = ["variant", "device ms", "host ms", "vs autograd"] + (["peak MiB"] if cuda else [])
     table = []
     for row in rows:
-        baseline = next(r for r in rows if r["dropout"] == row["dropout"] and not r["custom"])
+        baseline = next(r for r in rows if r["dropout"] == row["dropout"] and r["weights"] == row["weights"]
+                        and not r["custom"])
         table.append([row["variant"], round(row["device_ms"], 3), round(row["host_ms"], 3),
                       round(row["device_ms"] / baseline["device_ms"], 3)]
                      + ([round(row["peak_mib"], 1)] if cuda else []))
