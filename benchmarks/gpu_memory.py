@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import transformers
@@ -143,53 +143,63 @@ def estimate(cfg: LeanGPTConfig, option: Option) -> tuple[int, int, int]:
         return max(peak, step_peak_model(model, option)), weights, sum(param.numel() for param in params)
 
 
-def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optional[int], Optional[float]]:
-    """MEASURED on CUDA: peak bytes over whole trainer steps (1-peer hivemind.Optimizer, LAMB offloaded), tokens/s."""
+@contextlib.contextmanager
+def trainer(cfg: LeanGPTConfig, option: Option, device: str = "cuda", accumulation: int = 1, batch: int = BATCH,
+            seq: int = SEQ) -> Iterator[tuple[LeanGPTForCausalLM, "hivemind.Optimizer", Callable[[], None]]]:
+    """The trainer as it builds itself for ``option``: a 1-peer hivemind.Optimizer with 8-bit LAMB offloaded, one
+    optimizer step per ``accumulation`` micro-batches of BATCH x SEQ tokens. Yields the model, the optimizer and
+    ``micro_batch()``: forward, backward and ``optimizer.step()`` (the global step on every ``accumulation``-th)."""
     import hivemind
     from hivemind.optim.grad_averager import GradientAverager
 
     from lean_transformer.optim import CPULAMB8Bit
     from lean_transformer.swarm.averaging.host_grad_averager import HostGradientAverager
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    model = optimizer = None
+    optimizer = None
     try:
-        model = build(cfg, option, "cuda")
+        model = build(cfg, option, device)
         factory = HostGradientAverager
         if not option.offload:  # float32 averaged gradients: an offloaded optimizer takes them as its .grad
             factory = functools.partial(GradientAverager, averaged_grads=tuple(
                 torch.zeros(param.shape).share_memory_() for param in model.parameters()))
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=f"gpu_memory_{time.monotonic_ns()}", params=model.parameters(),
-            optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=BATCH, batch_size_per_step=BATCH,
-            offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0, verbose=False,
-            grad_averager_factory=factory)
-        input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
+            optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=batch * accumulation,
+            batch_size_per_step=batch, offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0,
+            verbose=False, grad_averager_factory=factory)
+        input_ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
         compute = loss_function(model, option, input_ids)
 
-        def trainer_step() -> None:
+        def micro_batch() -> None:
             compute().backward()
             optimizer.step()
             if not option.offload:
                 optimizer.zero_grad()
-
-        trainer_step()  # warm-up: kernels, allocator, LAMB's numba compile
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(steps):
-            trainer_step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(), steps * BATCH * SEQ / (time.perf_counter() - start)
-    except torch.cuda.OutOfMemoryError:
-        return None, None
+        yield model, optimizer, micro_batch
     finally:
         if optimizer is not None:
             optimizer.shutdown()
         dht.shutdown()
-        del model, optimizer
+
+
+def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optional[int], Optional[float]]:
+    """MEASURED on CUDA: peak bytes over whole trainer steps (1-peer hivemind.Optimizer, LAMB offloaded), tokens/s."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        with trainer(cfg, option) as (model, optimizer, trainer_step):
+            trainer_step()  # warm-up: kernels, allocator, LAMB's numba compile
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer_step()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated(), steps * BATCH * SEQ / (time.perf_counter() - start)
+    except torch.cuda.OutOfMemoryError:
+        return None, None
+    finally:
         torch.cuda.empty_cache()
 
 
