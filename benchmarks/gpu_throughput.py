@@ -95,7 +95,7 @@ def plain(cfg: LeanGPTConfig, device: str, accumulation: int, batch: int, seq: i
 
 
 def ours(cfg: LeanGPTConfig, device: str, accumulation: int, batch: int, seq: int) -> dict[str, Optional[float]]:
-    with trainer(cfg, TRAINER, device, accumulation, batch, seq) as (_, optimizer, micro_batch):
+    with trainer(cfg, TRAINER, device, accumulation, batch, seq) as (_, optimizer, micro_batch, _):
         return timed_step(micro_batch, optimizer.grad_averager.host_grads.wait, accumulation, device)
 
 
