@@ -27,6 +27,7 @@ rows are MEASURED (``torch.cuda.max_memory_allocated`` over a whole trainer step
 8-bit LAMB offloaded, as the trainer builds it) and printed beside the estimate with their ratio.
 
 Usage: python benchmarks/gpu_memory.py [--sizes 125M 350M 1.3B 2.7B] [--options 0 1 ...] [--skip-largest] [--skip-host]
+       [--loss auto|liger|ours] [--phases]
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import transformers
@@ -109,6 +110,71 @@ def loss_function(model: LeanGPTForCausalLM, option: Option, input_ids: torch.Te
     return compute
 
 
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """liger-kernel's tokens per chunk in its fused linear cross-entropy (``fused_linear_cross_entropy_forward``):
+    the chunk's logits about as large as the hidden states, rounded up to a power of two."""
+    increase = -(-vocab // hidden)
+    return min(tokens, 1 << (-(-tokens // increase) - 1).bit_length())
+
+
+def liger_workspace(tokens: int, hidden: int, vocab: int, dtype_bytes: int = 2) -> int:
+    """Bytes liger-kernel's fused linear cross-entropy holds beyond its inputs during its forward (it computes the
+    gradients there and keeps them until its backward): the hidden states' gradient (tokens x hidden), the weight's
+    gradient (vocab x hidden, in the weight's dtype), one chunk of logits (chunk x vocab) and the float32 per-token
+    losses. The first two then are the gradients its backward hands on."""
+    chunk = liger_chunk_rows(tokens, hidden, vocab)
+    return dtype_bytes * (tokens * hidden + vocab * hidden + chunk * vocab) + 4 * tokens
+
+
+class _LigerMemoryModel(torch.autograd.Function):
+    """What liger-kernel's LigerFusedLinearCrossEntropyFunction allocates, in plain torch, for the fake-tensor
+    estimate (liger-kernel runs on CUDA only): gradients computed in forward, chunk by chunk, and stored; backward
+    hands them on. The loss values do not matter here (the estimate only counts bytes)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        chunk = liger_chunk_rows(tokens, hidden.shape[1], weight.shape[0])
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        losses = torch.zeros(tokens, dtype=torch.float32)
+        for start in range(0, tokens, chunk):
+            logits = hidden[start:start + chunk] @ weight.t()  # liger's cross-entropy kernel turns it into its grad
+            grad_hidden[start:start + chunk] = logits @ weight
+            grad_weight.addmm_(logits.t(), hidden[start:start + chunk])
+            del logits
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden, grad_weight, None
+
+
+def liger_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias=None, ignore_index: int = -100
+               ) -> torch.Tensor:
+    """Stands in for ``fused_loss.linear_cross_entropy`` in the estimate where CUDA runs liger-kernel's kernel."""
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    return _LigerMemoryModel.apply(hidden, weight, labels)
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value) -> Iterator[None]:
+    previous = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, previous)
+
+
+def liger_on_cuda() -> bool:
+    """Whether CUDA runs the chunked loss with liger-kernel's fused kernel (``modules/fused_loss.py``)."""
+    from lean_transformer.modules import fused_loss
+    return torch.cuda.is_available() and fused_loss.LigerFusedLinearCrossEntropyLoss is not None
+
+
 def step_peak_model(model: LeanGPTForCausalLM, option: Option) -> int:
     """Device bytes during the offloaded optimizer step: weights, accumulators, one float32 conversion temporary."""
     params = list(model.parameters())
@@ -118,12 +184,16 @@ def step_peak_model(model: LeanGPTForCausalLM, option: Option) -> int:
     return weights + accumulators + conversion
 
 
-def estimate(cfg: LeanGPTConfig, option: Option) -> tuple[int, int, int]:
-    """ESTIMATED (fake tensors) peak bytes of a trainer step, weight bytes, parameter count."""
+def estimate(cfg: LeanGPTConfig, option: Option, liger: bool = False) -> tuple[int, int, int]:
+    """ESTIMATED (fake tensors) peak bytes of a trainer step, weight bytes, parameter count. ``liger``: the chunked
+    loss as liger-kernel allocates it (what CUDA runs where liger-kernel is installed), else as ours does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    with FakeTensorMode():
+    from lean_transformer.modules import embeddings
+
+    loss = liger_loss if liger and option.chunked_loss else embeddings.linear_cross_entropy
+    with FakeTensorMode(), patched(embeddings, "linear_cross_entropy", loss):
         model = build(cfg, option, "cpu")
         params = list(model.parameters())
         if option.offload:
@@ -143,60 +213,94 @@ def estimate(cfg: LeanGPTConfig, option: Option) -> tuple[int, int, int]:
         return max(peak, step_peak_model(model, option)), weights, sum(param.numel() for param in params)
 
 
-def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2) -> tuple[Optional[int], Optional[float]]:
-    """MEASURED on CUDA: peak bytes over whole trainer steps (1-peer hivemind.Optimizer, LAMB offloaded), tokens/s."""
+@contextlib.contextmanager
+def trainer(cfg: LeanGPTConfig, option: Option, device: str = "cuda", accumulation: int = 1, batch: int = BATCH,
+            seq: int = SEQ) -> Iterator[tuple[LeanGPTForCausalLM, "hivemind.Optimizer", Callable[[], None]]]:
+    """The trainer as it builds itself for ``option``: a 1-peer hivemind.Optimizer with 8-bit LAMB offloaded, one
+    optimizer step per ``accumulation`` micro-batches of BATCH x SEQ tokens. Yields the model, the optimizer and
+    ``micro_batch()``: forward, backward and ``optimizer.step()`` (the global step on every ``accumulation``-th), and
+    the loss's closure (forward only)."""
     import hivemind
     from hivemind.optim.grad_averager import GradientAverager
 
     from lean_transformer.optim import CPULAMB8Bit
     from lean_transformer.swarm.averaging.host_grad_averager import HostGradientAverager
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    model = optimizer = None
+    optimizer = None
     try:
-        model = build(cfg, option, "cuda")
+        model = build(cfg, option, device)
         factory = HostGradientAverager
         if not option.offload:  # float32 averaged gradients: an offloaded optimizer takes them as its .grad
             factory = functools.partial(GradientAverager, averaged_grads=tuple(
                 torch.zeros(param.shape).share_memory_() for param in model.parameters()))
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=f"gpu_memory_{time.monotonic_ns()}", params=model.parameters(),
-            optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=BATCH, batch_size_per_step=BATCH,
-            offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0, verbose=False,
-            grad_averager_factory=factory)
-        input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
+            optimizer=functools.partial(CPULAMB8Bit, lr=1e-4), target_batch_size=batch * accumulation,
+            batch_size_per_step=batch, offload_optimizer=True, matchmaking_time=1.0, averaging_timeout=10.0,
+            verbose=False, grad_averager_factory=factory)
+        input_ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
         compute = loss_function(model, option, input_ids)
 
-        def trainer_step() -> None:
+        def micro_batch() -> None:
             compute().backward()
             optimizer.step()
             if not option.offload:
                 optimizer.zero_grad()
-
-        trainer_step()  # warm-up: kernels, allocator, LAMB's numba compile
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(steps):
-            trainer_step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(), steps * BATCH * SEQ / (time.perf_counter() - start)
-    except torch.cuda.OutOfMemoryError:
-        return None, None
+        yield model, optimizer, micro_batch, compute
     finally:
         if optimizer is not None:
             optimizer.shutdown()
         dht.shutdown()
-        del model, optimizer
+
+
+def measure(cfg: LeanGPTConfig, option: Option, steps: int = 2, phases: bool = False
+            ) -> tuple[Optional[int], Optional[float], dict[str, int]]:
+    """MEASURED on CUDA: peak bytes over whole trainer steps (1-peer hivemind.Optimizer, LAMB offloaded), tokens/s;
+    with ``phases``, one more step's peaks in its forward, backward and optimizer step (bytes, by phase)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        with trainer(cfg, option) as (model, optimizer, trainer_step, compute):
+            trainer_step()  # warm-up: kernels, allocator, LAMB's numba compile
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer_step()
+            torch.cuda.synchronize()
+            peak, tokens = torch.cuda.max_memory_allocated(), steps * BATCH * SEQ / (time.perf_counter() - start)
+            by_phase = {}
+            if phases and option.offload:
+                for phase, run in (("forward", compute), ("backward", None), ("optimizer step", optimizer.step)):
+                    torch.cuda.reset_peak_memory_stats()
+                    if run is compute:
+                        loss = compute()
+                    elif run is None:
+                        loss.backward()
+                        del loss
+                        optimizer.grad_averager.host_grads.wait()
+                    else:
+                        run()
+                    torch.cuda.synchronize()
+                    by_phase[phase] = torch.cuda.max_memory_allocated()
+            return peak, tokens, by_phase
+    except torch.cuda.OutOfMemoryError:
+        return None, None, {}
+    finally:
         torch.cuda.empty_cache()
 
 
-def options_table(sizes: list[str], options: list[int]) -> None:
+def options_table(sizes: list[str], options: list[int], liger: bool = False, phases: bool = False) -> None:
+    """``liger``: the chunked loss is liger-kernel's (estimated with its memory model; measured as CUDA runs it),
+    else ours (on CUDA too)."""
+    from lean_transformer.modules import fused_loss
+
     cuda = torch.cuda.is_available()
     where = f"MEASURED on {torch.cuda.get_device_name()} beside the ESTIMATE" if cuda else "ESTIMATED (no CUDA)"
-    print(f"\nTrainer-step peak GPU memory, GiB, {BATCH} x {SEQ} tokens per micro-batch; {where}\n")
+    loss = "liger-kernel's" if liger else "ours"
+    print(f"\nTrainer-step peak GPU memory, GiB, {BATCH} x {SEQ} tokens per micro-batch; {where}; chunked loss: "
+          f"{loss}\n")
     header = "| model | option | weights | estimated peak | vs baseline |"
     header += " measured peak | measured / estimated | tokens/s |" if cuda else ""
     print(header)
@@ -206,13 +310,19 @@ def options_table(sizes: list[str], options: list[int]) -> None:
         baseline = None
         for option in (OPTIONS[i] for i in options):
             started = time.perf_counter()
-            peak, weights, count = estimate(cfg, option)
+            peak, weights, count = estimate(cfg, option, liger=liger)
             baseline = baseline or peak
             row = (f"| {size} ({count / 1e9:.2f}B) | {option.name} | {weights / GiB:.2f} | {peak / GiB:.2f} | "
                    f"{peak / baseline:.2f}x |")
             if cuda:
                 try:
-                    measured, tokens = measure(cfg, option)
+                    with contextlib.ExitStack() as stack:
+                        if not liger:  # our chunked loss on CUDA too
+                            stack.enter_context(patched(fused_loss, "LigerFusedLinearCrossEntropyLoss", None))
+                        measured, tokens, by_phase = measure(cfg, option, phases=phases)
+                    if by_phase:
+                        print("  peak by phase (GiB): " + ", ".join(
+                            f"{phase} {value / GiB:.3f}" for phase, value in by_phase.items()), file=sys.stderr)
                     row += (" OOM | | |" if measured is None
                             else f" {measured / GiB:.2f} | {measured / peak:.2f} | {tokens:.0f} |")
                 except Exception as error:  # one broken row must not hide the others
@@ -303,10 +413,17 @@ def main() -> None:
     parser.add_argument("--options", nargs="+", type=int, default=list(range(len(OPTIONS))),
                         choices=range(len(OPTIONS)), help="rows to run, by index (0: baseline; default: all; "
                         "'vs baseline' is then against the first row run)")
+    parser.add_argument("--loss", choices=["auto", "liger", "ours"], default="auto",
+                        help="the chunked loss to estimate and measure: liger-kernel's (auto: where CUDA has it) or "
+                             "ours (also on CUDA)")
+    parser.add_argument("--phases", action="store_true", help="also print each measured row's peak by phase")
     args = parser.parse_args()
+    if args.loss == "liger" and torch.cuda.is_available() and not liger_on_cuda():
+        parser.error("--loss liger: liger-kernel is not installed (pip install liger-kernel)")
+    liger = args.loss == "liger" or (args.loss == "auto" and liger_on_cuda())
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    options_table(args.sizes, args.options)
+    options_table(args.sizes, args.options, liger=liger, phases=args.phases)
     beyond_weights(args.options)
     if not args.skip_largest:
         largest_in()

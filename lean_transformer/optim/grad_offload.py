@@ -32,6 +32,19 @@ from lean_transformer.modules.early_grad import set_receiver
 WAIT_TIMEOUT = 600.0  # seconds: a gradient copy that takes longer means the device or the host thread is stuck
 
 
+@torch.no_grad()
+def accumulate_into(buffer: torch.Tensor, grad: torch.Tensor, scale: float = 1.0, overwrite: bool = False) -> None:
+    """``buffer += scale * grad`` (or ``buffer = scale * grad`` with ``overwrite``), in the float32 buffer's dtype:
+    the host's whole work per gradient, run on torch's intra-op threads (``benchmarks/host_throughput.py`` times
+    it)."""
+    if overwrite:
+        buffer.copy_(grad)  # then scale in float32: a float16 gradient times 1/scale could flush to zero
+        if scale != 1.0:
+            buffer.mul_(scale)
+    else:
+        buffer.add_(grad, alpha=scale)  # computed in float32, the buffer's dtype
+
+
 class HostGradients:
     """Float32 host accumulators for ``params``, fed by post-accumulate-grad hooks.
 
@@ -143,14 +156,8 @@ class HostGradients:
             self._add_to_buffer(index, part, scale)
 
     def _add_to_buffer(self, index: int, grad: torch.Tensor, scale: float) -> None:
-        buffer = self.buffers[index]
-        if self._fresh[index]:
-            buffer.copy_(grad)  # then scale in float32: a float16 gradient times 1/scale could flush to zero
-            if scale != 1.0:
-                buffer.mul_(scale)
-            self._fresh[index] = False
-        else:
-            buffer.add_(grad, alpha=scale)  # computed in float32, the buffer's dtype
+        accumulate_into(self.buffers[index], grad, scale, overwrite=self._fresh[index])
+        self._fresh[index] = False
 
     def _host_adds(self) -> None:
         while True:
