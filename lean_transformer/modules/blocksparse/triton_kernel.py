@@ -79,10 +79,9 @@ def _forward_kernel(x_ptr, w_ptr, col_index_ptr, y_ptr, M, K_BLOCKS, stride_xm, 
     offs_n = tl.arange(0, BS)
     w_row = w_ptr + o.to(tl.int64) * stride_wo + offs_n[None, :] * stride_wr  # W^T tile: [k, n] = W[o][n, k]
     acc = tl.zeros((BLOCK_M, BS), dtype=tl.float32)
-    SPLIT: tl.constexpr = BS // BLOCK_K
-    for i in range(0, K_BLOCKS * SPLIT):
-        t = i // SPLIT
-        kk = (i % SPLIT) * BLOCK_K
+    for i in range(0, K_BLOCKS * (BS // BLOCK_K)):
+        t = i // (BS // BLOCK_K)
+        kk = (i % (BS // BLOCK_K)) * BLOCK_K
         c = tl.load(col_index_ptr + o * K_BLOCKS + t)
         x = tl.load(x_ptr + rows * stride_xm + (c * BS + kk + offs_k)[None, :], mask=mask_m, other=0.0)
         w_t = tl.load(w_row + (t * BS + kk + offs_k)[:, None])
@@ -105,10 +104,9 @@ def _grad_input_kernel(dy_ptr, w_ptr, col_ptr_ptr, entry_row_ptr, entry_slot_ptr
     start = tl.load(col_ptr_ptr + c)
     end = tl.load(col_ptr_ptr + c + 1)
     acc = tl.zeros((BLOCK_M, BS), dtype=tl.float32)
-    SPLIT: tl.constexpr = BS // BLOCK_K
-    for i in range(start * SPLIT, end * SPLIT):
-        e = i // SPLIT
-        kk = (i % SPLIT) * BLOCK_K
+    for i in range(start * (BS // BLOCK_K), end * (BS // BLOCK_K)):
+        e = i // (BS // BLOCK_K)
+        kk = (i % (BS // BLOCK_K)) * BLOCK_K
         o = tl.load(entry_row_ptr + e)
         t = tl.load(entry_slot_ptr + e)
         dy = tl.load(dy_ptr + rows * stride_dym + (o * BS + kk + offs_k)[None, :], mask=mask_m, other=0.0)
