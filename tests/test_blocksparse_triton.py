@@ -1,4 +1,5 @@
-"""The Triton block-sparse kernels against the native path: on the CPU under ``TRITON_INTERPRET=1``, on CUDA compiled.
+"""The Triton block-sparse kernels against the native path: on the CPU under ``TRITON_INTERPRET=1``, on CUDA compiled;
+and compiled without a GPU for Hopper and consumer Ampere, where the compiler (not the interpreter) may refuse them.
 
 The interpreter must be switched on before Triton is imported, so the kernels run in one child process for the whole
 module (the rest of the suite keeps a normal Triton, or none): the parent draws the inputs, the child runs the
@@ -129,6 +130,55 @@ def test_interpreted_layer_with_low_rank_and_bias_matches_the_native_layer(inter
     for autograd_grad, op_grad, param in zip(got["param_grads"], got["op_grads"], params):
         torch.testing.assert_close(autograd_grad, param.grad, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(op_grad, param.grad, rtol=RTOL, atol=ATOL)
+
+
+INDEX_ARGS = {"col_index_ptr", "col_ptr_ptr", "entry_row_ptr", "entry_slot_ptr"}
+SHARED_MEMORY_LIMIT = {90: 227 * 1024, 86: 99 * 1024}  # bytes per block: H100, RTX 30xx (the 40xx: the same)
+
+
+def compile_for(kernel, data_type: str, constexprs: dict, num_warps: int, capability: int):
+    """``kernel`` compiled to a cubin for ``sm_<capability>`` with no GPU here, specialized as a launch on our
+    tensors would be (16-byte aligned pointers, strides divisible by 16)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for position, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32" if name in INDEX_ARGS else "*fp32" if name == "dw_ptr" else f"*{data_type}"
+            attrs[(position,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(position,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", capability, 32),
+                          options=dict(num_warps=num_warps, num_stages=3))
+
+
+COMPILE_CASES = [(90, dtype, size) for dtype in ("bf16", "fp32") for size in (16, 32, 64, 128)] + [(86, "bf16", 128)]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, so not under the interpreter")
+@pytest.mark.parametrize("capability,data_type,block_size", COMPILE_CASES)
+def test_kernels_compile_for_the_gpu_within_its_shared_memory(capability, data_type, block_size):
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    from lean_transformer.modules.blocksparse import triton_kernel
+
+    cfg = triton_kernel._config(block_size, {"bf16": torch.bfloat16, "fp32": torch.float32}[data_type])
+    tiles = dict(BS=block_size, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PRECISION=cfg.precision)
+    kernels = [(triton_kernel._forward_kernel, tiles), (triton_kernel._grad_input_kernel, tiles),
+               (triton_kernel._grad_weight_kernel, dict(BS=block_size, BLOCK_T=cfg.block_t, PRECISION=cfg.precision))]
+    for kernel, constexprs in kernels:
+        compiled = compile_for(kernel, data_type, constexprs, cfg.num_warps, capability)
+        assert 0 < compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], kernel.__name__
+        if capability == 90 and data_type == "bf16" and block_size >= 64:  # the tensor-core path, not a fallback
+            assert "wgmma" in compiled.asm["ptx"], kernel.__name__
 
 
 def test_auto_backend_is_native_on_the_cpu_and_bad_backends_are_refused():
