@@ -93,16 +93,17 @@ class BlockSparseLinear(LinearOp):
             self._col_index[device] = self._col_index[torch.device("cpu")].to(device)
         return self._col_index[device]
 
-    def _triton(self, device: torch.device) -> Optional[ModuleType]:
-        """The Triton backend's module where it runs the products on ``device``, else None (native)."""
-        if self.backend == "native" or (self.backend == "auto" and (device.type != "cuda" or _triton_failure)):
+    def _triton(self, x: Tensor) -> Optional[ModuleType]:
+        """The Triton backend's module where it runs the products on ``x``'s device and dtype, else None."""
+        if self.backend == "native" or (self.backend == "auto" and (x.device.type != "cuda" or _triton_failure)):
             return None
         kernels = _triton_kernels()
         if self.backend == "triton":
             if kernels is None:
                 raise RuntimeError("backend='triton' needs the triton package")
             return kernels
-        return kernels if kernels is not None and kernels.supports_block_size(self.block_size) else None
+        usable = kernels is not None and kernels.supports(self.block_size, x.dtype)
+        return kernels if usable else None
 
     def _kernel_index(self, kernels: ModuleType, device: torch.device) -> Any:
         if device not in self._layout_index:
@@ -110,13 +111,13 @@ class BlockSparseLinear(LinearOp):
                 self._col_index[torch.device("cpu")], self.in_features // self.block_size, device)
         return self._layout_index[device]
 
-    def _try_triton(self, device: torch.device, run: Callable[[ModuleType, Any], Any]) -> Optional[Any]:
-        """``run(kernels, layout_index)`` where the Triton backend applies (see ``backend``), else None."""
+    def _try_triton(self, x: Tensor, run: Callable[[ModuleType, Any], Any]) -> Optional[Any]:
+        """``run(kernels, layout_index)`` where the Triton backend applies to ``x`` (see ``backend``), else None."""
         global _triton_failure
         try:
-            kernels = self._triton(device)
+            kernels = self._triton(x)
             if kernels is not None:
-                result = run(kernels, self._kernel_index(kernels, device))
+                result = run(kernels, self._kernel_index(kernels, x.device))
                 self.backend_used = "triton"
                 return result
         except Exception as error:  # an import, compiler or launch failure of any type; the native path still works
@@ -128,12 +129,12 @@ class BlockSparseLinear(LinearOp):
         return None
 
     def _matmul(self, x2d: Tensor, blocks: Tensor) -> Tensor:
-        y = self._try_triton(x2d.device, lambda kernels, index: kernels.blocksparse_matmul(x2d, blocks, index))
+        y = self._try_triton(x2d, lambda kernels, index: kernels.blocksparse_matmul(x2d, blocks, index))
         return blocksparse_matmul(x2d, blocks, self.col_index(x2d.device)) if y is None else y
 
     def _matmul_backward(self, x2d: Tensor, grad_y2d: Tensor, blocks: Tensor, need_x: bool, need_blocks: bool,
                          grad_blocks_dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        grads = self._try_triton(x2d.device, lambda kernels, index: kernels.blocksparse_matmul_backward(
+        grads = self._try_triton(x2d, lambda kernels, index: kernels.blocksparse_matmul_backward(
             x2d, grad_y2d, blocks, index, need_x, need_blocks, grad_blocks_dtype))
         if grads is None:
             grads = blocksparse_matmul_backward(x2d, grad_y2d, blocks, self.col_index(x2d.device), need_x,

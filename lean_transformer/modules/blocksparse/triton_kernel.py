@@ -22,6 +22,7 @@ CPU under ``TRITON_INTERPRET=1`` (set before Triton is imported), which is how t
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,9 +34,12 @@ from torch import Tensor
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 128  # tl.dot needs >= 16; larger tiles would not fit one program
 
 
-def supports_block_size(block_size: int) -> bool:
-    """Whether these kernels handle ``block_size`` (a power of two in [16, 128])."""
-    return MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supports(block_size: int, dtype: torch.dtype) -> bool:
+    """Whether these kernels handle ``block_size`` (a power of two in [16, 128]) and ``dtype``."""
+    return MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0 and dtype in DTYPES
 
 
 @dataclass(frozen=True)
@@ -161,14 +165,19 @@ def _config(block_size: int, dtype: torch.dtype) -> _Config:
 
 def _check(x: Tensor, blocks: Tensor, index: LayoutIndex) -> int:
     block_size = blocks.shape[1]
-    if not supports_block_size(block_size):
+    if not supports(block_size, torch.float32):
         raise ValueError(f"the Triton kernels take block sizes 16-128 (powers of two), got {block_size}")
-    if x.dtype != blocks.dtype or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if x.dtype != blocks.dtype or x.dtype not in DTYPES:
         raise TypeError(f"x and blocks must share a float32/float16/bfloat16 dtype, got {x.dtype} and {blocks.dtype}")
     if blocks.shape != (index.out_blocks, block_size, index.blocks_per_row * block_size):
         raise ValueError(f"blocks {tuple(blocks.shape)} do not match the layout index "
                          f"({index.out_blocks} rows of {index.blocks_per_row} blocks)")
     return block_size
+
+
+def _on_device(x: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current GPU: make it ``x``'s."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def blocksparse_matmul(x: Tensor, blocks: Tensor, index: LayoutIndex) -> Tensor:
@@ -180,9 +189,11 @@ def blocksparse_matmul(x: Tensor, blocks: Tensor, index: LayoutIndex) -> Tensor:
     y = x.new_empty(tokens, index.out_blocks * block_size)
     if tokens:
         grid = (index.out_blocks, triton.cdiv(tokens, cfg.block_m))
-        _forward_kernel[grid](x, blocks, index.col_index, y, tokens, index.blocks_per_row, x.stride(0),
-                              blocks.stride(0), blocks.stride(1), y.stride(0), BS=block_size, BLOCK_M=cfg.block_m,
-                              BLOCK_K=cfg.block_k, PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=3)
+        with _on_device(x):
+            _forward_kernel[grid](x, blocks, index.col_index, y, tokens, index.blocks_per_row, x.stride(0),
+                                  blocks.stride(0), blocks.stride(1), y.stride(0), BS=block_size,
+                                  BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PRECISION=cfg.precision,
+                                  num_warps=cfg.num_warps, num_stages=3)
     return y
 
 
@@ -197,22 +208,22 @@ def blocksparse_matmul_backward(x: Tensor, grad_y: Tensor, blocks: Tensor, index
     x, grad_y, blocks = x.contiguous(), grad_y.contiguous(), blocks.contiguous()
     tokens = x.shape[0]
     cfg = _config(block_size, x.dtype)
-    grad_x = grad_blocks = None
-    if need_x:
-        grad_x = x.new_empty(tokens, index.in_blocks * block_size)
-        if tokens:
+    grad_x = x.new_empty(tokens, index.in_blocks * block_size) if need_x else None
+    grad_blocks = torch.empty(blocks.shape, dtype=grad_blocks_dtype or blocks.dtype, device=blocks.device) \
+        if need_blocks else None
+    with _on_device(x):
+        if need_x and tokens:
             grid = (index.in_blocks, triton.cdiv(tokens, cfg.block_m))
             _grad_input_kernel[grid](grad_y, blocks, index.col_ptr, index.entry_row, index.entry_slot, grad_x, tokens,
                                      grad_y.stride(0), blocks.stride(0), blocks.stride(1), grad_x.stride(0),
                                      BS=block_size, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                                      PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=3)
-    if need_blocks:
-        grad_blocks = torch.empty(blocks.shape, dtype=grad_blocks_dtype or blocks.dtype, device=blocks.device)
-        grid = (index.out_blocks * index.blocks_per_row,)
-        _grad_weight_kernel[grid](x, grad_y, index.col_index, grad_blocks, tokens, index.blocks_per_row, x.stride(0),
-                                  grad_y.stride(0), grad_blocks.stride(0), grad_blocks.stride(1), BS=block_size,
-                                  BLOCK_T=cfg.block_t, PRECISION=cfg.precision, num_warps=cfg.num_warps,
-                                  num_stages=3)
+        if need_blocks:
+            grid = (index.out_blocks * index.blocks_per_row,)
+            _grad_weight_kernel[grid](x, grad_y, index.col_index, grad_blocks, tokens, index.blocks_per_row,
+                                      x.stride(0), grad_y.stride(0), grad_blocks.stride(0), grad_blocks.stride(1),
+                                      BS=block_size, BLOCK_T=cfg.block_t, PRECISION=cfg.precision,
+                                      num_warps=cfg.num_warps, num_stages=3)
     return grad_x, grad_blocks
 
 
