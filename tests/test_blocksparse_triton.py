@@ -208,7 +208,7 @@ def test_cuda_auto_backend_runs_the_kernels_and_matches_the_native_path(autocast
         y.backward(grad_y.to(y.dtype))
         outputs[backend] = [y.float(), x_in.grad, *(p.grad for p in layer.op_params())]
     assert layers["auto"].backend_used == "triton"
-    # bf16 operands: both paths round the same inputs, and differ in float32 summation order only
-    tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=RTOL, atol=ATOL)
+    # bf16: both paths round the same operands; the native one also adds the input gradient up in bf16
+    tolerance = dict(rtol=2e-2, atol=5e-2) if autocast else dict(rtol=RTOL, atol=ATOL)
     for got, want in zip(outputs["auto"], outputs["native"]):
         torch.testing.assert_close(got, want.float() if autocast else want, **tolerance)
