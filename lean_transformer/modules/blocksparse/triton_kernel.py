@@ -2,9 +2,9 @@
 
 Why our own kernel: the native path (``native.py``) gathers input blocks into a feature-major copy and runs batched
 matmuls, which moves every activation several times and on an H100 took 2-3x the time of the dense layer. Triton's
-own ``triton.ops.blocksparse`` left Triton in 3.0, and the kernels of other libraries (e.g. ``stk``, ``torch
-.sparse`` BSR) either need their own weight storage or lack the weight gradient in a layout-fixed form; these three
-kernels read our storage (``blocks[o]``: row o's ``k`` kept blocks side by side) and the token-major activations as
+own ``triton.ops.blocksparse`` (which the original lean_transformer wrapped) left Triton in 3.0, and the other
+block-sparse kernels we know (``stk``, torch's BSR tensors) bring their own weight storage; these three kernels read
+our storage (``blocks[o]``: row o's ``k`` kept blocks side by side) and the token-major activations as
 they are, so nothing is gathered, transposed or copied.
 
 The three products and the index list each needs (built once per layout, see ``LayoutIndex``):
@@ -32,8 +32,6 @@ import triton.language as tl
 from torch import Tensor
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 128  # tl.dot needs >= 16; larger tiles would not fit one program
-
-
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
