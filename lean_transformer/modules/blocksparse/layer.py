@@ -1,8 +1,17 @@
-"""``BlockSparseLinear``: a large projection whose weight is block-sparse, plus an optional dense low-rank term."""
+"""``BlockSparseLinear``: a large projection whose weight is block-sparse, plus an optional dense low-rank term.
+
+Two backends compute the block-sparse products: the Triton kernels (``triton_kernel.py``) on CUDA where Triton is
+installed and the block size suits them (16-128, a power of two), and the plain-PyTorch one (``native.py``)
+everywhere else, which is also the reference the kernels are tested against.
+"""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Union
+import importlib
+import importlib.util
+import logging
+from types import ModuleType
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +21,19 @@ from lean_transformer.layouts import LayoutSpec, make_layout, parse_layout
 from lean_transformer.modules.blocksparse.native import blocksparse_matmul, blocksparse_matmul_backward
 from lean_transformer.modules.linear_op import Grads, LinearOp
 from lean_transformer.modules.replay import AutocastState
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "native", "triton")
+_triton_failure: Optional[str] = None  # set when a Triton launch raised on CUDA: "auto" then stays native
+
+
+def _triton_kernels() -> Optional[ModuleType]:
+    """The Triton backend's module, or None where Triton is not installed (imported on first use only, so that CPU
+    runs never import Triton)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module("lean_transformer.modules.blocksparse.triton_kernel")
 
 
 def _compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
@@ -30,6 +52,11 @@ class BlockSparseLinear(LinearOp):
     """``y = x @ W^T + (x @ U^T) @ V^T + b``, with W block-sparse in a registered layout (see ``layout.py``) and an
     optional rank-``lowrank_dim`` term (PixelFly's "sparse + low-rank").
 
+    ``backend``: ``"auto"`` runs the Triton kernels on CUDA where they apply (see the module docstring) and the
+    native path elsewhere; if a Triton launch raises, it logs one warning and stays native for the process.
+    ``"native"`` and ``"triton"`` force one (``"triton"`` raises where it cannot run; on the CPU it needs
+    ``TRITON_INTERPRET=1``). ``backend_used`` says which one ran the last product.
+
     Parameters: ``blocks`` ``[out_blocks, block_size, k * block_size]`` (row block o, column slice t is the block
     at input block ``col_index[o, t]``), ``lowrank_in`` U ``[lowrank_dim, in_features]``, ``lowrank_out`` V
     ``[out_features, lowrank_dim]`` and ``bias``; ``op_params()`` returns those present in this order. Only the kept
@@ -37,8 +64,11 @@ class BlockSparseLinear(LinearOp):
     """
 
     def __init__(self, in_features: int, out_features: int, layout: Union[str, LayoutSpec], lowrank_dim: int = 0,
-                 bias: bool = True):
+                 bias: bool = True, backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend, self.backend_used = backend, None
         if not isinstance(lowrank_dim, int) or isinstance(lowrank_dim, bool) or lowrank_dim < 0:
             raise ValueError(f"lowrank_dim must be a non-negative integer, got {lowrank_dim!r}")
         self.in_features, self.out_features, self.lowrank_dim = in_features, out_features, lowrank_dim
@@ -49,6 +79,7 @@ class BlockSparseLinear(LinearOp):
         # Derived from the layout string, so neither a parameter nor a buffer: it stays out of the state dict (and
         # of what peers average), and is rebuilt, not left uninitialized, when a model is made on the meta device.
         self._col_index = {torch.device("cpu"): mask.nonzero()[:, 1].view(out_blocks, blocks_per_row)}
+        self._layout_index: dict[torch.device, Any] = {}  # the Triton kernels' row and column lists, per device
         self.blocks = nn.Parameter(torch.empty(out_blocks, block_size, blocks_per_row * block_size))
         if lowrank_dim:
             self.lowrank_in = nn.Parameter(torch.empty(lowrank_dim, in_features))
@@ -61,6 +92,54 @@ class BlockSparseLinear(LinearOp):
         if device not in self._col_index:
             self._col_index[device] = self._col_index[torch.device("cpu")].to(device)
         return self._col_index[device]
+
+    def _triton(self, x: Tensor) -> Optional[ModuleType]:
+        """The Triton backend's module where it runs the products on ``x``'s device and dtype, else None."""
+        if self.backend == "native" or (self.backend == "auto" and (x.device.type != "cuda" or _triton_failure)):
+            return None
+        kernels = _triton_kernels()
+        if self.backend == "triton":
+            if kernels is None:
+                raise RuntimeError("backend='triton' needs the triton package")
+            return kernels
+        usable = kernels is not None and kernels.supports(self.block_size, x.dtype)
+        return kernels if usable else None
+
+    def _kernel_index(self, kernels: ModuleType, device: torch.device) -> Any:
+        if device not in self._layout_index:
+            self._layout_index[device] = kernels.LayoutIndex.build(
+                self._col_index[torch.device("cpu")], self.in_features // self.block_size, device)
+        return self._layout_index[device]
+
+    def _try_triton(self, x: Tensor, run: Callable[[ModuleType, Any], Any]) -> Optional[Any]:
+        """``run(kernels, layout_index)`` where the Triton backend applies to ``x`` (see ``backend``), else None."""
+        global _triton_failure
+        try:
+            kernels = self._triton(x)
+            if kernels is not None:
+                result = run(kernels, self._kernel_index(kernels, x.device))
+                self.backend_used = "triton"
+                return result
+        except Exception as error:  # an import, compiler or launch failure of any type; the native path still works
+            if self.backend == "triton":
+                raise
+            _triton_failure = f"{type(error).__name__}: {error}"
+            logger.warning(f"Triton block-sparse kernels failed, using the native path: {_triton_failure}")
+        self.backend_used = "native"
+        return None
+
+    def _matmul(self, x2d: Tensor, blocks: Tensor) -> Tensor:
+        y = self._try_triton(x2d, lambda kernels, index: kernels.blocksparse_matmul(x2d, blocks, index))
+        return blocksparse_matmul(x2d, blocks, self.col_index(x2d.device)) if y is None else y
+
+    def _matmul_backward(self, x2d: Tensor, grad_y2d: Tensor, blocks: Tensor, need_x: bool, need_blocks: bool,
+                         grad_blocks_dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        grads = self._try_triton(x2d, lambda kernels, index: kernels.blocksparse_matmul_backward(
+            x2d, grad_y2d, blocks, index, need_x, need_blocks, grad_blocks_dtype))
+        if grads is None:
+            grads = blocksparse_matmul_backward(x2d, grad_y2d, blocks, self.col_index(x2d.device), need_x,
+                                                need_blocks)
+        return grads
 
     @property
     def block_size(self) -> int:
@@ -116,7 +195,7 @@ class BlockSparseLinear(LinearOp):
         blocks, lowrank_in, lowrank_out, bias = (None if p is None else p.to(dtype) for p in self._split(params))
         with _no_autocast(x.device):
             x2d = x.reshape(-1, self.in_features).to(dtype)
-            y = blocksparse_matmul(x2d, blocks, self.col_index(x.device))
+            y = self._matmul(x2d, blocks)
             if lowrank_in is not None:
                 y.addmm_(x2d @ lowrank_in.t(), lowrank_out.t())
             if bias is not None:
@@ -130,8 +209,8 @@ class BlockSparseLinear(LinearOp):
         with _no_autocast(x.device), torch.no_grad():
             x2d = x.reshape(-1, self.in_features).to(dtype)
             grad_y2d = grad_y.reshape(-1, self.out_features).to(dtype)
-            grad_x, grad_blocks = blocksparse_matmul_backward(
-                x2d, grad_y2d, blocks.to(dtype), self.col_index(x.device), need_x, blocks.requires_grad)
+            grad_x, grad_blocks = self._matmul_backward(x2d, grad_y2d, blocks.to(dtype), need_x,
+                                                        blocks.requires_grad, blocks.dtype)
             grads = [grad_blocks]
             if lowrank_in is not None:
                 hidden = x2d @ lowrank_in.to(dtype).t()  # rank-r, cheap to recompute
