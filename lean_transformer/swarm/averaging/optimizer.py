@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Option
 
 import hivemind
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
                                   NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
                                   SizeAdaptiveCompression, TensorRole, Uniform8BitQuantization)
@@ -95,6 +96,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.waiting = waiting
         self.host_grads: Optional[HostGradients] = None
         self.outer_loop: Optional[OuterLoop] = None
+        self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = ProgressTracker if diloco is None else RoundProgress
         outer = None
@@ -250,7 +252,10 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         if self.outer_loop is None:
+            epoch, self._group_epochs = self.local_epoch, None
+            self.grad_averager.epoch_for_gather = epoch  # a round that starts now (none was pre-scheduled)
             self._advance_epoch(grad_scaler)
+            self._align_epoch_with_group(epoch)
             return
         with self.waiting():
             self._end_outer_round()
@@ -261,6 +266,39 @@ class SwarmOptimizer(hivemind.Optimizer):
                             "state")
                 self.outer_loop.behind = False
                 self.load_state_from_peers()
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        self.grad_averager.epoch_for_gather = self.local_epoch
+        super()._maybe_schedule_gradient_averaging()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        control = maybe_step_control
+        if control is not None and control.done() and not control.cancelled() and control.exception() is None:
+            self._group_epochs = [epoch for epoch in (control.result() or {}).values()
+                                  if isinstance(epoch, int) and not isinstance(epoch, bool)]
+
+    def _align_epoch_with_group(self, epoch: int) -> None:
+        """Gradient-averaging mode, after the round that ended ``epoch``: if the groupmates' epoch labels were one
+        ahead of ours, take theirs. hivemind gives a peer the epoch label ``local + 1`` after a step, while its
+        groupmates (who reached the round's epoch earlier, e.g. a slow peer that joined late or stepped once alone)
+        step from a label one higher with the same averaged gradients. Its parameters took the same step as theirs,
+        but with the lower label hivemind's once-per-epoch check (``local_epoch != global_epoch``) finds it "out of
+        sync" and downloads the whole state; a 10x slower peer did so every second epoch (tests/test_slow_peer.py).
+        A peer that missed a round still lags by a step and is caught by that check (it does not join a round
+        first), as is one whose label lags by more than one."""
+        ahead = max(self._group_epochs or (), default=None)
+        self._group_epochs = None
+        if ahead is None or ahead != epoch + 1 or self.local_epoch != epoch + 1:
+            return
+        logger.info(f"Averaged with peers of epoch {ahead} (this peer: {epoch}): taking their epoch, "
+                    f"{ahead + 1}, after the same step")
+        with self.tracker.pause_updates():
+            self.state_averager.local_epoch = ahead + 1
+            self.tracker.update_epoch(new_epoch=ahead + 1)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch
+            self.grad_averager.state_sharing_priority = self.local_epoch
 
     def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         """hivemind's epoch update (in DiLoCo mode after the outer round)."""
