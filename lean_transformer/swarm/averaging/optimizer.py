@@ -184,9 +184,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
-        # hivemind 1.1.12's own arguments (pinned in pyproject.toml), with the tracker of this mode
+        # hivemind 1.1.12's own arguments (pinned in pyproject.toml), with the tracker of this mode. Its status
+        # ("accumulated N samples for epoch #E from P peers", every refresh: up to 2 lines a second) is DEBUG: the
+        # trainer's progress line says the same every --progress_every seconds
         return self._progress_tracker_class(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                            client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                            client_mode=self.client_mode, status_loglevel=logging.DEBUG,
                                             start=True, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:

@@ -10,6 +10,10 @@ that the swarm code uses explicitly.
   every later round, and (b) average anyway with weight 1 and stale buffers. Reproduced deterministically by
   ``tests/test_averagers.py`` against hivemind's own averagers. Drop when hivemind keeps its cancelled matchmaking
   tasks referenced and marks a step cancelled before signalling its averager.
+- :mod:`.quiet_logs`: hivemind logs a round that found no group, was cancelled or lost a groupmate, and torch's
+  resource sharer a peer that left during the DHT's shutdown, as ERROR tracebacks; here they are one line each
+  (tracebacks with ``HIVEMIND_LOGLEVEL=DEBUG``). Checked by the log assertions of ``tests/test_large_swarm.py`` and
+  ``tests/test_diloco_swarm.py``. Drop when hivemind logs expected round failures without a traceback.
 - Averager options (in :class:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer`): hivemind passes
   ``averager_opts`` to the state averager only; the swarm optimizer gives them to its gradient averager too. Drop
   when hivemind forwards them to both averagers.
@@ -45,3 +49,6 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
+from lean_transformer.swarm.hivemind_fixes import quiet_logs
+
+quiet_logs.install()
