@@ -97,6 +97,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.host_grads: Optional[HostGradients] = None
         self.outer_loop: Optional[OuterLoop] = None
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
+        self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = ProgressTracker if diloco is None else RoundProgress
         outer = None
@@ -254,7 +255,7 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         if self.outer_loop is None:
-            epoch, self._group_epochs = self.local_epoch, None
+            epoch, self._group_epochs, self._group_epoch = self.local_epoch, None, None
             self.grad_averager.epoch_for_gather = epoch  # a round that starts now (none was pre-scheduled)
             self._advance_epoch(grad_scaler)
             self._align_epoch_with_group(epoch)
@@ -281,26 +282,36 @@ class SwarmOptimizer(hivemind.Optimizer):
                                   if isinstance(epoch, int) and not isinstance(epoch, bool)]
 
     def _align_epoch_with_group(self, epoch: int) -> None:
-        """Gradient-averaging mode, after the round that ended ``epoch``: if the groupmates' epoch labels were one
-        ahead of ours, take theirs. hivemind gives a peer the epoch label ``local + 1`` after a step, while its
-        groupmates (who reached the round's epoch earlier, e.g. a slow peer that joined late or stepped once alone)
-        step from a label one higher with the same averaged gradients. Its parameters took the same step as theirs,
-        but with the lower label hivemind's once-per-epoch check (``local_epoch != global_epoch``) finds it "out of
-        sync" and downloads the whole state; a 10x slower peer did so every second epoch (tests/test_slow_peer.py).
-        A peer that missed a round still lags by a step and is caught by that check (it does not join a round
-        first), as is one whose label lags by more than one."""
+        """Gradient-averaging mode, after the round that ended ``epoch``: note the epoch that groupmates one label
+        ahead of ours moved to. hivemind gives a peer the label ``local + 1`` after a step, while its groupmates
+        (who reached the round's epoch earlier, e.g. a slow peer that joined late or stepped once alone) step from a
+        label one higher with the same averaged gradients. Its parameters took the same step as theirs, but with the
+        lower label hivemind's once-per-epoch check (``local_epoch != global_epoch``) finds it "out of sync" and
+        downloads the whole state: a 10x slower peer did so every second epoch (tests/test_slow_peer.py). See
+        :meth:`_should_load_state_from_peers`."""
         ahead = max(self._group_epochs or (), default=None)
         self._group_epochs = None
-        if ahead is None or ahead != epoch + 1 or self.local_epoch != epoch + 1:
-            return
-        logger.info(f"Averaged with peers of epoch {ahead} (this peer: {epoch}): taking their epoch, "
-                    f"{ahead + 1}, after the same step")
-        with self.tracker.pause_updates():
-            self.state_averager.local_epoch = ahead + 1
-            self.tracker.update_epoch(new_epoch=ahead + 1)
-        if not self.client_mode:
-            self.state_averager.state_sharing_priority = self.local_epoch
-            self.grad_averager.state_sharing_priority = self.local_epoch
+        if ahead is not None and ahead == epoch + 1 and self.local_epoch == epoch + 1:
+            self._group_epoch = ahead + 1
+
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's check, except for a peer whose groupmates of its last round are the swarm's epoch, one label
+        ahead of its own: it takes their label instead of downloading. A peer that missed a round the swarm stepped
+        in (the swarm is further ahead than its last group) still downloads. Client-mode groupmates never count:
+        hivemind's swarm epoch is the full peers' only."""
+        group_epoch = self._group_epoch
+        if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
+            logger.info(f"This peer's last group stepped from epoch {group_epoch - 1} (this peer: "
+                        f"{self.local_epoch - 1}): taking the swarm's epoch {group_epoch}, no download")
+            with self.tracker.pause_updates():
+                self.state_averager.local_epoch = group_epoch
+                self.tracker.update_epoch(new_epoch=group_epoch)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+                self.grad_averager.state_sharing_priority = self.local_epoch
+        if group_epoch is not None and self.local_epoch != group_epoch - 1:
+            self._group_epoch = None  # taken, or moved on (the next round notes its own)
+        return super()._should_load_state_from_peers()
 
     def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         """hivemind's epoch update (in DiLoCo mode after the outer round)."""
