@@ -78,12 +78,17 @@ def assert_shut_down(peer: PeerProcess, reason: str = "signal") -> None:
         (peer.name, shutdowns[-1:], peer.log_tail())
 
 
+def unreadable_lines(log: str) -> List[str]:
+    """What a healthy peer's log must not hold (issue 26 item 4): tracebacks, ERROR lines, and hivemind's
+    progress-tracker lines ("accumulated N samples for epoch #E from P peers", up to two a second: our progress line
+    says it)."""
+    return [line for line in log.splitlines()
+            if "Traceback" in line or "[ERROR]" in line or re.search(r"accumulated \d+ samples for epoch", line)]
+
+
 def assert_readable_logs(peer: PeerProcess) -> None:
-    """A healthy peer's log (issue 26 item 4): no traceback, no ERROR line, and none of hivemind's progress-tracker
-    lines ("accumulated N samples for epoch #E from P peers", up to two a second: our progress line says it)."""
     log = peer.stderr + (peer.stdout if peer.stdout_path != peer.stderr_path else "")
-    problems = [line for line in log.splitlines()
-                if "Traceback" in line or "[ERROR]" in line or re.search(r"accumulated \d+ samples for epoch", line)]
+    problems = unreadable_lines(log)
     assert not problems, f"{peer.name}'s log:\n" + "\n".join(problems[:20]) + f"\n...\n{peer.log_tail()}"
 
 
