@@ -24,7 +24,9 @@ that the swarm code uses explicitly.
 - :mod:`.stream_answers`: when a handler of a streamed request answers before reading it all (an averager refusing
   a tensor part), hivemind closes the stream with the caller's data unread, p2pd resets it and the answer is lost:
   the caller sees an empty stream or a broken pipe. Reproduced by ``tests/test_stream_answers.py`` (and, as a rare
-  failure, by ``tests/test_auth_averaging.py``). Drop when hivemind reads a request to its end before closing.
+  failure, by ``tests/test_auth_averaging.py``). The drain leaves a stream that hivemind's all-reduce task still
+  reads to that task (``test_draining_a_request_stream_that_the_handler_still_reads_is_quiet``; seen as tracebacks
+  in an 8-trainer swarm). Drop when hivemind reads a request to its end before closing.
 - :mod:`.rpc_names`: hivemind names an averager's RPCs after its Python class, so a trainer with host gradients (a
   GPU) and one without (a CPU, or an aux peer assisting) never averaged gradients together. Reproduced by
   ``tests/test_averagers.py`` and ``tests/test_trainer_host_gradients.py``. Drop when hivemind names RPCs by protocol.
