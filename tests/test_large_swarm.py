@@ -5,8 +5,9 @@ micro-batch: its compute stays a small share of the 2 cores, so the swarm's aver
 CPU they would have on separate machines, and what fails here is the protocol, not 9 processes starving on 2 cores
 (the issue's 12-peer run without throttling averaged in 59-94% of epochs, with median groups of 3).
 
-Measured here (72 s on the 2-core box): every trainer averaged in 7-8 of its 8 epochs, in groups of all 8 from its
-third epoch on, and downloaded the state once, at join; the aux peer counted 8 alive in 4 of 8 rows. Two protocol
+Measured here in two runs (~60-70 s each on the 2-core box): every trainer averaged in 7-8 of its 8 epochs (all 8 in
+the second run), in groups of all 8 from its third epoch on (from its first in the second run), and downloaded the
+state once, at join; the aux peer counted 8 alive in 4 and 7 of its 8 rows. Two protocol
 causes surfaced and are fixed: peers that had stepped alone before the others joined kept an epoch label one lower
 than their groupmates' and downloaded the state at their next epoch (SwarmOptimizer takes the group's label), and a
 reducer that finalized without a late part raised tracebacks (hivemind_fixes.stream_answers).
