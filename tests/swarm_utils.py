@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -75,6 +76,20 @@ def assert_shut_down(peer: PeerProcess, reason: str = "signal") -> None:
     shutdowns = peer.events("shutdown")
     assert shutdowns and (shutdowns[-1]["reason"], shutdowns[-1]["clean"]) == (reason, True), \
         (peer.name, shutdowns[-1:], peer.log_tail())
+
+
+def unreadable_lines(log: str) -> List[str]:
+    """What a healthy peer's log must not hold (issue 26 item 4): tracebacks, ERROR lines, and hivemind's
+    progress-tracker lines ("accumulated N samples for epoch #E from P peers", up to two a second: our progress line
+    says it)."""
+    return [line for line in log.splitlines()
+            if "Traceback" in line or "[ERROR]" in line or re.search(r"accumulated \d+ samples for epoch", line)]
+
+
+def assert_readable_logs(peer: PeerProcess) -> None:
+    log = peer.stderr + (peer.stdout if peer.stdout_path != peer.stderr_path else "")
+    problems = unreadable_lines(log)
+    assert not problems, f"{peer.name}'s log:\n" + "\n".join(problems[:20]) + f"\n...\n{peer.log_tail()}"
 
 
 def epochs_after_outer_steps(peer: PeerProcess, group_size: int) -> set[int]:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from aux_utils import PeerProcess, start_peer, stop_all, wait_until
-from swarm_utils import epoch_reports, epochs_after_outer_steps, transitions
+from swarm_utils import assert_readable_logs, epoch_reports, epochs_after_outer_steps, transitions
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
@@ -85,6 +85,12 @@ def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
         torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-5, msg=name)
     for a, b in zip(anchor_of(backup(root, "t1", epoch)), anchor_of(backup(root, "t2", epoch))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_logs_hold_no_traceback_and_no_tracker_chatter(diloco_run):
+    _root, aux, trainers = diloco_run
+    for peer in (aux, *trainers):
+        assert_readable_logs(peer)
 
 
 def test_loss_falls_over_the_rounds(diloco_run):

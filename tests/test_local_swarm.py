@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from aux_utils import assert_valid_png, PeerProcess, start_peer
+from swarm_utils import unreadable_lines
 from lean_transformer.demo import local_swarm
 from lean_transformer.swarm.peers.processes import ProcessTracker
 
@@ -80,6 +81,8 @@ def test_short_run_ends_with_a_checkpoint_a_plot_and_a_summary(tmp_path: Path, r
     assert len(written) == len(corpus) == 3 and all(corpus), out[-2000:]
     assert [f"model:  {text}" for text in written] == local_swarm.writing_sample(checkpoint)[:3]  # seeded
     assert_valid_png(tmp_path / "demo" / "metrics.png")
+    for log in (tmp_path / "demo" / "logs").glob("*.log"):  # a healthy run's logs read cleanly
+        assert not unreadable_lines(log.read_text()), (log.name, unreadable_lines(log.read_text())[:20])
     report(f"local swarm, 20 s of training: final loss {loss} (floor {floor}) at epoch {epoch}, {samples} samples, "
            f"{rounds} averaging rounds; checkpoint {checkpoint.name} loads; PNG valid; nothing left running")
 

@@ -91,3 +91,33 @@ def test_a_refusal_reaches_a_caller_that_is_still_sending(report):
 
 if __name__ == "__main__":
     print(json.dumps(asyncio.run(_scenario(sys.argv[1]))))
+
+
+def test_draining_a_request_stream_that_the_handler_still_reads_is_quiet():
+    """hivemind's all-reduce reads a caller's parts in a task of its own; when its answers end first (a reducer that
+    finalized without a late part), draining the same stream must leave it to that task, not raise."""
+    from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
+
+    async def scenario() -> list:
+        release = asyncio.Event()
+
+        async def requests():
+            yield 1
+            await release.wait()  # the caller is still sending
+            yield 2
+
+        stream = requests()
+
+        async def reader():  # the handler's own task, reading the stream
+            return [item async for item in stream]
+
+        async def answers():
+            yield "answer"
+
+        reading = asyncio.create_task(reader())
+        await asyncio.sleep(0.01)  # the reader is inside the generator, waiting for the next part
+        answered = [answer async for answer in answer_then_drain(answers(), stream, timeout=1.0)]
+        release.set()
+        return [answered, await reading]
+
+    assert asyncio.run(scenario()) == [["answer"], [1, 2]]

@@ -3,6 +3,9 @@ their rounds reported as peer events (:mod:`.round_events`). Their class names a
 after them, see :mod:`~lean_transformer.swarm.hivemind_fixes.rpc_names`): keep them."""
 from __future__ import annotations
 
+from typing import Any, Optional
+
+from hivemind.averaging.control import StepControl
 from hivemind.optim import grad_averager, state_averager
 
 from lean_transformer.swarm.averaging.robust import Aggregated
@@ -20,6 +23,15 @@ class GradientAverager(ReportsRounds, NamedRPCs, NoGradientDownload, CancelSafe,
     (:mod:`.robust`)."""
 
     rpc_class_name = "GradientAverager"
+
+    # the epoch label this peer's rounds gather from now on (set by the optimizer; hivemind's gradient rounds gather
+    # nothing): groupmates learn each other's labels, so a peer whose label lags can take the group's (see
+    # SwarmOptimizer._align_epoch_with_group)
+    epoch_for_gather: Optional[int] = None
+
+    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs: Any) -> StepControl:
+        kwargs.setdefault("gather", self.epoch_for_gather)
+        return super().schedule_step(scheduled_time, **kwargs)
 
 
 class TrainingStateAverager(ReportsRounds, CancelSafe, AnswersDelivered, ValidatedStateSharing,

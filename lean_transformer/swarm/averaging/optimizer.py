@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Option
 
 import hivemind
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
                                   NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
                                   SizeAdaptiveCompression, TensorRole, Uniform8BitQuantization)
@@ -95,6 +96,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.waiting = waiting
         self.host_grads: Optional[HostGradients] = None
         self.outer_loop: Optional[OuterLoop] = None
+        self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
+        self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = ProgressTracker if diloco is None else RoundProgress
         outer = None
@@ -182,9 +185,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
-        # hivemind 1.1.12's own arguments (pinned in pyproject.toml), with the tracker of this mode
+        # hivemind 1.1.12's own arguments (pinned in pyproject.toml), with the tracker of this mode. Its status
+        # ("accumulated N samples for epoch #E from P peers", every refresh: up to 2 lines a second) is DEBUG: the
+        # trainer's progress line says the same every --progress_every seconds
         return self._progress_tracker_class(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                            client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                            client_mode=self.client_mode, status_loglevel=logging.DEBUG,
                                             start=True, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:
@@ -250,7 +255,10 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         if self.outer_loop is None:
+            epoch, self._group_epochs, self._group_epoch = self.local_epoch, None, None
+            self.grad_averager.epoch_for_gather = epoch  # a round that starts now (none was pre-scheduled)
             self._advance_epoch(grad_scaler)
+            self._align_epoch_with_group(epoch)
             return
         with self.waiting():
             self._end_outer_round()
@@ -261,6 +269,49 @@ class SwarmOptimizer(hivemind.Optimizer):
                             "state")
                 self.outer_loop.behind = False
                 self.load_state_from_peers()
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        self.grad_averager.epoch_for_gather = self.local_epoch
+        super()._maybe_schedule_gradient_averaging()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        control = maybe_step_control
+        if control is not None and control.done() and not control.cancelled() and control.exception() is None:
+            self._group_epochs = [epoch for epoch in (control.result() or {}).values()
+                                  if isinstance(epoch, int) and not isinstance(epoch, bool)]
+
+    def _align_epoch_with_group(self, epoch: int) -> None:
+        """Gradient-averaging mode, after the round that ended ``epoch``: note the epoch that groupmates one label
+        ahead of ours moved to. hivemind gives a peer the label ``local + 1`` after a step, while its groupmates
+        (who reached the round's epoch earlier, e.g. a slow peer that joined late or stepped once alone) step from a
+        label one higher with the same averaged gradients. Its parameters took the same step as theirs, but with the
+        lower label hivemind's once-per-epoch check (``local_epoch != global_epoch``) finds it "out of sync" and
+        downloads the whole state: a 10x slower peer did so every second epoch (tests/test_slow_peer.py). See
+        :meth:`_should_load_state_from_peers`."""
+        ahead = max(self._group_epochs or (), default=None)
+        self._group_epochs = None
+        if ahead is not None and ahead == epoch + 1 and self.local_epoch == epoch + 1:
+            self._group_epoch = ahead + 1
+
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's check, except for a peer whose groupmates of its last round are the swarm's epoch, one label
+        ahead of its own: it takes their label instead of downloading. A peer that missed a round the swarm stepped
+        in (the swarm is further ahead than its last group) still downloads. Client-mode groupmates never count:
+        hivemind's swarm epoch is the full peers' only."""
+        group_epoch = self._group_epoch
+        if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
+            logger.info(f"This peer's last group stepped from epoch {group_epoch - 1} (this peer: "
+                        f"{self.local_epoch - 1}): taking the swarm's epoch {group_epoch}, no download")
+            with self.tracker.pause_updates():
+                self.state_averager.local_epoch = group_epoch
+                self.tracker.update_epoch(new_epoch=group_epoch)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+                self.grad_averager.state_sharing_priority = self.local_epoch
+        if group_epoch is not None and self.local_epoch != group_epoch - 1:
+            self._group_epoch = None  # taken, or moved on (the next round notes its own)
+        return super()._should_load_state_from_peers()
 
     def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         """hivemind's epoch update (in DiLoCo mode after the outer round)."""

@@ -1,0 +1,76 @@
+"""Eight trainers and an aux peer on 127.0.0.1 (issue 23 item 6): one DHT, everyone averages, plausible counts.
+
+Each trainer is the tiny model with one torch thread, run through tests/slow_trainer.py with 0.2 s of sleep before each
+micro-batch: its compute stays a small share of the 2 cores, so the swarm's averaging, DHT and matchmaking get the
+CPU they would have on separate machines, and what fails here is the protocol, not 9 processes starving on 2 cores
+(the issue's 12-peer run without throttling averaged in 59-94% of epochs, with median groups of 3).
+
+Measured here in two runs (~60-70 s each on the 2-core box): every trainer averaged in 7-8 of its 8 epochs (all 8 in
+the second run), in groups of all 8 from its third epoch on (from its first in the second run), and downloaded the
+state once, at join; the aux peer counted 8 alive in 4 and 7 of its 8 rows. Two protocol
+causes surfaced and are fixed: peers that had stepped alone before the others joined kept an epoch label one lower
+than their groupmates' and downloaded the state at their next epoch (SwarmOptimizer takes the group's label), and a
+reducer that finalized without a late part raised tracebacks (hivemind_fixes.stream_answers).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from aux_utils import PeerProcess, start_peer, stop_all
+from swarm_utils import assert_readable_logs, group_sizes, transitions
+
+from lean_transformer.demo.local_swarm import command_line
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+TRAINERS, EPOCHS = 8, 8
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def swarm_args() -> List[str]:
+    # 8 x ~16 samples/s: the 256-sample target fills in ~2 s, as long as the 2 s matchmaking window
+    return command_line(dict(run_id="large", host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=256,
+                             per_device_batch_size=4, max_sequence_length=32, matchmaking_time=2,
+                             averaging_timeout=15, startup_timeout=90))
+
+
+def test_eight_trainers_share_one_dht_and_average_together(tmp_path: Path):
+    run = swarm_args()
+    peers: List[PeerProcess] = []
+    try:
+        aux = start_peer("aux", ["run_aux_peer.py", *run, "--checkpoint_every_epochs", "0", "--refresh_period", "0.5",
+                                 "--metrics_path", str(tmp_path / "metrics.jsonl"), "--wandb_project", ""],
+                         tmp_path, ENV)
+        peers.append(aux)
+        initial = aux.initial_peers()
+        trainers = [start_peer(f"trainer{i}", ["tests/slow_trainer.py", "run_trainer.py", *run, "--initial_peers",
+                                               *initial, "--max_epochs", str(EPOCHS), "--backup_every_epochs", "0",
+                                               "--progress_every", "5", "--output_dir", str(tmp_path / f"t{i}")],
+                                tmp_path, dict(ENV, SLOW_BATCH_SECONDS="0.2"))
+                    for i in range(TRAINERS)]
+        peers += trainers
+        codes = [trainer.wait(200) for trainer in trainers]
+        assert codes == [0] * TRAINERS, [trainer.log_tail() for trainer in trainers]
+    finally:
+        stop_all(peers)
+
+    rows = aux.events("swarm_epoch")
+    print({trainer.name: (transitions(trainer), group_sizes(trainer), len(trainer.events("state_downloaded")))
+           for trainer in trainers}, [(row["epoch"], row["alive_peers"]) for row in rows])
+    # one DHT: every trainer averaged in a group of all eight at least once, and the aux peer saw all eight
+    for trainer in trainers:
+        assert max(group_sizes(trainer), default=0) == TRAINERS, (trainer.name, group_sizes(trainer))
+    assert max(row["alive_peers"] for row in rows) == TRAINERS
+    # the aux peer's counts are plausible: never more than the trainers. Exact counts per epoch (every trainer that
+    # trained in it) need the records' histories (issue 23 item 5); then assert alive_peers == trainers per row here.
+    assert all(1 <= row["alive_peers"] <= TRAINERS for row in rows), rows
+    # averaging fraction: each trainer averaged with others in >= 75% of the epochs it went through (its first
+    # epoch(s) may pass before the others have joined: with 8 processes starting on 2 cores, ~1 of 8 epochs)
+    for trainer in trainers:
+        averaged = sum(size >= 2 for size in group_sizes(trainer))
+        assert averaged >= 0.75 * len(transitions(trainer)), (trainer.name, transitions(trainer), group_sizes(trainer))
+    for peer in (aux, *trainers):
+        assert_readable_logs(peer)

@@ -1,0 +1,69 @@
+"""Expected events are one log line, tracebacks stay for bugs and for HIVEMIND_LOGLEVEL=DEBUG
+(lean_transformer.swarm.hivemind_fixes.quiet_logs), on hivemind's real logger and a real resource-sharer error."""
+from __future__ import annotations
+
+import logging
+import sys
+from multiprocessing.resource_sharer import _ResourceSharer
+
+import pytest
+from hivemind.averaging.partition import AllreduceException
+
+from lean_transformer.swarm.hivemind_fixes import quiet_logs
+
+
+@pytest.fixture
+def hivemind_level(caplog):
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("in_root_logger")  # as the peers' scripts do: hivemind's records reach the root logger
+    caplog.set_level(logging.INFO)
+    logger = logging.getLogger("hivemind")
+    level = logger.level
+    yield logger.setLevel
+    logger.setLevel(level)
+
+
+def log_failed_round(error: BaseException, caplog) -> logging.LogRecord:
+    caplog.clear()
+    try:
+        raise error
+    except BaseException as e:
+        logging.getLogger(quiet_logs.AVERAGER_LOGGER).exception(e)  # as hivemind's DecentralizedAverager._step does
+    (record,) = caplog.records
+    return record
+
+
+def test_a_round_without_a_group_is_one_warning_line(caplog, hivemind_level):
+    hivemind_level(logging.INFO)
+    record = log_failed_round(AllreduceException("Averaging step failed: could not find a group"), caplog)
+    assert (record.levelno, record.exc_info) == (logging.WARNING, None)
+    assert record.getMessage() == ("Averaging round ended without averaging: AllreduceException: Averaging step "
+                                   "failed: could not find a group")
+    assert "Traceback" not in caplog.text
+
+
+def test_debug_keeps_the_traceback_and_bugs_keep_theirs(caplog, hivemind_level):
+    hivemind_level(logging.DEBUG)
+    record = log_failed_round(AllreduceException("could not find a group"), caplog)
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+    hivemind_level(logging.INFO)
+    record = log_failed_round(KeyError("a bug"), caplog)
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+
+
+def test_a_resource_sharer_that_is_gone_is_one_info_line(caplog, capsys, hivemind_level):
+    hivemind_level(logging.INFO)
+    assert sys.excepthook is quiet_logs._excepthook  # installed when lean_transformer.swarm's fixes are imported
+    try:
+        _ResourceSharer.get_connection(("/nonexistent/resource-sharer-socket", b""))  # a peer's sharer that left
+    except FileNotFoundError:
+        sys.excepthook(*sys.exc_info())  # what the sharer's thread does
+    assert "Traceback" not in capsys.readouterr().err
+    assert [record.levelno for record in caplog.records] == [logging.INFO]
+    assert "FileNotFoundError" in caplog.records[0].getMessage()
+    try:
+        raise FileNotFoundError("not from the resource sharer")
+    except FileNotFoundError:
+        sys.excepthook(*sys.exc_info())
+    assert "Traceback" in capsys.readouterr().err

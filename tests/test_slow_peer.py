@@ -1,0 +1,58 @@
+"""A trainer 10x slower than the rest keeps averaging and downloads the swarm's state only when it joins (issue 23
+item 4), in a real loopback swarm: a bootstrap DHT, two trainers and a slow one, gradient-averaging mode.
+
+Every trainer runs through tests/slow_trainer.py, which sleeps before each micro-batch: the two "fast" ones 0.05 s,
+the slow one 0.5 s, so the slow one computes ~1/10 of their samples whatever else runs on the box (the tiny model's
+step is a few ms). Before SwarmOptimizer aligned epoch labels with its group, the slow trainer averaged in 9 of 15
+epochs and downloaded the state 6 times: it stepped in the same rounds as the others, under an epoch label one lower,
+and hivemind's once-per-epoch check took that for "out of sync".
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aux_utils import PeerProcess, start_peer, stop_all
+from swarm_utils import transitions
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+EPOCHS = 12
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def trainer(name: str, root: Path, initial: list[str], delay: float) -> PeerProcess:
+    # epochs of ~1.5-2 s (160 samples at ~150 samples/s, and the 2 s matchmaking window): ~4 slow micro-batches each
+    argv = ["tests/slow_trainer.py", "run_trainer.py", "--run_id", "slow", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--initial_peers", *initial, "--target_batch_size", "160", "--per_device_batch_size", "4",
+            "--max_sequence_length", "32", "--max_epochs", str(EPOCHS), "--matchmaking_time", "2",
+            "--averaging_timeout", "10", "--progress_every", "5", "--output_dir", str(root / name)]
+    return start_peer(name, argv, root, dict(ENV, SLOW_BATCH_SECONDS=str(delay)))
+
+
+def samples_per_second(peer: PeerProcess) -> float:
+    last = peer.events("progress")[-1]
+    return last["samples"] / last["wall_seconds"]
+
+
+def test_a_slow_trainer_averages_every_epoch_and_downloads_only_at_join(tmp_path: Path):
+    boot = start_peer("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+                      tmp_path, ENV, events=False)
+    peers = [boot]
+    try:
+        initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
+        fast = [trainer(f"fast{i}", tmp_path, initial, 0.05) for i in (1, 2)]
+        slow = trainer("slow", tmp_path, initial, 0.5)
+        peers += [*fast, slow]
+        assert [peer.wait(150) for peer in (*fast, slow)] == [0, 0, 0], slow.log_tail()
+    finally:
+        stop_all(peers)
+
+    assert samples_per_second(slow) < min(map(samples_per_second, fast)) / 5, "the slow trainer is not slow"
+    epochs = transitions(slow)
+    averaged = [event for event in slow.events("averaged") if event["kind"] == "gradients"]
+    assert epochs and epochs[-1] == EPOCHS
+    # it averaged with both others in (nearly) every epoch it trained (its first round may still find it alone)
+    assert sum(event["group_size"] == 3 for event in averaged) >= 0.8 * len(epochs), (epochs, averaged)
+    assert len(slow.events("state_downloaded")) <= 1, slow.log_tail()  # the download when it joined, if any
