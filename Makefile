@@ -25,12 +25,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
 
-# the CUDA tests (pytest -m cuda), the 2-peer swarms (trainers take the GPU by default) and the GPU benchmarks (measured beside the estimate); one line and exit 0 without CUDA
+# the CUDA tests (pytest -m cuda), the 2-peer swarms (trainers take the GPU by default) and the GPU benchmarks (memory beside
+# the estimate, the trainer against plain training, Triton block-sparse, the feed-forward backward); one line and exit 0 without CUDA
 gpu-check: $(STAMP)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) -m pytest -q -m cuda tests && \
 		$(PY) -m pytest -q tests/test_trainer_host_gradients.py tests/test_trainer_swarm.py && \
 		$(PY) benchmarks/gpu_memory.py && \
+		$(PY) benchmarks/gpu_throughput.py && \
+		$(PY) benchmarks/blocksparse.py && \
+		$(PY) benchmarks/ffn_backward.py && \
 		$(PY) benchmarks/throughput.py --steps 1; \
 	else echo "gpu-check: skipped (no CUDA device: torch.cuda.is_available() is False)"; fi
 
