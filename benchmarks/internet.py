@@ -184,6 +184,7 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
         if relay.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the delay relay of {slot.name} did not start")
+        slot.measured_rtt_ms = 1000 * tcp_round_trip(ip, ECHO_PORT)
     else:
         network.block_inbound(slot.index)
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -220,6 +221,7 @@ def sample_usage(slots: Sequence[Slot]) -> None:
 
 def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
     """One swarm in ``mode``: start it, run the window with churn, stop it; the figures from the events."""
+    shutil.rmtree(logdir, ignore_errors=True)  # the peers append to their event files: none from an earlier run
     rng = random.Random(f"{args.seed}-{mode}")
     slots = draw_slots(args, rng)
     trainers = [slot for slot in slots if slot.name != "aux"]
@@ -232,9 +234,6 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
         progress(f"  aux up; starting {args.trainers} trainers")
         for slot in trainers[:args.trainers]:
             start_peer(slot, network, mode, aux_peers, args, logdir)
-        for slot in slots:
-            if not slot.nat:
-                slot.measured_rtt_ms = 1000 * tcp_round_trip(network.peer_ips[slot.index], ECHO_PORT)
         sent_before = network.sent_bytes()
         window_start = time.time()
         leaves = sorted(rng.uniform(0.25, 0.8) * args.seconds for _ in range(args.leaves))
@@ -256,7 +255,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
             if joins and elapsed >= joins[0].joins_at:
                 joiner = joins.pop(0)
                 donors = [s for s in slots if s.process is not None and s.stopped is None and not s.nat
-                          and s.process.returncode is None]
+                          and s.process.returncode is None and s.process.events("joined")]
                 donor = rng.choice(donors)
                 start_peer(joiner, network, mode, donor.process.initial_peers(timeout=5), args, logdir)
                 progress(f"  {elapsed:.0f} s: {joiner.name} joins through {donor.name}")
