@@ -160,20 +160,20 @@ def peer_argv(slot: Slot, network: InternetNetwork, mode: str, initial_peers: Se
     common = ["--run_id", f"internet_{network.tag}", *address, "--startup_timeout", "90",
               "--target_batch_size", str(args.target_batch_size), "--per_device_batch_size", "4",
               "--max_sequence_length", "32", "--matchmaking_time", str(args.matchmaking_time),
-              "--averaging_timeout", str(args.averaging_timeout)]
+              "--averaging_timeout", str(args.averaging_timeout), "--warmup_steps", "5", "--learning_rate", "0.005"]
     if initial_peers:
         common += ["--initial_peers", *initial_peers]
     if slot.name == "aux":
         return ["run_aux_peer.py", *common, "--checkpoint_every_epochs", "0", "--wandb_project", "",
                 "--metrics_path", str(workdir / "aux_metrics.jsonl"), "--refresh_period", "2", *MODES[mode]]
     return ["run_trainer.py", *common, "--output_dir", str(workdir / slot.name), "--backup_every_epochs", "0",
-            "--max_epochs", "100000", "--progress_every", "2", "--warmup_steps", "5", "--learning_rate", "0.005",
-            *MODES[mode]]
+            "--max_epochs", "100000", "--progress_every", "2", *MODES[mode]]
 
 
 def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: Sequence[str],
                args: argparse.Namespace, logdir: Path) -> None:
     network.limit_cpu(slot.index, slot.cores)
+    logdir.mkdir(parents=True, exist_ok=True)
     if not slot.nat:  # its relay (and an echo server behind it, to measure the round trip), outside its cgroup
         ip = network.peer_ips[slot.index]
         relay = subprocess.Popen(["ip", "netns", "exec", network.namespaces[slot.index], sys.executable,
@@ -181,7 +181,8 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
                                   "--forward", f"{ip}:{PORT}", f"127.0.0.1:{PORT}",
                                   "--forward", f"{ip}:{ECHO_PORT}", f"127.0.0.1:{ECHO_PORT + 1}",
                                   "--echo", f"127.0.0.1:{ECHO_PORT + 1}"],
-                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                 stdout=subprocess.PIPE, stderr=(logdir / f"{slot.name}.relay.log").open("w"),
+                                 text=True, start_new_session=True)
         if relay.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the delay relay of {slot.name} did not start")
         slot.measured_rtt_ms = 1000 * tcp_round_trip(ip, ECHO_PORT)

@@ -36,19 +36,26 @@ def address(text: str) -> Tuple[str, int]:
 
 
 async def delay_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-    """Copy ``reader`` to ``writer``, each chunk written ``delay`` s after it was read (order kept)."""
+    """Copy ``reader`` to ``writer``, each chunk written ``delay`` s after it was read (order kept); the end of the
+    stream is passed on as a half-close; a reset on either side raises ConnectionError."""
     queue: asyncio.Queue = asyncio.Queue(QUEUED_CHUNKS)
 
     async def read() -> None:
-        while True:
-            data = await reader.read(CHUNK)
-            await queue.put((time.monotonic() + delay, data))
-            if not data:
-                return
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                await queue.put((time.monotonic() + delay, data))
+                if not data:
+                    return
+        except (ConnectionError, OSError) as error:
+            await queue.put((0.0, error))
 
-    async def write() -> None:
+    reading = asyncio.ensure_future(read())
+    try:
         while True:
             due, data = await queue.get()
+            if isinstance(data, Exception):
+                raise ConnectionError(f"read failed: {data}")
             wait = due - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -58,10 +65,6 @@ async def delay_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 return
             writer.write(data)
             await writer.drain()
-
-    reading = asyncio.ensure_future(read())
-    try:
-        await write()
     finally:
         reading.cancel()
 
@@ -75,10 +78,14 @@ async def relay(listen: Tuple[str, int], target: Tuple[str, int], delay: float) 
             return
         for writer in (client_writer, target_writer):
             writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        lines = [delay_line(client_reader, target_writer, delay), delay_line(target_reader, client_writer, delay)]
-        try:
-            await asyncio.gather(*lines, return_exceptions=True)
+        lines = [asyncio.ensure_future(delay_line(client_reader, target_writer, delay)),
+                 asyncio.ensure_future(delay_line(target_reader, client_writer, delay))]
+        try:  # both directions to their end, or both cut at the first error
+            await asyncio.wait(lines, return_when=asyncio.FIRST_EXCEPTION)
         finally:
+            for line in lines:
+                line.cancel()
+            await asyncio.gather(*lines, return_exceptions=True)
             client_writer.close()
             target_writer.close()
 
