@@ -89,12 +89,13 @@ class InternetNetwork(WanNetwork):
     def cgroup(self, peer: int) -> Path:
         return self.cgroup_root / f"peer{peer}"
 
-    def limit_cpu(self, peer: int, cores: float) -> None:
-        """Limit every process started by :meth:`command` for ``peer`` to ``cores`` CPU cores."""
+    def limit_cpu(self, peer: int, cores: Optional[float]) -> None:
+        """Limit every process started by :meth:`command` for ``peer`` (from now on) to ``cores`` CPU cores; None:
+        put them in a cgroup of their own without a limit yet."""
         path = self.cgroup(peer)
         path.mkdir(parents=True, exist_ok=True)
         (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-        (path / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * CFS_PERIOD_US))))
+        (path / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
 
     def command(self, peer: int, argv: Sequence[str]) -> List[str]:
         command = ["ip", "netns", "exec", self.namespaces[peer], *argv]
@@ -132,6 +133,8 @@ class Slot:
     started: Optional[float] = None  # unix time
     stopped: Optional[float] = None
     stop_signal: Optional[str] = None  # "SIGTERM" or "SIGKILL" when stopped on purpose during the window
+    exit_in_window: Optional[int] = None  # its exit code, if it exited before the window's end
+    limited: Optional[float] = None  # unix time its CPU quota was applied (once it had joined)
     measured_rtt_ms: Optional[float] = None
     usage: Dict[str, float] = field(default_factory=dict)  # peak RSS, CPU seconds
 
@@ -172,7 +175,7 @@ def peer_argv(slot: Slot, network: InternetNetwork, mode: str, initial_peers: Se
 
 def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: Sequence[str],
                args: argparse.Namespace, logdir: Path) -> None:
-    network.limit_cpu(slot.index, slot.cores)
+    network.limit_cpu(slot.index, None)  # its quota comes once it has joined: see apply_quotas
     logdir.mkdir(parents=True, exist_ok=True)
     if not slot.nat:  # its relay (and an echo server behind it, to measure the round trip), outside its cgroup
         ip = network.peer_ips[slot.index]
@@ -193,6 +196,15 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
     slot.process = PeerProcess(slot.name, argv, logdir, env, cwd=REPO, argv_prefix=network.command(slot.index, []),
                                merge_output=True)
     slot.started = time.time()
+
+
+def apply_quotas(slots: Sequence[Slot], network: InternetNetwork) -> None:
+    """Give each peer that has joined the swarm its CPU quota. Before that it runs unlimited: with a tenth of a core
+    from the start, importing torch and hivemind alone takes minutes, which measures this box, not the protocol."""
+    for slot in slots:
+        if slot.process is not None and slot.limited is None and slot.process.events("joined"):
+            network.limit_cpu(slot.index, slot.cores)
+            slot.limited = time.time()
 
 
 def in_round(slot: Slot, kind: str) -> bool:
@@ -235,6 +247,13 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
         progress(f"  aux up; starting {args.trainers} trainers")
         for slot in trainers[:args.trainers]:
             start_peer(slot, network, mode, aux_peers, args, logdir)
+
+        def joined() -> bool:
+            apply_quotas(slots, network)
+            return all(slot.limited is not None for slot in trainers[:args.trainers] if slot.process.returncode is None)
+
+        wait_until(joined, 300, "the initial trainers to join", interval=0.5)
+        progress("  all initial trainers joined: the window starts")
         sent_before = network.sent_bytes()
         window_start = time.time()
         leaves = sorted(rng.uniform(0.25, 0.8) * args.seconds for _ in range(args.leaves))
@@ -243,6 +262,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
         while (now := time.time()) < window_start + args.seconds:
             elapsed = now - window_start
             network.pids()  # noted, to remove their shared-memory files at close
+            apply_quotas(slots, network)
             if leaves and elapsed >= leaves[0]:
                 leaves.pop(0)
                 live = [s for s in trainers if s.process is not None and s.stopped is None]
@@ -265,6 +285,9 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
                 sample_usage(slots)
             time.sleep(0.5)
         window_stop = time.time()
+        for slot in slots:
+            if slot.process is not None:
+                slot.exit_in_window = slot.process.returncode
         sent = sum(after - before for after, before in zip(network.sent_bytes(), sent_before))
         network.remember_sockets()
         progress("  window over; stopping the peers")
@@ -320,7 +343,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         if views:
             buckets.append({"time": bucket_start - start, "reporting": len(views),
                             "components": components(list(views), views)})
-    per_trainer, group_sizes, downloads, newcomers, crashes, rows = [], [], [], [], [], []
+    per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
     for slot in trainers:
         if slot.name not in events:
             continue
@@ -342,9 +365,14 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         log = slot.process.stdout
         tracebacks = log.count("Traceback (most recent call last)")
         code = slot.process.returncode
-        crashed = slot.stop_signal is None and (code not in (0, None) or tracebacks > 0)
+        joined = bool([e for e in stream if e["event"] == "joined"])
+        # a crash: it exited by itself during the window, or its log holds a traceback (the final SIGTERM's exit
+        # codes are not crashes: a peer still starting up when the window ends dies of the signal)
+        crashed = slot.stop_signal is None and (slot.exit_in_window not in (0, None) or tracebacks > 0)
         if crashed:
             crashes.append(f"{slot.name}: exit {code}, {tracebacks} traceback(s)")
+        if not joined and not crashed:
+            never_joined.append(slot.name)
         if slot.joins_at > 0 and slot.started is not None:
             first = averaged[0]["time"] - slot.started if averaged else None
             newcomers.append({"name": slot.name, "seconds_to_first_average": first,
@@ -358,7 +386,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
             "averaged_fraction": fraction, "downloads": len(got), "samples": samples, "utilization": utilization,
             "peak_rss_mb": slot.usage.get("peak_rss_mb"),
             "cpu_per_second": slot.usage.get("cpu_seconds", 0.0) / alive if alive > 0 else None,
-            "exit": code, "tracebacks": tracebacks})
+            "exit": code, "joined": joined, "tracebacks": tracebacks})
         rows.append([slot.name, "NAT" if slot.nat else "full", f"{slot.cores:.3f}", f"{slot.rate_mbit:g}",
                      f"{slot.rtt_ms:g}" + ("" if slot.measured_rtt_ms is None else f" ({slot.measured_rtt_ms:.0f})"),
                      slot.stop_signal or ("joined" if slot.joins_at else ""), transitions, len(averaged),
@@ -381,7 +409,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "samples": total_samples,
         "utilization_mean": statistics.mean([t["utilization"] for t in per_trainer if t["utilization"] is not None]
                                             or [math.nan]),
-        "crashes": crashes, "per_trainer": per_trainer, "rows": rows, "start": start,
+        "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
         "timeline": timeline_of(events, slots, start, stop, kind),
     }
     return summary
@@ -455,7 +483,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
                       f"downloads (median {r['download_seconds_median']:.1f} s); newcomers' seconds to first "
                       f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
-                      f"utilization {r['utilization_mean']:.1%}; crashes: {r['crashes'] or 'none'}. RTT measured "
+                      f"utilization {r['utilization_mean']:.1%}; crashes: {r['crashes'] or 'none'}; never joined: "
+                      f"{r['never_joined'] or 'none'}. RTT measured "
                       f"with a TCP echo through the peer's delay relay (a relay delays TCP only; no ping).")})
     return {"benchmark": "internet", "command": command,
             "machine": f"{os.cpu_count()} CPU cores (x86_64), {psutil.virtual_memory().total / 2 ** 30:.0f} GB RAM, no GPU",
@@ -507,7 +536,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     raise_on_signals()
     command = "python benchmarks/internet.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    output = Path(args.output_dir)
+    output, path = Path(args.output_dir), Path(args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
     results = []
     try:
         for mode in args.modes:
@@ -517,13 +547,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             r = results[-1]
             progress(f"  splits {r['dht_splits']}, groups {r['group_sizes']}, averaged fraction median "
                      f"{r['averaged_fraction_median']}, downloads {r['state_downloads']}, crashes {len(r['crashes'])}")
+            path.write_text(json.dumps(report(results, args, command), indent=1, default=str) + "\n")  # each mode
+            plot(results, path.parent / "internet.png")
     except KeyboardInterrupt:
         print("internet.py: interrupted; the network and the peers are removed", file=sys.stderr)
         return 130
-    path = Path(args.results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report(results, args, command), indent=1, default=str) + "\n")
-    plot(results, path.parent / "internet.png")
     for table in report(results, args, command)["tables"]:
         print(f"\n## {table['title']}\n\n| " + " | ".join(table["columns"]) + " |\n|" + "---|" * len(table["columns"]))
         for row in table["rows"]:
