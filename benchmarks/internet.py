@@ -224,7 +224,7 @@ def sample_usage(slots: Sequence[Slot]) -> None:
         try:
             root = psutil.Process(slot.process.pid)
             tree = [root, *root.children(recursive=True)]
-            rss = sum(p.memory_info().rss for p in tree) / 2 ** 20
+            rss = sum(p.memory_full_info().pss for p in tree) / 2 ** 20  # PSS: forked children share pages
             cpu = sum(sum(p.cpu_times()[:4]) for p in tree)
         except psutil.Error:
             continue
@@ -362,12 +362,12 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         utilization = (progress_events[-1]["compute_seconds"] / progress_events[-1]["wall_seconds"]
                        if progress_events and progress_events[-1]["wall_seconds"] > 0 else None)
         samples = progress_events[-1]["samples"] if progress_events else 0
-        log = slot.process.stdout
-        tracebacks = log.count("Traceback (most recent call last)")
+        tracebacks = tracebacks_before(slot.process.stdout, stop)
         code = slot.process.returncode
         joined = bool([e for e in stream if e["event"] == "joined"])
-        # a crash: it exited by itself during the window, or its log holds a traceback (the final SIGTERM's exit
-        # codes are not crashes: a peer still starting up when the window ends dies of the signal)
+        # a crash: it exited by itself during the window, or its log holds a traceback from within the window (the
+        # final SIGTERM's exit codes and tracebacks are not crashes: a peer still starting up dies of the signal, and
+        # rounds in flight fail as their peers leave)
         crashed = slot.stop_signal is None and (slot.exit_in_window not in (0, None) or tracebacks > 0)
         if crashed:
             crashes.append(f"{slot.name}: exit {code}, {tracebacks} traceback(s)")
@@ -413,6 +413,21 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "timeline": timeline_of(events, slots, start, stop, kind),
     }
     return summary
+
+
+def tracebacks_before(log: str, moment: float) -> int:
+    """Tracebacks in a peer's log whose last timestamped line before them is earlier than ``moment`` (unix time)."""
+    count, last = 0, 0.0
+    year = time.strftime("%Y", time.localtime(moment))
+    for line in log.splitlines():
+        if len(line) > 19 and line[:3].isalpha() and line[15] == ".":
+            try:
+                last = time.mktime(time.strptime(f"{year} {line[:15]}", "%Y %b %d %H:%M:%S"))
+            except ValueError:
+                pass
+        elif line.startswith("Traceback (most recent call last)") and last < moment:
+            count += 1
+    return count
 
 
 def timeline_of(events: Dict[str, List[dict]], slots: Sequence[Slot], start: float, stop: float,
@@ -465,7 +480,7 @@ def plot(results: Sequence[dict], path: Path) -> None:
 
 
 COLUMNS = ["peer", "link", "CPU cores", "Mbit/s", "RTT ms drawn (measured)", "left/joined", "epochs", "averaged",
-           "averaged fraction", "state downloads", "samples", "compute utilization", "peak RSS MB", "tracebacks"]
+           "averaged fraction", "state downloads", "samples", "compute utilization", "peak PSS MB", "tracebacks in window"]
 
 
 def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> dict:
