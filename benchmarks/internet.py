@@ -228,7 +228,7 @@ def sample_usage(slots: Sequence[Slot]) -> None:
             cpu = sum(sum(p.cpu_times()[:4]) for p in tree)
         except psutil.Error:
             continue
-        slot.usage["peak_rss_mb"] = max(slot.usage.get("peak_rss_mb", 0.0), rss)
+        slot.usage["peak_pss_mb"] = max(slot.usage.get("peak_pss_mb", 0.0), rss)
         slot.usage["cpu_seconds"] = max(slot.usage.get("cpu_seconds", 0.0), cpu)
 
 
@@ -384,7 +384,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
             "rtt_ms": slot.rtt_ms, "measured_rtt_ms": slot.measured_rtt_ms, "joined_at_s": slot.joins_at,
             "stop": slot.stop_signal, "epochs": transitions, "averaged": len(averaged), "missed": len(missed),
             "averaged_fraction": fraction, "downloads": len(got), "samples": samples, "utilization": utilization,
-            "peak_rss_mb": slot.usage.get("peak_rss_mb"),
+            "peak_pss_mb": slot.usage.get("peak_pss_mb"),
             "cpu_per_second": slot.usage.get("cpu_seconds", 0.0) / alive if alive > 0 else None,
             "exit": code, "joined": joined, "tracebacks": tracebacks})
         rows.append([slot.name, "NAT" if slot.nat else "full", f"{slot.cores:.3f}", f"{slot.rate_mbit:g}",
@@ -392,7 +392,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
                      slot.stop_signal or ("joined" if slot.joins_at else ""), transitions, len(averaged),
                      "" if fraction is None else f"{fraction:.0%}", len(got), samples,
                      "" if utilization is None else f"{utilization:.0%}",
-                     f"{slot.usage.get('peak_rss_mb', 0):.0f}", tracebacks])
+                     f"{slot.usage.get('peak_pss_mb', 0):.0f}", tracebacks])
     total_samples = sum(t["samples"] for t in per_trainer)
     fractions = [t["averaged_fraction"] for t in per_trainer if t["averaged_fraction"] is not None]
     summary = {
