@@ -338,8 +338,10 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         views = {}
         for name, stream in events.items():
             for event in stream:
-                if event["event"] == "progress" and bucket_start <= event["time"] < bucket_start + 10:
-                    views[peer_ids.get(name) or name] = event.get("visible", [])
+                # an empty view is a tracker that has not fetched the records yet (not a peer alone in its DHT)
+                if event["event"] == "progress" and bucket_start <= event["time"] < bucket_start + 10 \
+                        and event.get("visible"):
+                    views[peer_ids.get(name) or name] = event["visible"]
         if views:
             buckets.append({"time": bucket_start - start, "reporting": len(views),
                             "components": components(list(views), views)})
@@ -432,12 +434,14 @@ def tracebacks_before(log: str, moment: float) -> int:
 
 def timeline_of(events: Dict[str, List[dict]], slots: Sequence[Slot], start: float, stop: float,
                 kind: str) -> List[List[float]]:
-    """[seconds, peers alive, inside an averaging round, downloading state] every 2 s of the window."""
+    """[seconds, peers joined and alive, inside an averaging round, downloading state] every 2 s of the window."""
     alive, rounds, downloading = [], [], []
     for slot in slots:
         if slot.name == "aux" or slot.started is None:
             continue
-        alive.append((slot.started, slot.stopped or stop))
+        joined = [event["time"] for event in events.get(slot.name, []) if event["event"] == "joined"]
+        if joined:
+            alive.append((joined[0], slot.stopped or stop))
         opened = None
         for event in events.get(slot.name, []):
             if event.get("kind") == kind and event["event"] == "round_started":
@@ -463,7 +467,7 @@ def plot(results: Sequence[dict], path: Path) -> None:
     figure, axes = plt.subplots(len(results), 1, figsize=(8, 3.2 * len(results)), dpi=80, squeeze=False)
     for axis, result in zip(axes[:, 0], results):
         points = result["timeline"]
-        for column, label in ((1, "alive"), (2, "inside an averaging round"), (3, "downloading state")):
+        for column, label in ((1, "joined and alive"), (2, "inside an averaging round"), (3, "downloading state")):
             axis.plot([p[0] for p in points], [p[column] for p in points], label=label, linewidth=1.2)
         splits = [b["time"] for b in result["dht_buckets"] if b["components"] > 1]
         if splits:
