@@ -123,13 +123,25 @@ class WanNetwork:
 
     def shape(self, rate_mbit: Optional[float]) -> None:
         """Limit both directions of every peer's link to ``rate_mbit`` (None: remove the limit)."""
-        for namespace, host_end in zip(self.namespaces, self.host_ends):
-            for prefix in (["ip", "netns", "exec", namespace], []):
-                device = "eth0" if prefix else host_end
-                run_ip(*prefix, "tc", "qdisc", "del", "dev", device, "root", check=False)
-                if rate_mbit is not None:
-                    run_ip(*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                           "burst", "32kbit", "latency", "400ms")
+        for peer in range(self.num_peers):
+            self.shape_peer(peer, rate_mbit)
+
+    def shape_peer(self, peer: int, rate_mbit: Optional[float]) -> None:
+        """Limit both directions of one peer's link to ``rate_mbit`` (None: remove the limit)."""
+        for prefix in (["ip", "netns", "exec", self.namespaces[peer]], []):
+            device = "eth0" if prefix else self.host_ends[peer]
+            run_ip(*prefix, "tc", "qdisc", "del", "dev", device, "root", check=False)
+            if rate_mbit is not None:
+                run_ip(*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                       "burst", "32kbit", "latency", "400ms")
+
+    def block_inbound(self, peer: int) -> None:
+        """Put a peer behind NAT: its namespace drops every new inbound connection on its link (nftables), while its
+        own outbound connections and their replies pass. Needs the ``nft`` command."""
+        rules = ('table inet nat_emulation {\n chain input {\n  type filter hook input priority 0; policy accept;\n'
+                 '  iifname "eth0" ct state new drop\n }\n}\n')
+        subprocess.run(["ip", "netns", "exec", self.namespaces[peer], "nft", "-f", "-"], input=rules, check=True,
+                       capture_output=True, text=True, timeout=30)
 
     def sent_bytes(self) -> List[int]:
         """Bytes each peer's interface has sent so far."""

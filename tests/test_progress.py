@@ -6,16 +6,22 @@ import logging
 import math
 from types import SimpleNamespace
 
+import hivemind
 import pytest
 import torch
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils.crypto import RSAPrivateKey
 
-from lean_transformer.swarm.peers.progress import ProgressLine, format_progress
+from lean_transformer.swarm.peers.processes import wait_until
+from lean_transformer.swarm.peers.progress import ProgressLine, format_progress, visible_peers
+from lean_transformer.swarm.protocol.dht import visible_maddrs
 
 
 def optimizer_view(samples: int = 96, peers: int = 2) -> SimpleNamespace:
     """What format_progress reads from a hivemind.Optimizer."""
     swarm = SimpleNamespace(samples_accumulated=samples, eta_next_epoch=math.inf, num_peers=peers)
-    tracker = SimpleNamespace(global_progress=swarm, performance_ema=SimpleNamespace(samples_per_second=186.44))
+    tracker = SimpleNamespace(global_progress=swarm, performance_ema=SimpleNamespace(samples_per_second=186.44),
+                              _parse_swarm_progress_data=lambda metadata: swarm)
     return SimpleNamespace(local_epoch=2, target_batch_size=256, tracker=tracker)
 
 
@@ -91,3 +97,22 @@ def test_cuda_peer_shows_its_peak_memory(caplog):
     peak = float(caplog.records[0].getMessage().split("peak GPU ")[1].split()[0])
     assert peak >= 0.25
     del block
+
+
+def test_visible_peers_are_those_whose_progress_records_the_last_fetch_saw():
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=visible_maddrs(first))
+    trackers = [ProgressTracker(dht, "visible", 1000, min_refresh_period=0.1, max_refresh_period=0.2,
+                                default_refresh_period=0.2, private_key=RSAPrivateKey(), start=True)
+                for dht in (first, second)]  # a key each: the process-wide one would give both records one subkey
+    try:
+        assert visible_peers(trackers[0]) == []  # no fetch seen yet
+        for tracker in trackers:
+            tracker.report_local_progress(0, 4)
+        both = sorted(str(dht.peer_id) for dht in (first, second))
+        wait_until(lambda: visible_peers(trackers[0]) == both, 30, "both peers' records")
+    finally:
+        for tracker in trackers:
+            tracker.shutdown()
+        for dht in (first, second):
+            dht.shutdown()

@@ -5,7 +5,8 @@ peer has computed and its compute utilization: the fraction of the training loop
 backward and inner optimizer steps (the rest is waiting for the swarm: averaging, matchmaking, state downloads), with
 the compute and wall seconds behind it and the mean loss of the micro-batches trained on so far (cumulative since the
 loop started, so that a benchmark can take the difference of two lines: compute utilization, samples and mean loss
-over any window)."""
+over any window). Each progress event also names the peers whose training-progress records this peer's last DHT
+fetch saw (``visible``): which peer sees which is how a benchmark tells one DHT from a split one."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,8 @@ from typing import Iterator, Optional, Sequence
 
 import hivemind
 import torch
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from lean_transformer.swarm.monitoring.events import emit
@@ -100,11 +103,29 @@ class ProgressLine:
         line = format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes)
         emit("progress", epoch=optimizer.local_epoch, peers=optimizer.tracker.global_progress.num_peers,
              samples=self.samples, compute_seconds=self.compute_seconds, wall_seconds=now - self.started,
-             loss_sum=self.loss_sum, losses=self.losses)
+             loss_sum=self.loss_sum, losses=self.losses, visible=visible_peers(optimizer.tracker))
         mean_loss_text = f"{self.loss_sum / self.losses:.4f}" if self.losses else "n/a"
         logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%} "
                     f"({self.compute_seconds:.2f} s of {now - self.started:.2f} s), mean loss {mean_loss_text} over "
                     f"{self.losses} micro-batches")
+
+
+def visible_peers(tracker: ProgressTracker) -> list:
+    """The peer IDs in the training-progress records of ``tracker``'s last fetch from the DHT (empty before one).
+    hivemind keeps only their count, so the first call wraps the tracker's parser to note them."""
+    if not hasattr(tracker, "visible_peers"):
+        tracker.visible_peers = []
+        parse = tracker._parse_swarm_progress_data
+
+        def noting(metadata):
+            if isinstance(metadata, dict):
+                tracker.visible_peers = sorted(
+                    str(PeerID(LocalTrainingProgress.parse_obj(record.value).peer_id))
+                    for record in metadata.values() if record.value is not None)
+            return parse(metadata)
+
+        tracker._parse_swarm_progress_data = noting
+    return list(tracker.visible_peers)
 
 
 def format_progress(optimizer: hivemind.Optimizer, mean_loss: float, tokens_per_second: Optional[float] = None,

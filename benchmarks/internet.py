@@ -1,0 +1,583 @@
+"""The internet on one box: a swarm of N trainers and an aux peer, each in its own network namespace behind a home link
+(rate and round trip drawn per peer), a quarter of them behind NAT in client mode, peers leaving and joining on a
+seeded schedule, and CPU quotas that make some peers up to 10x slower than others; in gradient-averaging mode and in
+DiLoCo mode with the slow-link flags.
+
+Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer, veth pairs, ``tc tbf``):
+- rate: each link is limited in both directions to a rate drawn from [20, 100] Mbit/s;
+- round trip: netem and fq are absent from these kernels, so a delay relay (benchmarks/latency.py) in each full
+  peer's namespace listens on the address the peer announces and forwards to the peer on the namespace's loopback,
+  holding each chunk for half the peer's drawn round trip ([20, 150] ms) each way: every connection to a peer takes
+  its round trip (the table shows it measured with a TCP echo through the relay; a relay delays TCP only, so there
+  is no ``ping``);
+- NAT: a share of the trainers (``--nat_share``) runs with ``--client_mode`` and their namespace drops every new
+  inbound connection (nftables); they dial the full peers out;
+- CPU: each peer (all its processes) is in a cgroup (v1 ``cpu``) with a quota drawn log-uniformly from a
+  ``--speed_spread`` range (default 10x), scaled so that all trainers' quotas together use ``--trainer_cores`` of the
+  machine: the quota, not the fight for 2 cores, sets each peer's speed;
+- churn: ``--leaves`` trainers leave during the window (alternately SIGTERM and SIGKILL, each preferring a peer that
+  is inside an averaging round), ``--joins`` new ones join through a live full peer's ``--initial_peers`` line.
+
+Reported (benchmarks/results/internet.json and a plot of peers alive / averaging / downloading over time), from the
+peers' event files: the DHT's connectivity (each trainer's progress events name the peers whose records it sees; per
+10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
+than one); per trainer the fraction of its epochs (DiLoCo: outer rounds) in which it averaged with at least one other
+peer; group sizes; newcomers' time from start to their first averaged round; state downloads and their time; bytes
+sent per sample (link counters); compute utilization; RAM and CPU per peer; crashes (peers not stopped on purpose
+that exited non-zero, or whose log holds a traceback).
+
+Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
+Each mode takes --seconds plus about a minute to start and stop. Needs root, ``ip``, ``tc``, ``nft`` and the cgroup
+v1 ``cpu`` controller. Everything it creates (namespaces, links, qdiscs, nftables rules, cgroups, processes, their
+sockets and /dev/shm files) is removed on exit, on an error and on Ctrl+C / SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.latency import tcp_round_trip  # noqa: E402
+from benchmarks.wan import WanNetwork, progress, raise_on_signals, run_ip  # noqa: E402
+from benchmarks.wan import check_requirements as wan_requirements  # noqa: E402
+from lean_transformer.swarm.peers.processes import PeerProcess, wait_until  # noqa: E402
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+PORT = 31337  # every full peer listens on 127.0.0.1:PORT in its namespace; its relay on PEER_IP:PORT
+ECHO_PORT = 31338  # an echo server behind each relay, to measure the round trip
+CFS_PERIOD_US = 100_000
+MODES = {
+    "gradients": [],
+    "diloco": ["--local_steps", "10", "--outer_compression", "topk", "--outer_overlap", "true"],
+}
+MAIN_KIND = {"gradients": "gradients", "diloco": "outer"}
+
+
+def check_requirements() -> Optional[str]:
+    """Why this benchmark cannot run here, or None."""
+    if (problem := wan_requirements()) is not None:
+        return problem
+    if shutil.which("nft") is None:
+        return "needs the 'nft' command (nftables)"
+    if not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
+        return f"needs the cgroup v1 cpu controller at {CGROUP_CPU}"
+    return None
+
+
+class InternetNetwork(WanNetwork):
+    """:class:`WanNetwork` plus a CPU cgroup per peer (created by :meth:`limit_cpu`, removed at close)."""
+
+    def __init__(self, num_peers: int, tag: Optional[str] = None):
+        super().__init__(num_peers, tag)
+        self.cgroup_root = CGROUP_CPU / f"internet_{self.tag}"
+
+    def cgroup(self, peer: int) -> Path:
+        return self.cgroup_root / f"peer{peer}"
+
+    def limit_cpu(self, peer: int, cores: Optional[float]) -> None:
+        """Limit every process started by :meth:`command` for ``peer`` (from now on) to ``cores`` CPU cores; None:
+        put them in a cgroup of their own without a limit yet."""
+        path = self.cgroup(peer)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (path / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
+
+    def command(self, peer: int, argv: Sequence[str]) -> List[str]:
+        command = ["ip", "netns", "exec", self.namespaces[peer], *argv]
+        if self.cgroup(peer).exists():  # the shell joins the cgroup, then becomes the command: its children stay in
+            command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup(peer) / "cgroup.procs"), *command]
+        return command
+
+    def close(self) -> None:
+        super().close()
+        if self.cgroup_root.exists():
+            for path in self.cgroup_root.iterdir():
+                if path.is_dir():
+                    wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), 10, f"{path} to empty")
+                    path.rmdir()
+            self.cgroup_root.rmdir()
+
+    def leftovers(self) -> List[str]:
+        return super().leftovers() + ([str(self.cgroup_root)] if self.cgroup_root.exists() else [])
+
+
+# ---------------------------------------------------------------- the peers
+
+
+@dataclass
+class Slot:
+    """One peer's place: its namespace index, drawn link and speed, and what happened to it."""
+    index: int
+    name: str
+    rate_mbit: float
+    rtt_ms: float
+    cores: float
+    nat: bool
+    joins_at: float  # seconds after the window's start (0: at the start)
+    process: Optional[PeerProcess] = None
+    started: Optional[float] = None  # unix time
+    stopped: Optional[float] = None
+    stop_signal: Optional[str] = None  # "SIGTERM" or "SIGKILL" when stopped on purpose during the window
+    exit_in_window: Optional[int] = None  # its exit code, if it exited before the window's end
+    limited: Optional[float] = None  # unix time its CPU quota was applied (once it had joined)
+    measured_rtt_ms: Optional[float] = None
+    usage: Dict[str, float] = field(default_factory=dict)  # peak RSS, CPU seconds
+
+
+def draw_slots(args: argparse.Namespace, rng: random.Random) -> List[Slot]:
+    """The aux peer (slot 0: a server on a 100 Mbit/s, 20 ms link, one fifth of a core) and the trainers: the initial
+    ones, then the joiners (at seeded times within the window's middle)."""
+    total = args.trainers + args.joins
+    factors = [math.exp(rng.uniform(-math.log(args.speed_spread), 0)) for _ in range(total)]
+    scale = args.trainer_cores / sum(factors[:args.trainers])
+    nat = set(rng.sample(range(total), round(args.nat_share * total)))
+    slots = [Slot(0, "aux", 100.0, 20.0, 0.2, False, 0.0)]
+    join_times = sorted(rng.uniform(0.2, 0.7) * args.seconds for _ in range(args.joins))
+    for i in range(total):
+        joiner = i >= args.trainers
+        slots.append(Slot(i + 1, f"{'joiner' if joiner else 'trainer'}{i}", round(rng.uniform(20, 100), 1),
+                          round(rng.uniform(20, 150), 1), min(1.0, factors[i] * scale), i in nat,
+                          join_times[i - args.trainers] if joiner else 0.0))
+    return slots
+
+
+def peer_argv(slot: Slot, network: InternetNetwork, mode: str, initial_peers: Sequence[str],
+              args: argparse.Namespace, workdir: Path) -> List[str]:
+    address = ["--client_mode"] if slot.nat else [
+        "--host_maddrs", f"/ip4/127.0.0.1/tcp/{PORT}", "--announce_maddrs", f"/ip4/{network.peer_ips[slot.index]}/tcp/{PORT}"]
+    common = ["--run_id", f"internet_{network.tag}", *address, "--startup_timeout", "90",
+              "--target_batch_size", str(args.target_batch_size), "--per_device_batch_size", "4",
+              "--max_sequence_length", "32", "--matchmaking_time", str(args.matchmaking_time),
+              "--averaging_timeout", str(args.averaging_timeout), "--warmup_steps", "5", "--learning_rate", "0.005"]
+    if initial_peers:
+        common += ["--initial_peers", *initial_peers]
+    if slot.name == "aux":
+        return ["run_aux_peer.py", *common, "--checkpoint_every_epochs", "0", "--wandb_project", "",
+                "--metrics_path", str(workdir / "aux_metrics.jsonl"), "--refresh_period", "2", *MODES[mode]]
+    return ["run_trainer.py", *common, "--output_dir", str(workdir / slot.name), "--backup_every_epochs", "0",
+            "--max_epochs", "100000", "--progress_every", "2", *MODES[mode]]
+
+
+def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: Sequence[str],
+               args: argparse.Namespace, logdir: Path) -> None:
+    network.limit_cpu(slot.index, None)  # its quota comes once it has joined: see apply_quotas
+    logdir.mkdir(parents=True, exist_ok=True)
+    if not slot.nat:  # its relay (and an echo server behind it, to measure the round trip), outside its cgroup
+        ip = network.peer_ips[slot.index]
+        relay = subprocess.Popen(["ip", "netns", "exec", network.namespaces[slot.index], sys.executable,
+                                  str(REPO / "benchmarks" / "latency.py"), "--rtt_ms", str(slot.rtt_ms),
+                                  "--forward", f"{ip}:{PORT}", f"127.0.0.1:{PORT}",
+                                  "--forward", f"{ip}:{ECHO_PORT}", f"127.0.0.1:{ECHO_PORT + 1}",
+                                  "--echo", f"127.0.0.1:{ECHO_PORT + 1}"],
+                                 stdout=subprocess.PIPE, stderr=(logdir / f"{slot.name}.relay.log").open("w"),
+                                 text=True, start_new_session=True)
+        if relay.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the delay relay of {slot.name} did not start")
+        slot.measured_rtt_ms = 1000 * tcp_round_trip(ip, ECHO_PORT)
+    else:
+        network.block_inbound(slot.index)
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    argv = peer_argv(slot, network, mode, initial_peers, args, logdir)
+    slot.process = PeerProcess(slot.name, argv, logdir, env, cwd=REPO, argv_prefix=network.command(slot.index, []),
+                               merge_output=True)
+    slot.started = time.time()
+
+
+def apply_quotas(slots: Sequence[Slot], network: InternetNetwork) -> None:
+    """Give each peer that has joined the swarm its CPU quota. Before that it runs unlimited: with a tenth of a core
+    from the start, importing torch and hivemind alone takes minutes, which measures this box, not the protocol."""
+    for slot in slots:
+        if slot.process is not None and slot.limited is None and slot.process.events("joined"):
+            network.limit_cpu(slot.index, slot.cores)
+            slot.limited = time.time()
+
+
+def in_round(slot: Slot, kind: str) -> bool:
+    """Whether the peer's last round of ``kind`` has started and not yet ended."""
+    last = None
+    for event in slot.process.events():
+        if event.get("kind") == kind and event["event"] in ("round_started", "averaged", "round_missed"):
+            last = event["event"]
+    return last == "round_started"
+
+
+def sample_usage(slots: Sequence[Slot]) -> None:
+    """Peak RSS (MB) and CPU seconds of each live peer's process tree."""
+    for slot in slots:
+        if slot.process is None or slot.process.returncode is not None:
+            continue
+        try:
+            root = psutil.Process(slot.process.pid)
+            tree = [root, *root.children(recursive=True)]
+            rss = sum(p.memory_full_info().pss for p in tree) / 2 ** 20  # PSS: forked children share pages
+            cpu = sum(sum(p.cpu_times()[:4]) for p in tree)
+        except psutil.Error:
+            continue
+        slot.usage["peak_pss_mb"] = max(slot.usage.get("peak_pss_mb", 0.0), rss)
+        slot.usage["cpu_seconds"] = max(slot.usage.get("cpu_seconds", 0.0), cpu)
+
+
+def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
+    """One swarm in ``mode``: start it, run the window with churn, stop it; the figures from the events."""
+    shutil.rmtree(logdir, ignore_errors=True)  # the peers append to their event files: none from an earlier run
+    rng = random.Random(f"{args.seed}-{mode}")
+    slots = draw_slots(args, rng)
+    trainers = [slot for slot in slots if slot.name != "aux"]
+    with InternetNetwork(len(slots), tag=f"in{os.getpid() % 1000}") as network:
+        for slot in slots:
+            network.shape_peer(slot.index, slot.rate_mbit)
+        aux = slots[0]
+        start_peer(aux, network, mode, [], args, logdir)
+        aux_peers = aux.process.initial_peers(timeout=120)
+        progress(f"  aux up; starting {args.trainers} trainers")
+        for slot in trainers[:args.trainers]:
+            start_peer(slot, network, mode, aux_peers, args, logdir)
+
+        def joined() -> bool:
+            apply_quotas(slots, network)
+            return all(slot.limited is not None for slot in trainers[:args.trainers] if slot.process.returncode is None)
+
+        wait_until(joined, 300, "the initial trainers to join", interval=0.5)
+        progress("  all initial trainers joined: the window starts")
+        sent_before = network.sent_bytes()
+        window_start = time.time()
+        leaves = sorted(rng.uniform(0.25, 0.8) * args.seconds for _ in range(args.leaves))
+        joins = [slot for slot in trainers if slot.joins_at > 0]
+        last_usage = 0.0
+        while (now := time.time()) < window_start + args.seconds:
+            elapsed = now - window_start
+            network.pids()  # noted, to remove their shared-memory files at close
+            apply_quotas(slots, network)
+            if leaves and elapsed >= leaves[0]:
+                leaves.pop(0)
+                live = [s for s in trainers if s.process is not None and s.stopped is None]
+                busy = [s for s in live if in_round(s, MAIN_KIND[mode])]
+                victim = rng.choice(busy or live)
+                victim.stop_signal = ["SIGTERM", "SIGKILL"][(args.leaves - len(leaves) - 1) % 2]
+                (victim.process.terminate if victim.stop_signal == "SIGTERM" else victim.process.kill)()
+                victim.stopped = time.time()
+                progress(f"  {elapsed:.0f} s: {victim.stop_signal} to {victim.name} "
+                         f"({'inside' if busy else 'outside'} a round)")
+            if joins and elapsed >= joins[0].joins_at:
+                joiner = joins.pop(0)
+                donors = [s for s in slots if s.process is not None and s.stopped is None and not s.nat
+                          and s.process.returncode is None and s.process.events("joined")]
+                donor = rng.choice(donors)
+                start_peer(joiner, network, mode, donor.process.initial_peers(timeout=5), args, logdir)
+                progress(f"  {elapsed:.0f} s: {joiner.name} joins through {donor.name}")
+            if now - last_usage > 5:
+                last_usage = now
+                sample_usage(slots)
+            time.sleep(0.5)
+        window_stop = time.time()
+        for slot in slots:
+            if slot.process is not None:
+                slot.exit_in_window = slot.process.returncode
+        sent = sum(after - before for after, before in zip(network.sent_bytes(), sent_before))
+        network.remember_sockets()
+        progress("  window over; stopping the peers")
+        for slot in slots:
+            if slot.process is not None:
+                slot.process.terminate()
+        for slot in slots:
+            if slot.process is not None:
+                try:
+                    slot.process.wait(60)
+                except TimeoutError:
+                    progress(f"  {slot.name} did not stop within 60 s of SIGTERM: killed")
+                slot.stopped = slot.stopped or time.time()
+    return analyse(mode, slots, window_start, window_stop, sent, args)
+
+
+# ---------------------------------------------------------------- the figures
+
+
+def components(nodes: Sequence[str], edges: Dict[str, Sequence[str]]) -> int:
+    """Connected components of the undirected graph on ``nodes`` (edges to other peers are ignored)."""
+    parent = {node: node for node in nodes}
+
+    def find(node: str) -> str:
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for node in nodes:
+        for other in edges.get(node, ()):
+            if other in parent:
+                parent[find(node)] = find(other)
+    return len({find(node) for node in nodes})
+
+
+def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: int,
+            args: argparse.Namespace) -> dict:
+    kind = MAIN_KIND[mode]
+    trainers = [slot for slot in slots if slot.name != "aux"]
+    events = {slot.name: slot.process.events() for slot in slots if slot.process is not None}
+    peer_ids = {slot.name: next((e["peer"] for e in events[slot.name] if e.get("peer")), None) for slot in trainers
+                if slot.name in events}
+
+    # DHT connectivity: per 10 s bucket, each trainer's last progress event in it
+    buckets = []
+    for bucket_start in range(int(start), int(stop), 10):
+        views = {}
+        for name, stream in events.items():
+            for event in stream:
+                # an empty view is a tracker that has not fetched the records yet (not a peer alone in its DHT)
+                if event["event"] == "progress" and bucket_start <= event["time"] < bucket_start + 10 \
+                        and event.get("visible"):
+                    views[peer_ids.get(name) or name] = event["visible"]
+        if views:
+            buckets.append({"time": bucket_start - start, "reporting": len(views),
+                            "components": components(list(views), views)})
+    per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
+    for slot in trainers:
+        if slot.name not in events:
+            continue
+        stream = events[slot.name]
+        epochs = [e for e in stream if e["event"] == "epoch"]
+        averaged = [e for e in stream if e["event"] == "averaged" and e.get("kind") == kind
+                    and (e.get("group_size") or 0) >= 2]
+        missed = [e for e in stream if e["event"] == "round_missed" and e.get("kind") == kind]
+        got = [e for e in stream if e["event"] == "state_downloaded"]
+        group_sizes += [e["group_size"] for e in averaged]
+        downloads += [e.get("seconds") for e in got]
+        transitions = max(0, len(epochs) - 1)
+        rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions
+        fraction = min(1.0, len(averaged) / rounds) if rounds else None
+        progress_events = [e for e in stream if e["event"] == "progress"]
+        utilization = (progress_events[-1]["compute_seconds"] / progress_events[-1]["wall_seconds"]
+                       if progress_events and progress_events[-1]["wall_seconds"] > 0 else None)
+        samples = progress_events[-1]["samples"] if progress_events else 0
+        tracebacks = tracebacks_before(slot.process.stdout, stop)
+        code = slot.process.returncode
+        joined = bool([e for e in stream if e["event"] == "joined"])
+        # a crash: it exited by itself during the window, or its log holds a traceback from within the window (the
+        # final SIGTERM's exit codes and tracebacks are not crashes: a peer still starting up dies of the signal, and
+        # rounds in flight fail as their peers leave)
+        crashed = slot.stop_signal is None and (slot.exit_in_window not in (0, None) or tracebacks > 0)
+        if crashed:
+            crashes.append(f"{slot.name}: exit {code}, {tracebacks} traceback(s)")
+        if not joined and not crashed:
+            never_joined.append(slot.name)
+        if slot.joins_at > 0 and slot.started is not None:
+            first = averaged[0]["time"] - slot.started if averaged else None
+            newcomers.append({"name": slot.name, "seconds_to_first_average": first,
+                              "epochs_before_first_average": (sum(e["time"] < averaged[0]["time"] for e in epochs[1:])
+                                                              if averaged else None)})
+        alive = (slot.stopped or stop) - (slot.started or start)
+        per_trainer.append({
+            "name": slot.name, "nat": slot.nat, "cores": round(slot.cores, 3), "rate_mbit": slot.rate_mbit,
+            "rtt_ms": slot.rtt_ms, "measured_rtt_ms": slot.measured_rtt_ms, "joined_at_s": slot.joins_at,
+            "stop": slot.stop_signal, "epochs": transitions, "averaged": len(averaged), "missed": len(missed),
+            "averaged_fraction": fraction, "downloads": len(got), "samples": samples, "utilization": utilization,
+            "peak_pss_mb": slot.usage.get("peak_pss_mb"),
+            "cpu_per_second": slot.usage.get("cpu_seconds", 0.0) / alive if alive > 0 else None,
+            "exit": code, "joined": joined, "tracebacks": tracebacks})
+        rows.append([slot.name, "NAT" if slot.nat else "full", f"{slot.cores:.3f}", f"{slot.rate_mbit:g}",
+                     f"{slot.rtt_ms:g}" + ("" if slot.measured_rtt_ms is None else f" ({slot.measured_rtt_ms:.0f})"),
+                     slot.stop_signal or ("joined" if slot.joins_at else ""), transitions, len(averaged),
+                     "" if fraction is None else f"{fraction:.0%}", len(got), samples,
+                     "" if utilization is None else f"{utilization:.0%}",
+                     f"{slot.usage.get('peak_pss_mb', 0):.0f}", tracebacks])
+    total_samples = sum(t["samples"] for t in per_trainer)
+    fractions = [t["averaged_fraction"] for t in per_trainer if t["averaged_fraction"] is not None]
+    summary = {
+        "mode": mode, "seconds": stop - start, "trainers": args.trainers, "joins": args.joins, "leaves": args.leaves,
+        "dht_buckets": buckets, "dht_splits": sum(b["components"] > 1 for b in buckets),
+        "max_components": max((b["components"] for b in buckets), default=None),
+        "group_sizes": {str(size): group_sizes.count(size) for size in sorted(set(group_sizes))},
+        "median_group_size": statistics.median(group_sizes) if group_sizes else None,
+        "averaged_fraction_median": statistics.median(fractions) if fractions else None,
+        "trainers_at_least_90pct": sum(f >= 0.9 for f in fractions), "trainers_with_rounds": len(fractions),
+        "state_downloads": len(downloads),
+        "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
+        "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
+        "samples": total_samples,
+        "utilization_mean": statistics.mean([t["utilization"] for t in per_trainer if t["utilization"] is not None]
+                                            or [math.nan]),
+        "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
+        "timeline": timeline_of(events, slots, start, stop, kind),
+    }
+    return summary
+
+
+def tracebacks_before(log: str, moment: float) -> int:
+    """Tracebacks in a peer's log whose last timestamped line before them is earlier than ``moment`` (unix time)."""
+    count, last = 0, 0.0
+    year = time.strftime("%Y", time.localtime(moment))
+    for line in log.splitlines():
+        if len(line) > 19 and line[:3].isalpha() and line[15] == ".":
+            try:
+                last = time.mktime(time.strptime(f"{year} {line[:15]}", "%Y %b %d %H:%M:%S"))
+            except ValueError:
+                pass
+        elif line.startswith("Traceback (most recent call last)") and last < moment:
+            count += 1
+    return count
+
+
+def timeline_of(events: Dict[str, List[dict]], slots: Sequence[Slot], start: float, stop: float,
+                kind: str) -> List[List[float]]:
+    """[seconds, peers joined and alive, inside an averaging round, downloading state] every 2 s of the window."""
+    alive, rounds, downloading = [], [], []
+    for slot in slots:
+        if slot.name == "aux" or slot.started is None:
+            continue
+        joined = [event["time"] for event in events.get(slot.name, []) if event["event"] == "joined"]
+        if joined:
+            alive.append((joined[0], slot.stopped or stop))
+        opened = None
+        for event in events.get(slot.name, []):
+            if event.get("kind") == kind and event["event"] == "round_started":
+                opened = event["time"]
+            elif event.get("kind") == kind and event["event"] in ("averaged", "round_missed") and opened:
+                rounds.append((opened, event["time"]))
+                opened = None
+            elif event["event"] == "state_downloaded":
+                downloading.append((event["time"] - (event.get("seconds") or 0), event["time"]))
+    points = []
+    for moment in range(int(start), int(stop) + 1, 2):
+        points.append([moment - start] + [sum(a <= moment < b for a, b in spans)
+                                          for spans in (alive, rounds, downloading)])
+    return points
+
+
+def plot(results: Sequence[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(results), 1, figsize=(8, 3.2 * len(results)), dpi=80, squeeze=False)
+    for axis, result in zip(axes[:, 0], results):
+        points = result["timeline"]
+        for column, label in ((1, "joined and alive"), (2, "inside an averaging round"), (3, "downloading state")):
+            axis.plot([p[0] for p in points], [p[column] for p in points], label=label, linewidth=1.2)
+        splits = [b["time"] for b in result["dht_buckets"] if b["components"] > 1]
+        if splits:
+            axis.scatter(splits, [0] * len(splits), marker="x", color="red", label="DHT split")
+        axis.set_title(f"{result['mode']}: {result['trainers']} trainers + aux, churn, NAT, 20-150 ms, 20-100 Mbit/s",
+                       fontsize=9)
+        axis.set_xlabel("seconds since the trainers started")
+        axis.set_ylabel("trainers")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+COLUMNS = ["peer", "link", "CPU cores", "Mbit/s", "RTT ms drawn (measured)", "left/joined", "epochs", "averaged",
+           "averaged fraction", "state downloads", "samples", "compute utilization", "peak PSS MB", "tracebacks in window"]
+
+
+def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    tables = []
+    for r in results:
+        newcomer = [n["seconds_to_first_average"] for n in r["newcomers"]]
+        tables.append({
+            "title": f"{r['mode']}: {r['trainers']} trainers + aux, {r['seconds']:.0f} s window",
+            "columns": COLUMNS, "rows": r["rows"],
+            "notes": (f"DHT: {r['dht_splits']} split bucket(s) of {len(r['dht_buckets'])} (max components "
+                      f"{r['max_components']}); group sizes {r['group_sizes']} (median {r['median_group_size']}); "
+                      f"{r['trainers_at_least_90pct']}/{r['trainers_with_rounds']} trainers averaged in >= 90% of "
+                      f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
+                      f"downloads (median {r['download_seconds_median']:.1f} s); newcomers' seconds to first "
+                      f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
+                      f"utilization {r['utilization_mean']:.1%}; crashes: {r['crashes'] or 'none'}; never joined: "
+                      f"{r['never_joined'] or 'none'}. RTT measured "
+                      f"with a TCP echo through the peer's delay relay (a relay delays TCP only; no ping).")})
+    return {"benchmark": "internet", "command": command,
+            "machine": f"{os.cpu_count()} CPU cores (x86_64), {psutil.virtual_memory().total / 2 ** 30:.0f} GB RAM, no GPU",
+            "date": time.strftime("%Y-%m-%d"), "commit": commit,
+            "baseline": "none: absolute figures per mode (targets from issue 23)", "tables": tables,
+            "plots": ["internet.png"],
+            "raw": {"args": vars(args), "results": [{k: v for k, v in r.items() if k != "rows"} for r in results]}}
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainers", type=int, default=16, help="trainers at the start")
+    parser.add_argument("--seconds", type=float, default=240, help="the measured window of each mode")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nat_share", type=float, default=0.25, help="share of trainers behind NAT (client mode)")
+    parser.add_argument("--leaves", type=int, default=None, help="trainers stopped during the window (default N/4)")
+    parser.add_argument("--joins", type=int, default=None, help="trainers joining during the window (default N/4)")
+    parser.add_argument("--speed_spread", type=float, default=10.0, help="fastest / slowest trainer's CPU quota")
+    parser.add_argument("--trainer_cores", type=float, default=1.4,
+                        help="CPU cores the initial trainers' quotas add up to (the rest: aux, relays, this script)")
+    parser.add_argument("--target_batch_size", type=int, default=None, help="default 16 x trainers")
+    parser.add_argument("--matchmaking_time", type=float, default=5.0)
+    parser.add_argument("--averaging_timeout", type=float, default=60.0)
+    parser.add_argument("--output_dir", default="outputs/internet", help="peers' logs and events")
+    parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "internet.json"))
+    args = parser.parse_args(argv)
+    if args.trainers < 2:
+        parser.error(f"--trainers must be at least 2, got {args.trainers}")
+    if not 0 <= args.nat_share < 1:
+        parser.error(f"--nat_share must be in [0, 1), got {args.nat_share:g}")
+    if args.speed_spread < 1:
+        parser.error(f"--speed_spread must be >= 1, got {args.speed_spread:g}")
+    args.leaves = args.trainers // 4 if args.leaves is None else args.leaves
+    args.joins = args.trainers // 4 if args.joins is None else args.joins
+    if args.leaves >= args.trainers:
+        parser.error(f"--leaves must be below --trainers ({args.trainers}), got {args.leaves}")
+    args.target_batch_size = args.target_batch_size or 16 * args.trainers
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if (problem := check_requirements()) is not None:
+        print(f"internet.py: error: {problem}", file=sys.stderr)
+        return 1
+    raise_on_signals()
+    command = "python benchmarks/internet.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    output, path = Path(args.output_dir), Path(args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for mode in args.modes:
+            progress(f"{mode}: {args.trainers} trainers + aux, {args.seconds:g} s, {args.leaves} leave, "
+                     f"{args.joins} join")
+            results.append(run_mode(mode, args, output / mode))
+            r = results[-1]
+            progress(f"  splits {r['dht_splits']}, groups {r['group_sizes']}, averaged fraction median "
+                     f"{r['averaged_fraction_median']}, downloads {r['state_downloads']}, crashes {len(r['crashes'])}")
+            path.write_text(json.dumps(report(results, args, command), indent=1, default=str) + "\n")  # each mode
+            plot(results, path.parent / "internet.png")
+    except KeyboardInterrupt:
+        print("internet.py: interrupted; the network and the peers are removed", file=sys.stderr)
+        return 130
+    for table in report(results, args, command)["tables"]:
+        print(f"\n## {table['title']}\n\n| " + " | ".join(table["columns"]) + " |\n|" + "---|" * len(table["columns"]))
+        for row in table["rows"]:
+            print("| " + " | ".join(map(str, row)) + " |")
+        print("\n" + table["notes"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""benchmarks/internet.py's network pieces: the delay relay gives a TCP round trip close to the one asked for across two
+namespaces, a NAT'ed namespace refuses inbound connections but still dials out, and closing the network leaves no
+namespace, link or CPU cgroup behind. Needs root, `ip`, `tc` and `nft`."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.internet import InternetNetwork, check_requirements
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(check_requirements() is not None, reason=str(check_requirements()))
+PORT = 7300
+
+
+def start(network: InternetNetwork, peer: int, *argv: str) -> subprocess.Popen:
+    process = subprocess.Popen(network.command(peer, [sys.executable, str(REPO / "benchmarks" / "latency.py"), *argv]),
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+def measure(network: InternetNetwork, peer: int, host: str, port: int) -> float:
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks.latency import tcp_round_trip; "
+            f"print(tcp_round_trip({host!r}, {port}, count=5, timeout=2))")
+    result = subprocess.run(network.command(peer, [sys.executable, "-c", code]), capture_output=True, text=True,
+                            timeout=30, check=True)
+    return float(result.stdout)
+
+
+def test_relay_gives_the_round_trip_asked_for_and_nat_refuses_inbound():
+    with InternetNetwork(3, tag=f"i{os.getpid() % 10000}") as network:
+        network.limit_cpu(1, 0.5)
+        start(network, 1, "--echo", f"127.0.0.1:{PORT}")
+        start(network, 1, "--rtt_ms", "80", "--forward", f"{network.peer_ips[1]}:{PORT}", f"127.0.0.1:{PORT}")
+        start(network, 2, "--echo", f"{network.peer_ips[2]}:{PORT}")
+        network.block_inbound(2)
+        relayed = measure(network, 0, network.peer_ips[1], PORT)
+        with pytest.raises(subprocess.CalledProcessError):  # the NAT'ed namespace drops the connection's SYN
+            measure(network, 0, network.peer_ips[2], PORT)
+        start(network, 2, "--echo", f"127.0.0.1:{PORT + 1}")
+        start(network, 2, "--rtt_ms", "0", "--forward", f"127.0.0.1:{PORT + 2}", f"{network.peer_ips[1]}:{PORT}")
+        outbound = measure(network, 2, "127.0.0.1", PORT + 2)  # the NAT'ed peer dials out through the relay
+        cgroup = network.cgroup(1)
+        assert cgroup.exists() and (cgroup / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    assert 0.078 <= relayed <= 0.110, relayed
+    assert 0.078 <= outbound <= 0.110, outbound
+    assert network.leftovers() == []
+    assert not cgroup.exists()
+
+
+def test_requirements_name_what_is_missing(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "nft" else f"/usr/sbin/{tool}")
+    assert check_requirements() == "needs the 'nft' command (nftables)"
