@@ -4,7 +4,10 @@ within a bounded time instead of a hang."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+import logging
 import re
+import time
 from typing import TYPE_CHECKING, Iterable
 
 import hivemind
@@ -19,7 +22,9 @@ from lean_transformer.swarm.auth.keys import load_identity_key
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import NetworkSettings
 
+logger = logging.getLogger(__name__)
 _LOG_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} ")
+_BOOTSTRAP_RETRY_DELAY = 2.0  # seconds between tries while no initial peer answers
 
 
 class SwarmConnectionError(RuntimeError):
@@ -29,35 +34,46 @@ class SwarmConnectionError(RuntimeError):
 def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValidatorBase] = ()) -> hivemind.DHT:
     """Start a DHT node as the network arguments say, or raise SwarmConnectionError within ``startup_timeout`` s.
 
-    Must be called from the main thread (hivemind starts a child process that owns the p2p daemon).
+    While none of ``initial_peers`` answers, it tries again until ``startup_timeout``: an organizer's entry peer that
+    restarts, or is too busy to answer hivemind's first ping, should delay a volunteer, not turn it away
+    (``benchmarks/internet.py`` saw 2 of 8 newcomers exit so). Must be called from the main thread (hivemind starts
+    a child process that owns the p2p daemon).
     """
     authorizer = make_authorizer(network.auth_token_path, network.authority_public_key_path, network.identity_path)
-    dht = hivemind.DHT(
-        initial_peers=network.initial_peers,
-        host_maddrs=network.host_maddrs,
-        announce_maddrs=network.announce_maddrs or None,
-        identity_path=network.identity_path,
-        client_mode=network.client_mode,
-        use_relay=network.use_relay,
-        use_auto_relay=network.use_auto_relay,
-        record_validators=record_validators,
-        authorizer=authorizer,
-        start=False,
-    )
-    try:
-        dht.run_in_background(await_ready=True, timeout=network.startup_timeout)
-    except TimeoutError:
-        dht.terminate()
-        dht.join(5)
-        raise SwarmConnectionError(
-            f"the DHT did not start within {network.startup_timeout:g} s (--startup_timeout); "
-            f"are --initial_peers reachable from here?") from None
-    except Exception as e:
-        dht.join(5)
-        reason = _LOG_TIMESTAMP.sub("", str(e)).strip() or type(e).__name__
-        where = "reach --initial_peers" if network.initial_peers else "start the DHT"
-        raise SwarmConnectionError(f"could not {where}: {reason}") from None
-    return dht
+    deadline = time.monotonic() + network.startup_timeout
+    for attempt in itertools.count():
+        dht = hivemind.DHT(
+            initial_peers=network.initial_peers,
+            host_maddrs=network.host_maddrs,
+            announce_maddrs=network.announce_maddrs or None,
+            identity_path=network.identity_path,
+            client_mode=network.client_mode,
+            use_relay=network.use_relay,
+            use_auto_relay=network.use_auto_relay,
+            record_validators=record_validators,
+            authorizer=authorizer,
+            start=False,
+        )
+        try:
+            dht.run_in_background(await_ready=True, timeout=max(deadline - time.monotonic(), 1.0))
+            return dht
+        except TimeoutError:
+            dht.terminate()
+            dht.join(5)
+            raise SwarmConnectionError(
+                f"the DHT did not start within {network.startup_timeout:g} s (--startup_timeout); "
+                f"are --initial_peers reachable from here?") from None
+        except Exception as e:
+            dht.join(5)
+            reason = _LOG_TIMESTAMP.sub("", str(e)).strip() or type(e).__name__
+            if "bootstrap" in reason and deadline - time.monotonic() > _BOOTSTRAP_RETRY_DELAY:
+                if attempt == 0:
+                    logger.warning(f"None of --initial_peers answered yet; trying again for up to "
+                                   f"{network.startup_timeout:g} s (--startup_timeout)")
+                time.sleep(_BOOTSTRAP_RETRY_DELAY)
+                continue
+            where = "reach --initial_peers" if network.initial_peers else "start the DHT"
+            raise SwarmConnectionError(f"could not {where}: {reason}") from None
 
 
 def peer_private_key(network: NetworkSettings) -> RSAPrivateKey:
