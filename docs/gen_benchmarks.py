@@ -69,8 +69,8 @@ def validate(data: Any, where: str, results_dir: Path = RESULTS) -> dict:
             raise ResultsError(f"{at} ({table['title']!r}): needs 'columns' and 'rows' lists")
         for j, row in enumerate(rows):
             if not isinstance(row, list) or len(row) != len(columns):
-                raise ResultsError(f"{at} ({table['title']!r}): row {j} has {len(row) if isinstance(row, list) else '?'}"
-                                   f" cells for {len(columns)} columns")
+                size = len(row) if isinstance(row, list) else "?"
+                raise ResultsError(f"{at} ({table['title']!r}): row {j} has {size} cells for {len(columns)} columns")
         extra = set(table) - {"title", "columns", "rows", "notes", "description"}
         if extra:
             raise ResultsError(f"{at}: unknown keys {sorted(extra)}")

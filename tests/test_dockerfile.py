@@ -1,6 +1,6 @@
 """The Dockerfile, checked without a docker engine: hadolint, what the image declares, and that the `docker run`
-commands in its header and in the README and docs run the project's scripts from the image's WORKDIR with the exposed port,
-the declared volumes and flags the scripts accept."""
+commands in its header, the README and the docs run the project's scripts from the image's WORKDIR with the exposed
+port, the declared volumes and flags the scripts accept."""
 
 import ast
 import fnmatch
