@@ -4,6 +4,7 @@ anchor fails), offline, with one page per results file carrying that file's numb
 from __future__ import annotations
 
 import copy
+import fnmatch
 import importlib.util
 import json
 import os
@@ -53,8 +54,9 @@ def test_readme_layout_matches_the_tree():
     packages = {str(init.parent.relative_to(REPO)) for init in (REPO / "lean_transformer").rglob("__init__.py")
                 if init.parent.parent.name != "modules"}  # modules/blocksparse/ is named on modules/'s line
     assert not sorted(packages - named), f"packages missing from the README's layout: {sorted(packages - named)}"
-    ignored = {line.strip().rstrip("/") for line in (REPO / ".gitignore").read_text().splitlines()}
-    folders = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))} - ignored
+    ignored = [line.strip().rstrip("/") for line in (REPO / ".gitignore").read_text().splitlines() if line.strip()]
+    folders = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+               and not any(fnmatch.fnmatch(p.name, pattern) for pattern in ignored)}  # build outputs, venvs
     assert not sorted(folders - named), f"folders missing from the README's layout: {sorted(folders - named)}"
 
 
