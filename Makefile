@@ -1,17 +1,18 @@
-# Two commands for a newcomer:  `make demo` (the main job) and `make test` (the test suite).
+# Two commands for a newcomer:  `make demo` (the main job) and `make test` (the test suite, the docs' strict build
+# included); `make docs` builds the docs site into site/.
 # Each one sets up .venv on first use; later runs reuse it (re-installing only when pyproject.toml changes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench gpu-check install clean
+.PHONY: demo test docs bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	@# keep an existing torch (e.g. a CUDA build on a GPU box); otherwise take the pinned CPU-friendly release
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,docs]"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -21,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# the docs site, strictly: a broken link or a results file that does not fit the schema fails the build
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
@@ -39,4 +44,4 @@ gpu-check: $(STAMP)
 	else echo "gpu-check: skipped (no CUDA device: torch.cuda.is_available() is False)"; fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

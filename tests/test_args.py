@@ -147,7 +147,7 @@ HEAVY = ("torch", "transformers", "hivemind")
                                         (["--run_id", "r", "--target_batch_size", "many"], 2),
                                         (["--run_id", "a/b"], 2), (["--run_id", "r", "--fp16", "--bf16"], 2)])
 def test_flags_parse_without_loading_torch_transformers_or_hivemind(script, argv, code):
-    """--help and a bad flag return before the heavy libraries load (the figure is in the README)."""
+    """--help and a bad flag return before the heavy libraries load (figure: benchmarks/results/cli_startup.json)."""
     probe = (f"import runpy, sys; sys.argv = [{script!r}, *{argv!r}]\n"
              f"try:\n    runpy.run_path({script!r}, run_name='__main__')\n"
              f"except SystemExit as e:\n    print('exit', e.code)\n"

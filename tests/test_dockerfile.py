@@ -1,6 +1,6 @@
 """The Dockerfile, checked without a docker engine: hadolint, what the image declares, and that the `docker run`
-commands in its header and in the README run the project's scripts from the image's WORKDIR with the exposed port,
-the declared volumes and flags the scripts accept."""
+commands in its header, the README and the docs run the project's scripts from the image's WORKDIR with the exposed
+port, the declared volumes and flags the scripts accept."""
 
 import ast
 import fnmatch
@@ -222,8 +222,7 @@ def test_check_catches_mismatches(image, change, expected):
 
 
 def test_readme_docker_commands(image, report):
-    readme = ROOT / "README.md"
-    if not readme.exists():
-        pytest.skip("no README.md yet")
-    fenced = "\n".join(re.findall(r"```[^\n]*\n(.*?)```", readme.read_text(), re.S))
-    report(check_document(fenced, image, "README"))
+    """The README and the docs site together (the docker commands live in docs/join.md and docs/aux.md)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    fenced = "\n".join(block for page in pages for block in re.findall(r"```[^\n]*\n(.*?)```", page.read_text(), re.S))
+    report(check_document(fenced, image, "README and docs/"))

@@ -11,7 +11,7 @@ payload and receives about the union, not the n-1 payloads of an all-gather.
 
 Why not the first version's transport, hivemind's matchmaking ``gather``: the leader relays every member's payload to
 every member (n payloads each), inside matchmaking requests whose timeout is a few seconds; at 20 Mbit/s a 1.5 MB
-payload did not fit and the first outer round never formed a group (README, "Training over slow links"). Here the
+payload did not fit and the first outer round never formed a group (``benchmarks/results/wan.json``). Here the
 payloads travel in the all-reduce phase, under the round's all-reduce timeout. No kept library all-reduces sparse
 tensors over hivemind; the wire messages are hivemind's own (``AveragingData``), served by the averager's
 ``rpc_aggregate_part`` (see :class:`lean_transformer.swarm.averaging.diloco._Averager`).

@@ -56,11 +56,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from lean_transformer.swarm.monitoring.events import emit
+from lean_transformer.swarm.monitoring.transfer import TransferProgress
 
 logger = get_logger(__name__)
 
 MIN_CHUNK_TIMEOUT = 10.0  # seconds to wait for the next part of a state, whatever the (short) request timeout
 UNLIST_TIMEOUT = 2.0  # seconds a leaving donor waits for the DHT to take it off the list
+PROGRESS_EVERY = 5.0  # seconds between two progress lines of a state download (none for a shorter download)
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,13 @@ class StateLayout:
     optimizer_skeleton: tuple[tuple[str, Any], ...]  # ("tensor", index) or ("value", type name) per element
     min_epoch: int
 
+    def tensor_bytes(self, index: int) -> int:
+        """Bytes of tensor ``index`` uncompressed."""
+        return math.prod(self.shapes[index]) * torch.empty(0, dtype=self.dtypes[index]).element_size()
+
     def max_bytes(self, index: int) -> int:
         """The most bytes tensor ``index`` may take on the wire (uncompressed, plus room for a codec's header)."""
-        return math.prod(self.shapes[index]) * torch.empty(0, dtype=self.dtypes[index]).element_size() + 2**20
+        return self.tensor_bytes(index) + 2**20
 
     def problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> Optional[str]:
         """Why this downloaded state does not fit, in a few words; None if it does."""
@@ -254,6 +260,9 @@ class ValidatedStateSharing:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), chunk_timeout)  # dial
         metadata, tensors, parts, part_bytes = None, [], [], 0
+        # progress in bytes of the uncompressed state: whole tensors received, plus the current one's bytes so far
+        sizes = [layout.tensor_bytes(index) for index in range(len(layout.shapes))]
+        progress, received_bytes = TransferProgress(f"Downloading the state of {peer}", sum(sizes), PROGRESS_EVERY), 0
         iterator = stream.__aiter__()
         while True:
             wait = chunk_timeout if deadline is None else min(chunk_timeout, max(0.0, deadline - time.monotonic()))
@@ -267,6 +276,7 @@ class ValidatedStateSharing:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a part with a dtype starts the next tensor
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                received_bytes += sizes[len(tensors) - 1]
                 parts, part_bytes = [], 0
             if len(tensors) >= len(layout.shapes):
                 raise ValueError(f"it sends more than the {len(layout.shapes)} tensors of this peer's state")
@@ -274,6 +284,9 @@ class ValidatedStateSharing:
             part_bytes += len(message.tensor_part.buffer)
             if part_bytes > layout.max_bytes(len(tensors)):
                 raise ValueError(f"tensor {len(tensors)} is larger than this peer's {layout.shapes[len(tensors)]}")
+            line = progress.update(received_bytes + min(part_bytes, sizes[len(tensors)]))
+            if line is not None:
+                logger.info(line)
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return metadata, tensors
