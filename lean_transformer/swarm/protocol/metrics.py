@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped, ~450 with a full history
+MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped, up to ~520 with a full history
 HISTORY_LENGTH = 8  # earlier epochs a record repeats: the aux peer misses none while it refreshes within 8 epochs
 
 Count = Annotated[int, Field(ge=0)]
