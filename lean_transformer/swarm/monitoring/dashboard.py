@@ -146,9 +146,9 @@ PAGE = """<!DOCTYPE html>
 <script>
 "use strict";
 const POLL_MS = 3000, TIMEOUT_MS = 5000;
-const layout = (title, y) => ({title: {text: title, font: {size: 14}}, margin: {l: 50, r: 10, t: 35, b: 40},
-  xaxis: {title: {text: "epoch"}}, yaxis: {title: {text: y}}, showlegend: true,
-  legend: {orientation: "h", y: -0.25}});
+const layout = (title, y) => ({title: {text: title, font: {size: 14}, x: 0.02, xanchor: "left"},
+  margin: {l: 55, r: 10, t: 40, b: 45}, xaxis: {title: {text: "epoch"}}, yaxis: {title: {text: y}},
+  showlegend: true, legend: {orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom"}});
 const config = {displayModeBar: false, responsive: true};
 
 function text(value) { const span = document.createElement("span"); span.textContent = value; return span.innerHTML; }
