@@ -315,5 +315,6 @@ def test_status_line_summarizes_the_table():
                        samples=10, last_seen=0.0, rounds_attempted=attempted, rounds_averaged=averaged, alive=alive)
 
     rows = [row("a", False, 10, 10), row("b", True, 10, 5), row("c", True, 4, 0, alive=False)]
-    assert summary(rows) == f"2 trainers (1 client mode), averaged in 75% of rounds (lowest 50%: ...{peer_id('b')[-8:]})"
+    lowest = f"lowest 50%: ...{peer_id('b')[-8:]}"
+    assert summary(rows) == f"2 trainers (1 client mode), averaged in 75% of rounds ({lowest})"
     assert summary([]) == "no trainer reporting"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -142,6 +143,7 @@ def test_live_page_in_a_real_browser_against_a_local_swarm(tmp_path: Path):
         assert more["loaded"], "the page reloaded"
         assert stop_all(trainers) == [0, 0], [trainer.log_tail() for trainer in trainers]
         assert aux.stop() == 0, aux.log_tail()
+        assert re.search(r"\| 2 trainers \(0 client mode\), averaged in \d+% of rounds", aux.stderr)  # status line
         with pytest.raises(urllib.error.URLError):
             get(url)  # the server stopped with the aux peer
     finally:

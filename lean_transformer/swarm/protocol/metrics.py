@@ -4,12 +4,13 @@ and read the records (``lean_transformer.swarm.monitoring.aggregation`` combines
 Every trainer stores one record per epoch under the key ``{run_id}_metrics``, subkeyed by its RSA public key
 (``[owner:...]``). hivemind's ``RSASignatureValidator`` makes such a subkey writable only by the holder of the
 private key; ``MetricsValidator`` (below) rejects records that do not carry an owner subkey, do not match the
-schema, have negative counts or non-finite numbers, or are oversized.
+schema, have negative counts or non-finite numbers, or are oversized. Every DHT node of the swarm runs both
+validators, on storing and on reading, so a forged or malformed record is dropped wherever it arrives.
 
 A record also carries the trainer's last few epochs (``history``), so that an aux peer that reads the DHT less often
 than the epochs change still sees every epoch of every trainer, and what the aux peer's per-peer table shows (client
-mode, peer ID, averaged rounds). These fields came later and are optional: records of older trainers stay valid. Every DHT node of the swarm runs both
-validators, on storing and on reading, so a forged or malformed record is dropped wherever it arrives.
+mode, peer ID, averaged rounds). These fields came later and are optional, so records of older trainers stay valid;
+older peers' validators refuse the new fields, so all peers of a run should run the same version.
 
 hivemind's own ``SchemaValidator`` only accepts pydantic.v1 models, hence this small validator for v2 schemas.
 """
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped, up to ~520 with a full history
+MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped, <= ~520 with a history
 HISTORY_LENGTH = 8  # earlier epochs a record repeats: the aux peer misses none while it refreshes within 8 epochs
 
 Count = Annotated[int, Field(ge=0)]
