@@ -77,7 +77,7 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--window-size=1400,1100", "--no-first-run", "--disable-extensions"):
+                     "--window-size=1400,600", "--no-first-run", "--disable-extensions"):
         options.add_argument(argument)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
