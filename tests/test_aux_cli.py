@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,9 @@ def test_aux_options_are_parsed(tmp_path: Path):
     assert not aux.hub_public and not aux.upload_training_state  # private, weights only: by default
     *_, aux = parse_arguments(AUX, ["--run_id", "r", "--hub_public", "--upload_training_state"])
     assert aux.hub_public and aux.upload_training_state
+    assert (aux.dashboard_port, aux.dashboard_host) == (None, "127.0.0.1")  # no page unless asked, and only locally
+    *_, aux = parse_arguments(AUX, ["--run_id", "r", "--dashboard_port", "0", "--dashboard_host", "0.0.0.0"])
+    assert (aux.dashboard_port, aux.dashboard_host) == (0, "0.0.0.0")
     assert training.resume_from == str(tmp_path) and training.learning_rate == 0.01
     *_, training, _ = parse_arguments(AUX, ["--run_id", "r", "--resume_from", "someone/checkpoints"])
     assert training.resume_from == "someone/checkpoints"  # a Hub repo, downloaded when the peer starts
@@ -47,6 +51,8 @@ def test_aux_options_are_parsed(tmp_path: Path):
     (["--resume_from", "no/such/dir"], "--resume_from: no/such/dir is neither a directory nor a Hub repo id"),
     (["--hub_repo_id", "not a repo"], "--hub_repo_id: 'not a repo' is not a Hub repo id"),
     (["--eval_batches", "-1"], "--eval_batches: must be non-negative, got -1"),
+    (["--dashboard_port", "70000"], "--dashboard_port: must be a TCP port (0-65535), got 70000"),
+    (["--dashboard_port", "8080", "--dashboard_host", " "], "--dashboard_host: must be an address to listen on"),
 ])
 def test_bad_option_exits_with_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -66,6 +72,7 @@ def test_bad_option_exits_with_one_line(args, message, capsys):
                                            "uploads that state to the Hub only with --upload_training_state"),
     (["--validation_fraction", "0"], 1, "--validation_fraction: is 0, so there are no held-out documents to "
                                         "evaluate on (pass --eval_batches 0 to evaluate nothing)"),
+    (["--dashboard_port", "BUSY_PORT"], 1, "--dashboard_port: cannot listen on 127.0.0.1:"),
 ])
 def test_bad_input_gives_one_line(args, code, message, tmp_path: Path):
     if "WEIGHTS_ONLY" in args:  # what a default Hub upload holds: the model and its tokenizer, no training state
@@ -74,12 +81,15 @@ def test_bad_input_gives_one_line(args, code, message, tmp_path: Path):
         LeanGPTForCausalLM(LeanGPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                          intermediate_size=32)).save_pretrained(tmp_path / "weights")
         args = [str(tmp_path / "weights") if arg == "WEIGHTS_ONLY" else arg for arg in args]
+    busy = socket.create_server(("127.0.0.1", 0))  # the live page's port is taken: refused before joining
+    args = [str(busy.getsockname()[1]) if arg == "BUSY_PORT" else arg for arg in args]
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "WANDB_MODE": "disabled",
            "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
-    result = subprocess.run(
-        [sys.executable, "run_aux_peer.py", "--run_id", "cli-test", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-         "--checkpoint_dir", str(tmp_path / "ckpt"), "--metrics_path", str(tmp_path / "m.jsonl"), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    with busy:
+        result = subprocess.run(
+            [sys.executable, "run_aux_peer.py", "--run_id", "cli-test", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+             "--checkpoint_dir", str(tmp_path / "ckpt"), "--metrics_path", str(tmp_path / "m.jsonl"), *args],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == code, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and message in errors[0], result.stderr

@@ -21,11 +21,16 @@ from aux_utils import assert_valid_png, wait_for_wandb_history
 
 @dataclass
 class Record:
+    """A record as an older trainer writes it: its latest epoch only."""
+
     epoch: int
     samples_per_second: float
     samples_accumulated: int
     loss_sum: float
     mini_steps: int
+
+    def reports(self):
+        return [self]
 
 
 def random_record(rng: random.Random, epoch: int) -> Record:
@@ -176,3 +181,140 @@ def test_plot_keeps_no_figures_alive(tmp_path: Path):
         redraw_plot(rows[:end], tmp_path / "p.png")
     gc.collect()
     assert not [obj for obj in gc.get_objects() if type(obj) is Figure]
+
+
+# ---------------------------------------------------------------- records with histories, the table of contributors
+
+def peer_id(name: str) -> str:
+    return f"12D3KooW{name}{name}{name}"  # base58, like a libp2p ID
+
+
+def simulate_swarm(epochs: int = 40, refresh_every: int = 5, strip_history: bool = False):
+    """Three trainers publish a record per epoch through MetricsReporter: ``a`` trains epochs 1-40, ``b`` 1-30 (then
+    leaves; its last record stays), ``c`` joins at 10; ``b`` is always one epoch behind when the aux peer looks. The
+    aux peer reads the records every ``refresh_every`` epochs. Returns what each trainer reported per epoch and the
+    rows the collector released."""
+    from lean_transformer.swarm.peers.reporting import MetricsReporter
+
+    rng = random.Random(11)
+    spans = {"a": (1, epochs), "b": (1, 30), "c": (10, epochs)}
+    reporters = {name: MetricsReporter(peer_id(name), client_mode=name == "c") for name in spans}
+    latest, reported = {}, {}
+    collector, rows = EpochCollector(), []
+    for epoch in range(1, epochs + 1):
+        visible_b = latest.get("b")
+        for name, (first, last) in spans.items():
+            if first <= epoch <= last:
+                latest[name] = reporters[name].record(epoch, rng.uniform(10, 100), samples=rng.randint(1, 64),
+                                                      loss_sum=rng.uniform(1, 40), mini_steps=rng.randint(1, 16))
+                reported.setdefault(epoch, {})[name] = latest[name].reports()[-1]
+        if epoch % refresh_every == 0:
+            visible = {**latest, "b": visible_b} if visible_b is not None else dict(latest)
+            if strip_history:
+                visible = {name: record.model_copy(update={"history": ()}) for name, record in visible.items()}
+            rows += collector.update(visible, now=float(epoch))
+    for _ in range(2):
+        rows += collector.update(latest, now=float(epochs + 1))
+    return reported, rows
+
+
+def test_collector_counts_every_trainer_when_epochs_are_shorter_than_the_refresh():
+    """Each row aggregates exactly the trainers that trained in its epoch, every epoch gets a row (the refresh comes
+    every 5 epochs, within the records' 8-epoch history), and a trainer that left holds nothing back."""
+    reported, rows = simulate_swarm()
+    assert [row.epoch for row in rows] == list(range(1, 39))  # 39, 40: c and a may still be joined by b's report
+    for row in rows:
+        reports = list(reported[row.epoch].values())
+        expected = aggregate(row.epoch, reports, now=row.time)
+        assert row.to_dict() == pytest.approx(expected.to_dict(), rel=1e-12)  # floats summed in another order
+        assert row.alive_peers == (3 if 10 <= row.epoch <= 30 else 2)
+
+    # the same swarm with records that carry no history (older trainers): most epochs get no row or too few peers
+    _, old_rows = simulate_swarm(strip_history=True)
+    exact = [row for row in old_rows if row.alive_peers == len(reported[row.epoch])]
+    assert len(exact) < len(rows) / 2
+
+
+def test_reporter_keeps_a_bounded_history_and_counts_averaged_epochs(tmp_path: Path):
+    from lean_transformer.swarm.monitoring.events import EventLog
+    from lean_transformer.swarm.peers.reporting import MetricsReporter
+    from lean_transformer.swarm.protocol.metrics import HISTORY_LENGTH, LocalMetrics
+
+    events_path = tmp_path / "events.jsonl"
+    log = EventLog(events_path, "trainer")
+    log.emit("averaged", kind="gradients", epoch=None, group_size=2, bytes=None)  # an earlier run's: not counted
+    reporter = MetricsReporter(peer_id("x"), client_mode=False, events_path=events_path)
+    rounds = {1: [("gradients", 3)], 2: [("gradients", 1)], 3: [("parameters", 2)], 4: [], 5: [("outer", 2)],
+              6: [("gradients", 2), ("gradients", 2)],  # one of epoch 5 landed late
+              7: [("gradients", 2)] * 10}  # never more averaged rounds than epochs
+    for epoch in range(1, 13):
+        for kind, size in rounds.get(epoch, []):
+            log.emit("averaged", kind=kind, epoch=None, group_size=size, bytes=None)
+        record = reporter.record(epoch, 5.0, samples=epoch, loss_sum=1.0, mini_steps=1)
+        LocalMetrics.model_validate(record.model_dump())  # valid as the DHT would check it
+        assert [report.epoch for report in record.reports()] == list(range(max(1, epoch - HISTORY_LENGTH), epoch + 1))
+        assert [report.samples_accumulated for report in record.reports()] == [r.epoch for r in record.reports()]
+        assert (record.peer_id, record.client_mode, record.rounds_attempted) == (peer_id("x"), False, epoch)
+        assert record.rounds_averaged == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 4}.get(epoch, 7)
+    # a backup of an earlier epoch was restored: the history drops the epochs that are now ahead of the record
+    record = reporter.record(9, 5.0, samples=1, loss_sum=1.0, mini_steps=1)
+    assert [report.epoch for report in record.reports()] == [5, 6, 7, 8, 9]
+    LocalMetrics.model_validate(record.model_dump())
+    assert MetricsReporter(peer_id("y"), client_mode=True).record(1, 1.0, 1, 1.0, 1).rounds_attempted is None
+    log.close()
+
+
+def test_peer_table_counts_each_epoch_once_and_survives_a_restart(tmp_path: Path):
+    from lean_transformer.swarm.monitoring.peer_table import PeerTable, key_id, summary
+    from lean_transformer.swarm.peers.reporting import MetricsReporter
+
+    reporters = {name: MetricsReporter(peer_id(name), client_mode=name == "c") for name in "ab"}
+    samples = {"a": 0, "b": 0}
+    table = PeerTable()
+    records = {}
+    for epoch in range(1, 19):
+        for name, reporter in reporters.items():
+            if name == "b" and epoch > 12:
+                continue  # b left after epoch 12
+            records[name.encode()] = reporter.record(epoch, 10.0 * epoch, samples=epoch, loss_sum=1.0, mini_steps=1)
+            samples[name] += epoch
+        if epoch % 3 == 0:  # overlapping histories: the same epochs are seen up to 3 times
+            table.update({key: record for key, record in records.items() if key != b"b" or epoch <= 12},
+                         now=float(epoch))
+    rows = {row.peer_id: row for row in table.rows()}
+    a, b = rows[peer_id("a")], rows[peer_id("b")]
+    assert (a.samples, a.epoch, a.samples_per_second, a.last_seen, a.alive) == (samples["a"], 18, 180.0, 18.0, True)
+    assert (b.samples, b.epoch, b.last_seen, b.alive) == (samples["b"], 12, 12.0, False)
+    assert a.key == key_id(b"a") and a.client_mode is False and a.excluded is False
+    assert table.rows()[0] is a or table.rows()[0] == a  # most samples first
+    assert summary(table.rows()) == "1 trainer (0 client mode)"  # no event stream: rounds unknown
+
+    history = RunHistory(tmp_path / "h.jsonl")
+    history.append(aggregate(1, [Record(1, 1.0, 1, 1.0, 1)], now=1.0))
+    history.append(table.snapshot(now=21.0))
+    assert [row.epoch for row in read_rows(tmp_path / "h.jsonl")] == [1]  # the table is a row kind of its own
+    reopened = RunHistory(tmp_path / "h.jsonl")
+    assert reopened.peers == table.snapshot(now=21.0) and len(reopened.rows) == 1
+    restarted = PeerTable()
+    restarted.restore(reopened.peers)
+    records[b"a"] = reporters["a"].record(19, 1.0, samples=19, loss_sum=1.0, mini_steps=1)
+    restarted.update({b"a": records[b"a"]}, now=22.0)
+    assert {row.peer_id: row.samples for row in restarted.rows()} == {peer_id("a"): samples["a"] + 19,
+                                                                      peer_id("b"): samples["b"]}
+    small = PeerTable(max_peers=1)
+    small.update({b"a": records[b"a"]}, now=1.0)
+    small.update({b"b": records[b"b"]}, now=2.0)
+    assert [row.key for row in small.rows()] == [key_id(b"b")]
+
+
+def test_status_line_summarizes_the_table():
+    from lean_transformer.swarm.monitoring.peer_table import PeerRow, summary
+
+    def row(name: str, client: bool, attempted: int, averaged: int, alive: bool = True) -> PeerRow:
+        return PeerRow(key=name, peer_id=peer_id(name), client_mode=client, epoch=3, samples_per_second=1.0,
+                       samples=10, last_seen=0.0, rounds_attempted=attempted, rounds_averaged=averaged, alive=alive)
+
+    rows = [row("a", False, 10, 10), row("b", True, 10, 5), row("c", True, 4, 0, alive=False)]
+    lowest = f"lowest 50%: ...{peer_id('b')[-8:]}"
+    assert summary(rows) == f"2 trainers (1 client mode), averaged in 75% of rounds ({lowest})"
+    assert summary([]) == "no trainer reporting"

@@ -56,8 +56,9 @@ def read_jsonl(path: Path) -> List[dict]:
 
 
 def training_rows(path: Path) -> List[dict]:
-    """The rows of the trainers' statistics (the others are evaluations of checkpoints: epoch, validation_loss)."""
-    return [row for row in read_jsonl(path) if "validation_loss" not in row]
+    """The rows of the trainers' statistics (the others are evaluations of checkpoints: epoch, validation_loss, and
+    tables of contributors: peers)."""
+    return [row for row in read_jsonl(path) if "alive_peers" in row]
 
 
 def evaluation_rows(path: Path) -> List[dict]:
@@ -175,6 +176,22 @@ def test_metrics_match_what_the_trainers_published(swarm_run: SwarmRun):
         assert matches, f"epoch {row['epoch']}: {row} does not aggregate the published records {reporters}"
         checked_with_both += row["alive_peers"] == 2
     assert checked_with_both >= 4
+
+
+def test_table_of_contributors_lists_the_trainers(swarm_run: SwarmRun):
+    """The JSONL file holds the table of contributors with each epoch: both trainers, as full peers, their samples
+    never more than they published, their averaged rounds never more than their epochs."""
+    tables = [row["peers"] for row in read_jsonl(swarm_run.metrics_path) if "peers" in row]
+    assert len(tables) >= 4
+    names = {trainer.events("joined")[0]["peer"]: trainer for trainer in swarm_run.trainers}
+    last = {peer["peer_id"]: peer for peer in tables[-1]}
+    assert last.keys() == names.keys()
+    for peer_id, peer in last.items():
+        published = sum(samples for _, _, samples in published_records(names[peer_id]).values())
+        assert peer["client_mode"] is False and peer["excluded"] is False
+        assert 0 < peer["samples"] <= published and peer["samples_per_second"] > 0
+        assert 0 <= peer["rounds_averaged"] <= peer["rounds_attempted"]
+    assert any(peer["rounds_averaged"] > 0 for peer in last.values()), last
 
 
 def test_wandb_offline_run_and_jsonl_hold_the_metrics(swarm_run: SwarmRun):

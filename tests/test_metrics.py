@@ -56,6 +56,14 @@ if __name__ != "__main__":
         dict(samples_accumulated=-1), dict(epoch=-2), dict(mini_steps=-3), dict(loss_sum=-0.5),
         dict(samples_per_second=-1.0), dict(loss_sum=math.nan), dict(samples_per_second=math.inf),
         dict(epoch=3.0), dict(epoch="3"), dict(mini_steps=True), dict(extra_field=1), dict(epoch=None),
+        # the fields that came later: a history of earlier epochs, the peer's description, its averaged rounds
+        dict(history=((3, 1, 1.0, 1, 1.0),)), dict(history=((2, 1, 1.0, 1, 1.0), (1, 1, 1.0, 1, 1.0))),
+        dict(history=((2, 1, 1.0, 1, 1.0), (2, 1, 1.0, 1, 1.0))), dict(history=((2, -1, 1.0, 1, 1.0),)),
+        dict(history=((2, 1, math.nan, 1, 1.0),)), dict(history=((2, 1, 1.0, 1),)),
+        dict(epoch=20, history=tuple((e, 1, 1.0, 1, 1.0) for e in range(10, 19))),
+        dict(client_mode="yes"), dict(peer_id="<script>"), dict(peer_id="x" * 65), dict(peer_id="0OIl"),
+        dict(rounds_attempted=1), dict(rounds_averaged=1), dict(rounds_attempted=1, rounds_averaged=2),
+        dict(rounds_attempted=-1, rounds_averaged=-1),
     ])
     def test_malformed_or_negative_values_are_rejected(keys, change):
         ours, _, our_key = keys
@@ -63,6 +71,27 @@ if __name__ != "__main__":
         assert not ours.validate(signed_record(value, our_key, ours))
         with pytest.raises(ValidationError):
             LocalMetrics.model_validate(value)
+
+    def test_records_with_history_and_peer_description_are_accepted(keys):
+        """A full record stays well under the size limit; an older trainer's record (without the later fields)
+        covers its own epoch only."""
+        from hivemind.utils import MSGPackSerializer
+
+        from lean_transformer.swarm.protocol.metrics import HISTORY_LENGTH, MAX_RECORD_BYTES, EpochReport
+
+        ours, _, our_key = keys
+        history = tuple((epoch, 10**6, 1e6 / 3, 10**5, 123.456) for epoch in range(3 - HISTORY_LENGTH, 3))
+        full = {**VALID, "epoch": 3 + 10**6, "history": tuple((e + 10**6, *rest) for e, *rest in history),
+                "client_mode": True, "peer_id": "12D3KooWQhUmQE8WTfH4GqXcb6S2oykFE4X8gZuQ3bPuC6m4Y4tj",
+                "rounds_attempted": 10**6, "rounds_averaged": 10**6 - 1}
+        assert len(MSGPackSerializer.dumps(full)) < MAX_RECORD_BYTES * 3 // 4
+        assert ours.validate(signed_record(full, our_key, ours))
+        record = LocalMetrics.model_validate(full)
+        assert [report.epoch for report in record.reports()] == list(range(10**6 - 5, 10**6 + 4))
+        assert record.reports()[0] == EpochReport(10**6 - 5, 10**6, 1e6 / 3, 10**5, 123.456)
+        old = LocalMetrics.model_validate(VALID)
+        assert old.reports() == [EpochReport(3, 96, 40.25, 12, 12.5)]
+        assert (old.history, old.client_mode, old.peer_id, old.rounds_attempted) == ((), None, None, None)
 
     def test_missing_fields_and_non_dict_values_are_rejected(keys):
         ours, _, our_key = keys
@@ -148,7 +177,8 @@ def _honest() -> None:
           flush=True)
     sys.stdin.readline()
     records = fetch_metrics(dht, RUN_ID)
-    print(json.dumps({_encode(key): record.model_dump() for key, record in records.items()}), flush=True)
+    print(json.dumps({_encode(key): record.model_dump(exclude_defaults=True) for key, record in records.items()}),
+          flush=True)
     dht.shutdown()
 
 
@@ -177,6 +207,9 @@ def _attacker(victim_key: str, initial_peers: list[str]) -> None:
         "extra field": (own, {**VALID, "admin": True}),
         "float count": (own, {**VALID, "mini_steps": 12.0}),
         "no owner in the subkey": (b"anonymous", VALID),
+        "history in the wrong order": (own, {**VALID, "history": ((2, 1, 1.0, 1, 1.0), (1, 1, 1.0, 1, 1.0))}),
+        "history too long": (own, {**VALID, "epoch": 30, "history": tuple((e, 1, 1.0, 1, 1.0) for e in range(20))}),
+        "more rounds averaged than attempted": (own, {**VALID, "rounds_attempted": 1, "rounds_averaged": 2}),
         "valid record of the attacker": (own, {**VALID, "epoch": 4}),
     }
     results = {name: bool(dht.store(metrics_key(RUN_ID), subkey=subkey, value=value,

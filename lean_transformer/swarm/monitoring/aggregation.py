@@ -6,14 +6,21 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Hashable, List, Mapping, Protocol, Sequence
 
 
-class PeerRecord(Protocol):
-    """What the aggregation reads from a trainer's (already validated) metrics record."""
+class EpochReport(Protocol):
+    """One trainer's work in one epoch, as the aggregation reads it."""
 
     epoch: int
     samples_per_second: float
     samples_accumulated: int
     loss_sum: float
     mini_steps: int
+
+
+class PeerRecord(EpochReport, Protocol):
+    """A trainer's (already validated) metrics record: its latest epoch, and the earlier ones it repeats."""
+
+    def reports(self) -> Sequence[EpochReport]:
+        """Every epoch the record covers, oldest first, its own epoch last."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class SwarmStats:
         )
 
 
-def aggregate(epoch: int, records: Sequence[PeerRecord], now: float) -> SwarmStats:
+def aggregate(epoch: int, records: Sequence[EpochReport], now: float) -> SwarmStats:
     """Combine the records that peers published for one epoch."""
     mini_steps = sum(record.mini_steps for record in records)
     loss_sum = sum(record.loss_sum for record in records)
@@ -68,24 +75,30 @@ def aggregate(epoch: int, records: Sequence[PeerRecord], now: float) -> SwarmSta
 
 
 class EpochCollector:
-    """Collects the records of each epoch across refreshes and releases an epoch's statistics once it is complete.
+    """Collects the trainers' reports of each epoch across refreshes and releases an epoch's statistics once it is
+    complete.
 
-    Each peer keeps one record in the DHT and overwrites it every epoch, so records are copied into per-epoch buckets
-    as they are seen. Epoch E is complete when every alive peer has reported E or later, or when some peer has already
-    reported an epoch after E (by then every peer that trained in E has had a whole epoch to report it).
-    Released epochs are dropped, so memory does not grow with the length of the run.
+    Each peer keeps one record in the DHT and overwrites it every epoch; the record repeats the peer's last few epochs,
+    so the reports of every epoch it covers are copied into per-epoch buckets as they are seen: a refresh that comes
+    less often than the epochs change still counts every trainer of every epoch that some record still covers (epochs
+    no record covers any more get no row rather than an undercounted one). Epoch E is complete when every peer with a
+    record has reached E or later, or when some peer is more than ``lag`` epochs past E: a peer that left (its last
+    record lives on until it expires) must not hold the log back for ever, and one that is up to ``lag`` epochs
+    behind the fastest still gets its report of E counted. Released epochs are dropped, so memory does not grow with
+    the run.
     """
 
-    def __init__(self, last_released_epoch: int = -1):
-        self.last_released_epoch = last_released_epoch
-        self._buckets: Dict[int, Dict[Hashable, PeerRecord]] = {}
+    def __init__(self, last_released_epoch: int = -1, lag: int = 1):
+        self.last_released_epoch, self.lag = last_released_epoch, lag
+        self._buckets: Dict[int, Dict[Hashable, EpochReport]] = {}
 
     def update(self, records: Mapping[Hashable, PeerRecord], now: float) -> List[SwarmStats]:
         """Add the records currently in the DHT (peer key -> record); return the statistics of newly complete epochs,
         oldest first."""
         for peer, record in records.items():
-            if record.epoch > self.last_released_epoch:
-                self._buckets.setdefault(record.epoch, {})[peer] = record
+            for report in record.reports():
+                if report.epoch > self.last_released_epoch:
+                    self._buckets.setdefault(report.epoch, {})[peer] = report
         if not records:
             return []
         newest_epoch = max(record.epoch for record in records.values())
@@ -93,7 +106,7 @@ class EpochCollector:
 
         released = []
         for epoch in sorted(self._buckets):
-            if not (epoch <= slowest_epoch or epoch < newest_epoch):
+            if not (epoch <= slowest_epoch or epoch < newest_epoch - self.lag):
                 break
             released.append(aggregate(epoch, list(self._buckets.pop(epoch).values()), now))
             self.last_released_epoch = epoch

@@ -1,6 +1,7 @@
 """The auxiliary peer: a long-lived member of the swarm that needs no GPU.
 
-It records the swarm's progress (wandb, a JSONL file and a PNG plot), keeps checkpoints that outlive every volunteer
+It records the swarm's progress (wandb, a JSONL file, a PNG plot and, with ``--dashboard_port``, a live web page)
+and a table of the contributors, keeps checkpoints that outlive every volunteer
 (model, tokenizer and training state; optionally mirrored to the Hugging Face Hub), evaluates each checkpoint on
 held-out data (its validation loss is logged beside the training loss), can seed a new swarm from a checkpoint, and with
 ``--assist_in_averaging`` takes part in all-reduce without gradients of its own. Read top to bottom:
@@ -22,7 +23,9 @@ from transformers import PreTrainedModel
 from lean_transformer.swarm.monitoring.aggregation import EpochCollector, SwarmStats
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
+from lean_transformer.swarm.monitoring.dashboard import Dashboard, state_json
 from lean_transformer.swarm.monitoring.events import emit, peer_events
+from lean_transformer.swarm.monitoring.peer_table import PeerTable, summary
 from lean_transformer.swarm.protocol.dht import visible_maddrs
 from lean_transformer.swarm.monitoring.evaluation import Evaluation, evaluate
 from lean_transformer.swarm.storage.hub import HubUploader, resolve_checkpoint
@@ -96,13 +99,14 @@ class AuxiliaryOptimizer(SwarmOptimizer):
 
 
 class AuxPeer:
-    """The loop: every refresh, aggregate the trainers' metrics and log them; every N epochs, checkpoint (with the
-    tokenizer, written by ``save_tokenizer``) and evaluate the checkpoint on ``validation_batches``."""
+    """The loop: every refresh, aggregate the trainers' metrics and log them (with the table of contributors, written
+    to the JSONL file whenever an epoch completes; the live page, if any, gets both); every N epochs, checkpoint (with
+    the tokenizer, written by ``save_tokenizer``) and evaluate the checkpoint on ``validation_batches``."""
 
     def __init__(self, dht: hivemind.DHT, model: PreTrainedModel, optimizer: AuxiliaryOptimizer,
                  network: NetworkSettings, aux: AuxSettings, config: dict, shutdown: GracefulShutdown,
                  agreement: SwarmAgreement, save_tokenizer: Callable[[Path], None],
-                 validation_batches: Sequence[Batch] = ()):
+                 validation_batches: Sequence[Batch] = (), dashboard: Optional[Dashboard] = None):
         self.dht, self.model, self.optimizer, self.agreement = dht, model, optimizer, agreement
         self.save_tokenizer, self.validation_batches = save_tokenizer, validation_batches
         self.run_id, self.aux, self.shutdown = network.run_id, aux, shutdown
@@ -110,6 +114,10 @@ class AuxPeer:
         self.plot_path = Path(aux.metrics_path).with_suffix(".png")
         last_logged = self.history.last_epoch
         self.collector = EpochCollector(last_released_epoch=-1 if last_logged is None else last_logged)
+        self.peers = PeerTable()
+        if self.history.peers is not None:
+            self.peers.restore(self.history.peers)
+        self.dashboard = dashboard
         self.checkpoints = CheckpointDir(aux.checkpoint_dir, keep_last=aux.keep_checkpoints)
         latest = self.checkpoints.latest()
         self.last_checkpoint_epoch = max(optimizer.local_epoch, latest[0] if latest else 0)
@@ -143,7 +151,9 @@ class AuxPeer:
 
     def refresh(self) -> None:
         records = fetch_metrics(self.dht, self.run_id)
-        completed = self.collector.update(records, now=time.time())
+        now = time.time()
+        completed = self.collector.update(records, now=now)
+        self.peers.update(records, now=now)
         for stats in completed:
             emit("swarm_epoch", epoch=stats.epoch, loss=stats.loss, samples=stats.samples_in_epoch,
                  samples_per_second=stats.samples_per_second, alive_peers=stats.alive_peers)
@@ -151,11 +161,14 @@ class AuxPeer:
             if self.wandb is not None:
                 self.wandb.log(stats)
         if completed:
+            self.history.append(self.peers.snapshot(now))
             self.redraw_plot()
 
         swarm_epoch = max([self.optimizer.tracker.global_epoch, *(record.epoch for record in records.values())])
         logger.info(status_line(swarm_epoch, len(records), self.history.rows[-1] if self.history.rows else None,
-                                self.history.evaluations[-1] if self.history.evaluations else None))
+                                self.history.evaluations[-1] if self.history.evaluations else None)
+                    + f" | {summary(self.peers.rows())}")
+        self.publish(swarm_epoch, now)
         every = self.aux.checkpoint_every_epochs
         if every and swarm_epoch // every > self.last_checkpoint_epoch // every:
             self.checkpoint()
@@ -200,6 +213,11 @@ class AuxPeer:
             self.wandb.log(evaluation)
         self.redraw_plot()
 
+    def publish(self, swarm_epoch: int, now: float) -> None:
+        if self.dashboard is not None:
+            self.dashboard.publish(state_json(self.run_id, swarm_epoch, self.history.rows, self.history.evaluations,
+                                              self.peers.rows(), now))
+
     def redraw_plot(self) -> None:
         redraw_plot(self.history.rows, self.plot_path, title=self.run_id, evaluations=self.history.evaluations)
 
@@ -224,6 +242,22 @@ def status_line(swarm_epoch: int, alive_peers: int, last: Optional[SwarmStats],
     if last_evaluation is not None:
         line += f" | validation loss {last_evaluation.validation_loss:.4f} (epoch {last_evaluation.epoch})"
     return line
+
+
+@contextlib.contextmanager
+def open_dashboard(aux: AuxSettings, run_id: str) -> Iterator[Optional[Dashboard]]:
+    """The live page while the block runs, with ``--dashboard_port`` (else None)."""
+    if aux.dashboard_port is None:
+        yield None
+        return
+    try:
+        dashboard = Dashboard(aux.dashboard_host, aux.dashboard_port, title=run_id)
+    except OSError as error:
+        raise OSError(f"--dashboard_port: cannot listen on {aux.dashboard_host}:{aux.dashboard_port} "
+                      f"({error})") from None
+    with dashboard:
+        logger.info(f"The live page of the run: {dashboard.url}")
+        yield dashboard
 
 
 def run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: CollaborationSettings,
@@ -252,7 +286,8 @@ def _run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: C
     evaluates = aux.eval_batches > 0 and aux.checkpoint_every_epochs > 0
     validation_batches = task.validation_batches(aux.eval_batches) if evaluates else []
 
-    with SwarmPeer(network, swarm_settings) as peer:
+    # the page's port is taken before joining: a port in use fails at once, and the page stops after the peer
+    with open_dashboard(aux, network.run_id) as dashboard, SwarmPeer(network, swarm_settings) as peer:
         model = task.build_model()
         optimizer = peer.start_optimizer(AuxiliaryOptimizer, model, task, collaboration, training,
                                          auxiliary=not network.client_mode)
@@ -266,6 +301,6 @@ def _run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: C
              initial_peers=[] if network.client_mode else visible_maddrs(peer.dht), from_swarm=False)
         AuxPeer(peer.dht, model, optimizer, network, aux, run_config or {}, shutdown, peer.agreement,
                 save_tokenizer=lambda directory: task.save_tokenizer(str(directory)),
-                validation_batches=validation_batches).run()
+                validation_batches=validation_batches, dashboard=dashboard).run()
     logger.info("Shut down cleanly")
     return dict(reason="signal", epoch=optimizer.local_epoch)

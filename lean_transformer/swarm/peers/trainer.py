@@ -28,9 +28,10 @@ from lean_transformer.swarm.monitoring.events import EventReader, emit, peer_eve
 from lean_transformer.swarm.protocol.dht import derive_peer_seed, visible_maddrs
 from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.storage.hub import resolve_checkpoint
-from lean_transformer.swarm.protocol.metrics import LocalMetrics, publish_metrics
+from lean_transformer.swarm.protocol.metrics import publish_metrics
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from lean_transformer.swarm.peers.progress import ProgressLine
+from lean_transformer.swarm.peers.reporting import MetricsReporter
 from lean_transformer.swarm.peers.shutdown import GracefulShutdown
 from lean_transformer.swarm.peers.swarm_peer import SwarmPeer
 from lean_transformer.swarm.storage.training_state import load_training_state
@@ -117,7 +118,7 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         shutdown.on_overdue = optimizer.cancel_rounds_in_flight
         join_swarm(model, optimizer, checkpoint, peer.dht, network.client_mode, events_path)
         finished = training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network,
-                                 collaboration, training, peer.agreement, progress, block_scaling)
+                                 collaboration, training, peer.agreement, progress, block_scaling, events_path)
     logger.info("Shut down cleanly")
     return dict(reason="finished" if finished else "signal", epoch=optimizer.local_epoch)
 
@@ -140,8 +141,10 @@ def join_swarm(model: PreTrainedModel, optimizer: SwarmOptimizer, checkpoint: Op
 def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOptimizer, dht: hivemind.DHT,
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
                   collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
-                  progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None) -> bool:
-    """Train until ``training.stop_epoch`` (returns True) or a stop request (returns False)."""
+                  progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None,
+                  events_path: Optional[Path] = None) -> bool:
+    """Train until ``training.stop_epoch`` (returns True) or a stop request (returns False). ``events_path``: this
+    peer's event stream, where its averagers report their rounds (counted in its metrics records)."""
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -159,6 +162,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
     work, epoch, non_finite_in_a_row = EpochWork(), optimizer.local_epoch, 0
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     warned_short_epochs = False
+    reporter = MetricsReporter(str(dht.peer_id), network.client_mode, events_path)
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
@@ -233,10 +237,9 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
             emit("epoch", epoch=optimizer.local_epoch, loss=work.mean_loss, samples=work.samples,
                  mini_steps=work.mini_steps, skipped=work.skipped, compute_seconds=progress.compute_seconds,
                  wall_seconds=progress.wall_seconds())
-            metrics = LocalMetrics(epoch=optimizer.local_epoch,
-                                   samples_per_second=float(optimizer.tracker.performance_ema.samples_per_second),
-                                   samples_accumulated=work.samples, loss_sum=work.loss_sum,
-                                   mini_steps=work.mini_steps)
+            metrics = reporter.record(optimizer.local_epoch,
+                                      float(optimizer.tracker.performance_ema.samples_per_second),
+                                      samples=work.samples, loss_sum=work.loss_sum, mini_steps=work.mini_steps)
             publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
             advice = None if collaboration.local_steps else short_epoch_warning(  # DiLoCo rounds are long by design
                 collaboration.target_batch_size, collaboration.matchmaking_time, metrics.samples_per_second,

@@ -7,11 +7,17 @@ private key; ``MetricsValidator`` (below) rejects records that do not carry an o
 schema, have negative counts or non-finite numbers, or are oversized. Every DHT node of the swarm runs both
 validators, on storing and on reading, so a forged or malformed record is dropped wherever it arrives.
 
+A record also carries the trainer's last few epochs (``history``), so that an aux peer that reads the DHT less often
+than the epochs change still sees every epoch of every trainer, and what the aux peer's per-peer table shows (client
+mode, peer ID, averaged rounds). These fields came later and are optional, so records of older trainers stay valid;
+older peers' validators refuse the new fields, so all peers of a run should run the same version.
+
 hivemind's own ``SchemaValidator`` only accepts pydantic.v1 models, hence this small validator for v2 schemas.
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+import logging
+from typing import Annotated, NamedTuple, Optional, Union
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -20,17 +26,40 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MPFuture, MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped
+logger = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped, <= ~520 with a history
+HISTORY_LENGTH = 8  # earlier epochs a record repeats: the aux peer misses none while it refreshes within 8 epochs
 
 Count = Annotated[int, Field(ge=0)]
 Rate = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+PastEpoch = tuple[Count, Count, Rate, Count, Rate]  # the fields of EpochReport, in its order (compact in msgpack)
+PEER_ID_PATTERN = r"[1-9A-HJ-NP-Za-km-z]{1,64}"  # base58, as libp2p prints peer IDs
+
+
+class EpochReport(NamedTuple):
+    """One trainer's work in one epoch, as the aggregation reads it: labelled, like a record, with the epoch that the
+    trainer reached at the end of that work."""
+
+    epoch: int
+    samples_accumulated: int
+    loss_sum: float
+    mini_steps: int
+    samples_per_second: float
 
 
 class LocalMetrics(BaseModel):
     """What one trainer reports once per epoch. ``epoch`` is the epoch it has just reached; the other fields describe
-    its local work during the epoch before."""
+    its local work during the epoch before.
+
+    ``history`` repeats the reports of its previous epochs (at most ``HISTORY_LENGTH``, oldest first, each an
+    ``EpochReport`` as a tuple, epochs increasing and below ``epoch``). ``client_mode`` and ``peer_id`` (its libp2p
+    ID, as it claims it: for display only; the record's owner key is what identifies it) describe the peer;
+    ``rounds_attempted`` counts the epochs it trained in since it started and ``rounds_averaged`` those in which it
+    averaged with at least one other peer (DiLoCo: outer rounds). ``None`` / empty: an older trainer's record.
+    """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -39,6 +68,29 @@ class LocalMetrics(BaseModel):
     samples_accumulated: Count
     loss_sum: Rate  # sum of the mini-batch losses; divide by mini_steps for the mean
     mini_steps: Count
+    history: Annotated[tuple[PastEpoch, ...], Field(max_length=HISTORY_LENGTH)] = ()
+    client_mode: Optional[bool] = None
+    peer_id: Optional[Annotated[str, Field(pattern=f"^{PEER_ID_PATTERN}$")]] = None
+    rounds_attempted: Optional[Count] = None
+    rounds_averaged: Optional[Count] = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LocalMetrics":
+        epochs = [past[0] for past in self.history] + [self.epoch]
+        if any(earlier >= later for earlier, later in zip(epochs, epochs[1:])):
+            raise ValueError(f"history: epochs must increase and stay below the record's epoch, got {epochs}")
+        if (self.rounds_attempted is None) != (self.rounds_averaged is None):
+            raise ValueError("rounds_attempted and rounds_averaged come together")
+        if self.rounds_averaged is not None and self.rounds_averaged > self.rounds_attempted:
+            raise ValueError(f"rounds_averaged ({self.rounds_averaged}) exceeds rounds_attempted "
+                             f"({self.rounds_attempted})")
+        return self
+
+    def reports(self) -> list[EpochReport]:
+        """Every epoch this record covers, oldest first: the history, then the epoch it has just reached."""
+        return [*(EpochReport(*past) for past in self.history),
+                EpochReport(self.epoch, self.samples_accumulated, self.loss_sum, self.mini_steps,
+                            self.samples_per_second)]
 
 
 def metrics_key(run_id: str) -> str:
@@ -93,8 +145,8 @@ def publish_metrics(dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: 
 
 
 def fetch_metrics(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
-    """All peers' current records, by public key. Anything that does not parse is skipped (the DHT validated remote
-    records already; this also covers records stored through a node without the validators)."""
+    """All peers' current records, by public key. A record that does not parse is dropped with one warning line (the
+    DHT validated remote records already; this covers records stored through a node without the validators)."""
     entry = dht.get(metrics_key(run_id), latest=True)
     if entry is None or not isinstance(entry.value, dict):
         return {}
@@ -102,7 +154,8 @@ def fetch_metrics(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
     for public_key, item in entry.value.items():
         try:
             records[public_key] = LocalMetrics.model_validate(item.value)
-        except ValidationError:
-            continue
+        except ValidationError as error:
+            logger.warning(f"Dropped a malformed metrics record ({error.error_count()} error(s), first: "
+                           f"{error.errors()[0]['msg']})")
     return records
 

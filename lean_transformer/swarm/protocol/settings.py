@@ -394,8 +394,17 @@ class AuxSettings:
                 "client-mode trainers have a full peer to average through. Needs incoming connections."})
     assist_refresh_period: float = field(default=0.5, metadata={
         "help": "Seconds between checks for an averaging round to join, with --assist_in_averaging."})
+    dashboard_port: Optional[int] = field(default=None, metadata={
+        "help": "Serve a live, read-only page of the run (loss, validation loss, samples/s, peers, contributors) on "
+                "this TCP port (0: any free port; the URL is logged). Off by default."})
+    dashboard_host: str = field(default="127.0.0.1", metadata={
+        "help": "The address the live page listens on, with --dashboard_port (0.0.0.0: every interface, for a page "
+                "others can open; it shows no secrets)."})
 
     def __post_init__(self):
+        require(self.dashboard_port is None or 0 <= self.dashboard_port <= 65535, "dashboard_port",
+                f"must be a TCP port (0-65535), got {self.dashboard_port}")
+        require(bool(self.dashboard_host.strip()), "dashboard_host", "must be an address to listen on")
         for name in ("refresh_period", "assist_refresh_period", "history_window", "keep_checkpoints"):
             require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         for name in ("checkpoint_every_epochs", "hub_upload_interval", "eval_batches"):
