@@ -5,13 +5,13 @@ liar, the mean) does. The liar joins once the honest trainers average together, 
 in a group of two it would be half of the senders, and no aggregation outvotes that (seen once: the liar paired with
 one honest trainer while the swarm formed, and a trainer that then downloaded the swarm's state, by the logs the
 liar's, trained up from 5.35 to 6.24 while the other two fell to 4.67). The mean under the same attack:
-``benchmarks/attacks.py`` (8 epochs, liar from the start: 6.65 against 4.66 honest, 4.65 with CenteredClip), kept out
+``benchmarks/byzantine.py`` (every attack, both modes), kept out
 of this test for time. ``run_swarm`` is shared with that benchmark.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import pytest
 
@@ -35,11 +35,13 @@ def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], aggreg
 
 
 def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int = EPOCHS,
-              timeout: float = 240, liar_joins_late: bool = False) -> Dict[str, Dict[int, float]]:
+              timeout: float = 240, liar_joins_late: bool = False, extra: Sequence[str] = ()
+              ) -> Dict[str, Dict[int, float]]:
     """Train ``HONEST`` honest trainers (and, with ``attack``, one lying peer) for ``epochs`` epochs; the honest
     trainers' mean loss by epoch, by name. ``liar_joins_late``: the liar starts once every honest trainer has
     averaged with the two others, so that it never meets one honest trainer alone in a group of two (where it is
-    half of the senders: no aggregation can outvote it; seen while the swarm forms)."""
+    half of the senders: no aggregation can outvote it; seen while the swarm forms). ``extra``: more trainer flags
+    (e.g. ``--local_steps``: DiLoCo mode, where the liar joins late once they took an outer step of 3)."""
     root.mkdir(parents=True, exist_ok=True)
     boot = start_peer("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
                       root, ENV, events=False)
@@ -48,16 +50,17 @@ def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int =
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
         run_id = f"robust_{aggregation}_{attack or 'none'}"
         honest = [start_peer(f"honest{index}", ["run_trainer.py", *trainer_argv(
-            run_id, root / f"honest{index}", initial, aggregation, epochs)], root, ENV) for index in range(HONEST)]
+            run_id, root / f"honest{index}", initial, aggregation, epochs), *extra], root, ENV)
+            for index in range(HONEST)]
         peers += honest
         if attack is not None:
             # it stops once the honest ones have (its own epoch count may lag)
             start = ["--start_file", str(root / "liar.go")] if liar_joins_late else []
             peers.append(start_peer("liar", ["tests/lying_peer.py", "--attack", attack, *start, *trainer_argv(
-                run_id, root / "liar", initial, aggregation, 10 * epochs)], root, ENV))
+                run_id, root / "liar", initial, aggregation, 10 * epochs), *extra], root, ENV))
         if attack is not None and liar_joins_late:
             for peer in honest:
-                peer.wait_for_event("averaged", lambda event: event["kind"] == "gradients"
+                peer.wait_for_event("averaged", lambda event: event["kind"] in ("gradients", "outer")
                                     and event["group_size"] == HONEST, timeout)
             (root / "liar.go").touch()
         for peer in honest:

@@ -99,13 +99,17 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ta
     if len(kept) == 1:
         return kept[0][0].clone().view(shape)
     inputs = torch.stack([part for part, _ in kept])
+    # scaled by a power of two (exact) to a largest magnitude in [0.5, 1): the norms' squares of finite inputs near
+    # float32's largest values would overflow (NaN results), those of tiny ones underflow to 0 (tau 0: the median)
+    exponent = int(torch.frexp(inputs.abs().max()).exponent)
+    inputs = torch.ldexp(inputs, torch.tensor(-exponent))
     weights64 = torch.tensor([weight for _, weight in kept], dtype=torch.float64)
     weights64 = weights64.clamp(max=WEIGHT_CAP * float(median(weights64[:, None])))
     shares = (weights64 / weights64.sum()).float()
     centre = median(inputs)
     tau = tau_factor * float(median((inputs - centre).norm(dim=1, keepdim=True)))
     if tau == 0:  # most senders sit exactly on the start, and clipping to radius 0 never moves it
-        return centre.view(shape)
+        return torch.ldexp(centre, torch.tensor(exponent)).view(shape)
     for _ in range(iterations):
         differences = inputs - centre
         pulls = shares * (tau / differences.norm(dim=1)).clamp(max=1.0)  # a distance of 0 pulls with factor 1
@@ -113,7 +117,7 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ta
         centre += step
         if float(step.norm()) <= tolerance * tau:
             break
-    return centre.view(shape)
+    return torch.ldexp(centre, torch.tensor(exponent)).view(shape)
 
 
 class _SendersParts:
