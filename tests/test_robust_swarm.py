@@ -74,9 +74,9 @@ def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int =
             peer.wait(40)
 
 
-def attacked_rounds(root: Path) -> Dict[str, int]:
-    """Rounds each honest trainer averaged in with all four peers, the liar included."""
-    return {f"honest{index}": sum(event["kind"] == "gradients" and event["group_size"] == HONEST + 1
+def attacked_rounds(root: Path, kind: str = "gradients") -> Dict[str, int]:
+    """Rounds of ``kind`` each honest trainer averaged in with all four peers, the liar included."""
+    return {f"honest{index}": sum(event["kind"] == kind and event["group_size"] == HONEST + 1
                                   for event in read_events(root / f"honest{index}.events.jsonl", "averaged"))
             for index in range(HONEST)}
 
@@ -95,3 +95,21 @@ def test_centered_clip_trains_through_a_sign_flipping_peer_as_an_honest_swarm_tr
         report(f"liar, centered_clip, {name}: loss {first:.3f} (epoch {min(by_epoch)}) -> {last:.3f}")
         assert last < first - 0.6, (name, by_epoch)  # it trains (5.6 -> 4.7 measured)
         assert last < honest_final + 0.15, (name, by_epoch, honest_final)  # as well as without the liar (the mean: +2)
+
+
+def test_centered_clip_trains_through_a_peer_sending_pseudo_gradients_x_minus_1000_in_diloco_mode(tmp_path, report):
+    """DiLoCo mode (--local_steps 2, CenteredClip by default): the liar's local steps are honest, the pseudo-gradient
+    it sends each outer round is x -1000 (an outer step of lr 0.7 would take the anchor 700 local-rounds' worth
+    backwards under the mean: ``benchmarks/byzantine.py``). It joins once the honest trainers took an outer step
+    together. One swarm, no baseline run (time): the honest trainers' loss must fall as an honest swarm's does
+    (by DILOCO_FALL at least) through at least 3 outer rounds with the liar."""
+    epochs = EPOCHS + 2
+    attacked = run_swarm(tmp_path, "centered_clip", "sign_flip", epochs, liar_joins_late=True,
+                         extra=["--local_steps", "2"])
+    rounds_with_liar = attacked_rounds(tmp_path, "outer")
+    report(f"DiLoCo, outer rounds of 4 peers (the liar's): {rounds_with_liar}")
+    assert min(rounds_with_liar.values()) >= 3, rounds_with_liar
+    for name, by_epoch in attacked.items():
+        first, last = by_epoch[min(by_epoch)], by_epoch[epochs]
+        report(f"DiLoCo, liar x -1000, centered_clip, {name}: loss {first:.3f} (epoch {min(by_epoch)}) -> {last:.3f}")
+        assert last < first - DILOCO_FALL, (name, by_epoch)

@@ -4,8 +4,9 @@ the all-reduce as in BTARD, Gorbunov et al., ICML 2022) instead of hivemind's we
 With the mean, one peer that sends a huge, finite, wrong update moves every peer (issue 24: a gradient sign-flipped
 x1000 took the honest trainers' loss from 3.91 to 6.35). CenteredClip pulls each input at most ``tau`` towards a
 running centre, so a sender at any distance moves the result by at most its share of the weight times ``tau``
-(``benchmarks/attacks.py``: 3 honest trainers and one liar, loss 4.66 without it, 6.65 with it under the mean, 4.65
-under CenteredClip).
+(``benchmarks/byzantine.py``: 3 honest trainers and one liar x -1000, loss 4.75 without it, 6.57 with it under the
+mean, 4.72 under CenteredClip). It is the swarm's default (``--aggregation``); the classes here default to the mean,
+hivemind's behaviour, for library users who build averagers themselves.
 
 hivemind 1.1.12 has no robust aggregation (its CenteredClip, PR #379, was never merged), hence our own:
 
