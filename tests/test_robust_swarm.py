@@ -22,6 +22,7 @@ from swarm_utils import epoch_reports
 pytestmark = pytest.mark.swarm
 
 EPOCHS, TARGET_BATCH, BATCH, HONEST = 8, 96, 8, 3
+DILOCO_FALL = 0.5  # the honest trainers' loss over 10 outer rounds with the liar x -1000 under CenteredClip
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
