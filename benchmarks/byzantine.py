@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from lean_transformer.swarm.averaging.robust import centered_clip  # noqa: E402
 from lean_transformer.swarm.monitoring.events import read_events  # noqa: E402
+from lean_transformer.swarm.peers.processes import PeerExited  # noqa: E402
 from lying_peer import ATTACKS  # noqa: E402
 from test_robust_swarm import HONEST, run_swarm  # noqa: E402
 
@@ -103,7 +104,12 @@ def tables(cells: dict, timings: list) -> list:
             row = [attack]
             for aggregation in ("mean", "centered_clip"):
                 found = cell.get((attack, aggregation))
-                row += ([round(found["loss"], 3), round(found["loss"] / base["loss"], 3)] if found else [None, None])
+                if found is None:
+                    row += [None, None]
+                elif found["loss"] is None:  # the honest trainers stopped
+                    row += [f"stopped at epoch {max(found['last_epochs'])}", "-"]
+                else:
+                    row += [round(found["loss"], 3), round(found["loss"] / base["loss"], 3)]
             if any(value is not None for value in row[1:]):
                 rows.append(row)
         honest = [cell.get(("none", aggregation)) for aggregation in ("mean", "centered_clip")]
@@ -111,6 +117,9 @@ def tables(cells: dict, timings: list) -> list:
                  f"{', --local_steps 2' if mode == 'diloco' else ''}; loss: the honest trainers' mean over the last "
                  f"3 epochs; ratio: to the honest-only swarm with the mean (row none).")
         if all(honest):
+            notes += (" 'stopped': the honest trainers exited (20 local steps in a row with a non-finite loss or "
+                      "gradients, no backup to roll back to) before the last epoch." if any(
+                          c["loss"] is None for c in cell.values()) else "")
             notes += (f" Honest-only median seconds per round (matchmaking included): mean "
                       f"{honest[0]['round_s']:.2f}, centered_clip {honest[1]['round_s']:.2f}.")
         result.append(dict(title=f"{mode}: honest trainers' loss at equal samples, 1 attacker of 4",
@@ -143,18 +152,41 @@ def main() -> None:
                 for aggregation in args.aggregations:
                     started = time.monotonic()
                     where = Path(root) / f"{mode}-{aggregation}-{attack}"
-                    losses = run_swarm(where, aggregation, None if attack == "none" else attack, epochs=args.epochs,
-                                       extra=MODES[mode])
-                    last = [statistics.mean(by_epoch.get(epoch, float("nan"))
-                                            for epoch in range(args.epochs - 2, args.epochs + 1))
-                            for by_epoch in losses.values()]
-                    rounds = round_seconds(where, KIND[mode])
                     key = f"{mode}/{attack}/{aggregation}"
-                    cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation, epochs=args.epochs,
-                                      loss=statistics.mean(last), per_trainer=last,
-                                      round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
-                                      seconds=round(time.monotonic() - started, 1))
+                    try:
+                        losses = run_swarm(where, aggregation, None if attack == "none" else attack,
+                                           epochs=args.epochs, extra=MODES[mode])
+                    except (PeerExited, TimeoutError) as error:  # e.g. the honest trainers' models went non-finite
+                        cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation,
+                                          epochs=args.epochs, loss=None, failed=str(error).splitlines()[0],
+                                          last_epochs=stopped_at(where), seconds=round(time.monotonic() - started, 1))
+                    else:
+                        last = [statistics.mean(by_epoch.get(epoch, float("nan"))
+                                                for epoch in range(args.epochs - 2, args.epochs + 1))
+                                for by_epoch in losses.values()]
+                        rounds = round_seconds(where, KIND[mode])
+                        cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation,
+                                          epochs=args.epochs, loss=statistics.mean(last), per_trainer=last,
+                                          round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
+                                          seconds=round(time.monotonic() - started, 1))
                     print(cells[key], flush=True)
+                    write(cells, timings)
+    result = write(cells, timings)
+    for table in result["tables"]:
+        print(f"\n{table['title']}\n| {' | '.join(table['columns'])} |")
+        for row in table["rows"]:
+            print(f"| {' | '.join(str(value) for value in row)} |")
+    print(f"written to {OUT.relative_to(REPO)}")
+
+
+def stopped_at(root: Path) -> list:
+    """The last epoch each honest trainer reported (a cell whose trainers stopped)."""
+    return [max((event["epoch"] for event in read_events(root / f"honest{index}.events.jsonl", "epoch")), default=0)
+            for index in range(HONEST)]
+
+
+def write(cells: dict, timings: list) -> dict:
+    """Write the results so far (after every cell: a later cell that fails keeps the earlier ones)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     result = dict(benchmark="byzantine", command="python benchmarks/byzantine.py --mode gradients diloco",
@@ -163,11 +195,7 @@ def main() -> None:
                   tables=tables(cells, timings), raw=dict(cells=sorted(cells.values(), key=lambda c: c["key"]),
                                                           reducer_timings=timings))
     OUT.write_text(json.dumps(result, indent=2) + "\n")
-    for table in result["tables"]:
-        print(f"\n{table['title']}\n| {' | '.join(table['columns'])} |")
-        for row in table["rows"]:
-            print(f"| {' | '.join(str(value) for value in row)} |")
-    print(f"written to {OUT.relative_to(REPO)}")
+    return result
 
 
 if __name__ == "__main__":
