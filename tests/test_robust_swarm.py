@@ -22,7 +22,7 @@ from swarm_utils import epoch_reports
 pytestmark = pytest.mark.swarm
 
 EPOCHS, TARGET_BATCH, BATCH, HONEST = 8, 96, 8, 3
-DILOCO_FALL = 1.5  # measured 4.58 -> 2.09 over 10 outer rounds with the liar (CenteredClip); an honest swarm: 2.07 at 8
+DILOCO_FALL = 1.5  # measured: 4.58 -> 2.09 over 10 outer rounds with the liar (an honest swarm: 2.07 at 8)
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
