@@ -152,7 +152,8 @@ def test_the_reducer_clips_each_part_and_leaves_out_a_sender_that_failed():
 @pytest.mark.parametrize("magnitude", [1e-38, 1e-30, 1.0, 1e30, 3e38])
 def test_any_finite_input_gives_a_finite_result(magnitude):
     """Inputs near float32's largest values (whose distances' squares overflow) or tiny ones (whose squares underflow
-    to 0) give a finite result wherever one liar sits (at float32's largest values), and the weighted mean when all are honest (compared relative to their magnitude)."""
+    to 0) give a finite result wherever one liar sits (at float32's largest values), and the weighted mean when all
+    are honest (compared relative to their magnitude)."""
     parts = honest(4, seed=3)
     largest = float(torch.stack(parts).abs().max())
     parts = [(part.double() * (magnitude / largest)).float() for part in parts]  # |values| up to magnitude
