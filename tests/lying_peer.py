@@ -1,20 +1,33 @@
-"""A trainer that lies (issue 24; BTARD's attacks): ``run_trainer.py`` itself, except that right before each
-optimizer step, i.e. before hivemind accumulates and averages them, its honest gradients are replaced:
+"""A trainer that lies (issue 24; BTARD's attacks and a few more): ``run_trainer.py`` itself, except for one thing.
+The gradient attacks replace its honest gradients right before each optimizer step, i.e. before hivemind accumulates
+and averages them:
 
-- ``--attack sign_flip``: multiplied by ``-scale``;
-- ``--attack random_direction``: a fixed random direction (one per tensor, seeded) at ``scale`` times the tensor's
-  gradient norm.
+- ``sign_flip``: multiplied by ``-scale`` (1000);
+- ``random_direction``: a fixed random direction (one per tensor, seeded) at ``scale`` times the tensor's gradient
+  norm;
+- ``alie`` ("a little is enough", Baruch et al. 2019): each coordinate moved ``z`` (1) standard deviations against
+  its sign, the mean and deviation estimated from this peer's own recent gradients (exponential averages): a shift
+  inside the honest spread, which no distance-based rule can tell from noise;
+- ``stale``: the gradients of 20 local steps ago (a model that old), sent again;
+- ``nan``: every gradient NaN (after the trainer's own non-finite check, as a patched peer would);
+- ``inflate``: its honest gradients sign-flipped (x -1, not scaled), with ``inflate`` (10) x its samples claimed as
+  its averaging weight (hivemind's ``GradientAverager.step``), so that the mean counts it 10 times.
 
-Both are finite, so no non-finite guard catches them. Everything else (data, loss reports, weight = its samples) is
-an honest trainer's.
+In DiLoCo mode (``--local_steps``) the same attacks apply to the pseudo-gradient it sends to the outer all-reduce
+(stale: the one of 3 rounds ago; inflate: 10x its samples as the round's weight), and its local steps stay honest.
+
+``label_flip`` leaves the gradients alone and trains on wrong targets: every label shifted by one token id.
+
+All of them but ``nan`` are finite, so no non-finite guard catches them. Everything else (data, loss reports, progress)
+is an honest trainer's.
 
 With ``--start_file`` it imports everything, then waits (at most ``--start_timeout`` s) for that file before it
 joins, so that a test can have it join at a chosen moment without the imports' delay.
 
-Usage: python tests/lying_peer.py [--attack sign_flip|random_direction] [--scale 1000] [--start_file F]
-       [run_trainer.py arguments]
+Usage: python tests/lying_peer.py [--attack ATTACK] [--scale 1000] [--start_file F] [run_trainer.py arguments]
 """
 import argparse
+import collections
 import sys
 import time
 from pathlib import Path
@@ -26,39 +39,107 @@ import torch  # noqa: E402
 
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer  # noqa: E402
 
+GRADIENT_ATTACKS = ("sign_flip", "random_direction", "alie", "stale", "nan", "inflate")
+ATTACKS = (*GRADIENT_ATTACKS, "label_flip")
+ALIE_Z, ALIE_DECAY, STALE_STEPS, STALE_ROUNDS, INFLATE = 1.0, 0.9, 20, 3, 10.0
 
-def lie(attack: str, scale: float) -> None:
-    """Make every SwarmOptimizer of this process send ``attack``ed gradients."""
-    honest_step = SwarmOptimizer.step
-    directions = {}
+
+class Lies:
+    """Replaces a list of honest tensors (gradients, or DiLoCo pseudo-gradients) in place by ``attack``'s."""
+
+    def __init__(self, attack: str, scale: float, stale_steps: int):
+        self.attack, self.scale = attack, scale
+        self.directions, self.means, self.squares = {}, {}, {}
+        self.history = collections.deque(maxlen=stale_steps + 1)
 
     @torch.no_grad()
+    def __call__(self, tensors: list) -> None:
+        if self.attack == "stale":
+            self.history.append([tensor.clone() for tensor in tensors])
+            for tensor, old in zip(tensors, self.history[0]):
+                tensor.copy_(old)
+        for index, tensor in enumerate(tensors):
+            if self.attack == "sign_flip":
+                tensor.mul_(-self.scale)
+            elif self.attack == "inflate":
+                tensor.neg_()
+            elif self.attack == "nan":
+                tensor.fill_(float("nan"))
+            elif self.attack == "random_direction":
+                if index not in self.directions:
+                    generator = torch.Generator().manual_seed(index)
+                    direction = torch.randn(tensor.shape, generator=generator)
+                    self.directions[index] = direction / direction.norm()
+                tensor.copy_(self.scale * tensor.norm() * self.directions[index])
+            elif self.attack == "alie":
+                mean = self.means.setdefault(index, tensor.clone())
+                square = self.squares.setdefault(index, tensor.square())
+                mean.mul_(ALIE_DECAY).add_(tensor, alpha=1 - ALIE_DECAY)
+                square.mul_(ALIE_DECAY).addcmul_(tensor, tensor, value=1 - ALIE_DECAY)
+                deviation = (square - mean.square()).clamp(min=0).sqrt()
+                tensor.copy_(mean - ALIE_Z * deviation * mean.sign())
+
+
+def lie_with_gradients(attack: str, scale: float) -> None:
+    """Make every SwarmOptimizer of this process send ``attack``ed gradients (gradient averaging), or, in DiLoCo mode,
+    ``attack``ed pseudo-gradients (its local steps stay honest; the lie is what it sends to the outer all-reduce)."""
+    from lean_transformer.swarm.averaging.diloco import PseudoGradientAverager
+
+    honest_step, honest_start = SwarmOptimizer.step, PseudoGradientAverager.start
+    gradient_lies, outer_lies = Lies(attack, scale, STALE_STEPS), Lies(attack, scale, STALE_ROUNDS)
+
     def lying_step(self, *args, **kwargs):
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if attack == "sign_flip":
-                    param.grad.mul_(-scale)
-                else:
-                    if id(param) not in directions:
-                        generator = torch.Generator().manual_seed(len(directions))
-                        direction = torch.randn(param.grad.shape, generator=generator)
-                        directions[id(param)] = direction / direction.norm()
-                    param.grad.copy_(scale * param.grad.norm() * directions[id(param)])
+        if self.outer_loop is None:
+            gradient_lies([param.grad for group in self.param_groups for param in group["params"]
+                           if param.grad is not None])
         return honest_step(self, *args, **kwargs)
 
-    SwarmOptimizer.step = lying_step
+    def lying_start(self, pseudo_gradients, samples, tag=None):
+        if pseudo_gradients is not None:
+            pseudo_gradients = [delta.detach().clone() for delta in pseudo_gradients]
+            outer_lies(pseudo_gradients)
+            samples = INFLATE * samples if attack == "inflate" else samples
+        return honest_start(self, pseudo_gradients, samples, tag)
+
+    SwarmOptimizer.step, PseudoGradientAverager.start = lying_step, lying_start
+    if attack == "inflate":
+        from hivemind.optim.grad_averager import GradientAverager
+
+        honest_averager_step = GradientAverager.step
+
+        def inflated_step(self, *args, weight=None, **kwargs):
+            if weight is None:
+                weight = INFLATE * self.local_samples_accumulated
+            return honest_averager_step(self, *args, weight=weight, **kwargs)
+
+        GradientAverager.step = inflated_step
+
+
+def lie_with_labels() -> None:
+    """Shift every label of the causal LM by one token id (padding's -100 stays)."""
+    from lean_transformer import LeanGPTForCausalLM
+
+    honest_forward = LeanGPTForCausalLM.forward
+
+    def lying_forward(self, *args, labels=None, **kwargs):
+        if labels is not None:
+            labels = torch.where(labels >= 0, (labels + 1) % self.config.vocab_size, labels)
+        return honest_forward(self, *args, labels=labels, **kwargs)
+
+    LeanGPTForCausalLM.forward = lying_forward
 
 
 if __name__ == "__main__":
     own = argparse.ArgumentParser()
-    own.add_argument("--attack", choices=("sign_flip", "random_direction"), default="sign_flip")
+    own.add_argument("--attack", choices=ATTACKS, default="sign_flip")
     own.add_argument("--scale", type=float, default=1000.0)
     own.add_argument("--start_file")
     own.add_argument("--start_timeout", type=float, default=300.0)
     options, rest = own.parse_known_args()
-    lie(options.attack, options.scale)
+    if options.attack == "label_flip":
+        lie_with_labels()
+    else:
+        lie_with_gradients(options.attack, options.scale)
     import run_trainer
     import transformers  # noqa: F401  (run_trainer's own imports, done before waiting)
     import lean_transformer.swarm.peers.trainer  # noqa: F401

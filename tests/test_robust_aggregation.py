@@ -147,3 +147,78 @@ def test_the_reducer_clips_each_part_and_leaves_out_a_sender_that_failed():
             torch.testing.assert_close(results[sender][index], expected, rtol=RTOL, atol=ATOL)  # in arrival order
     assert len(results[3]) == 1 and torch.equal(results[3][0], results[0][0])
     assert_matches_reference(results[0][0], [senders[0][s][:1000] for s in range(4)], weights)
+
+
+@pytest.mark.parametrize("magnitude", [1e-38, 1e-30, 1.0, 1e30, 3e38])
+def test_any_finite_input_gives_a_finite_result(magnitude):
+    """Inputs near float32's largest values (whose distances' squares overflow) or tiny ones (whose squares underflow
+    to 0) give a finite result wherever one liar sits (at float32's largest values), and the weighted mean when all
+    are honest (compared relative to their magnitude)."""
+    parts = honest(4, seed=3)
+    largest = float(torch.stack(parts).abs().max())
+    parts = [(part.double() * (magnitude / largest)).float() for part in parts]  # |values| up to magnitude
+    liar = torch.full((SIZE,), torch.finfo(torch.float32).max)
+    for inputs in (parts, parts[:3] + [liar], parts[:3] + [-liar]):
+        result = centered_clip(inputs, [1.0, 1.0, 1.0, 1.0])
+        assert bool(torch.isfinite(result).all())
+    honest_only = centered_clip(parts, [1.0, 2.0, 1.0, 2.0])
+    torch.testing.assert_close(honest_only.double() / magnitude, weighted_mean(parts, [1.0, 2.0, 1.0, 2.0]) / magnitude,
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_all_equal_contributions_give_exactly_that_contribution():
+    part = honest(1, seed=4)[0]
+    for weights in ([1.0] * 4, [1.0, 5.0, 2.0, 100.0], [3.0] * 16):
+        assert torch.equal(centered_clip([part.clone() for _ in weights], weights), part)
+
+
+def test_one_arbitrary_contribution_moves_the_result_a_bounded_distance():
+    """However far one of 4 senders (equal weights) sits, and in whichever direction, the result stays within
+    share / (1 - share) x tau = tau / 3 of the honest mean, tau measured on the honest senders and the liar together
+    (the median ignores how far the liar is)."""
+    parts = honest(4, seed=5)
+    honest_mean = weighted_mean(parts[1:], [1.0, 1.0, 1.0])
+    generator = torch.Generator().manual_seed(9)
+    for scale in (1.0, 10.0, 1e3, 1e6, 1e30):
+        liar = scale * torch.randn(SIZE, generator=generator)
+        result = centered_clip([liar, *parts[1:]], [1.0] * 4)
+        _, tau = reference([liar, *parts[1:]], [1.0] * 4)
+        assert float((result.double() - honest_mean).norm()) <= tau / 3 * (1 + 1e-4), scale
+
+
+def test_the_sparse_rule_is_centered_clip_of_the_zero_filled_parts():
+    """The sparse top-k all-reduce's CenteredClip (on the union of the sent indices) equals CenteredClip of the senders'
+    dense vectors with 0 where they sent nothing, is the weighted mean for honest top-k parts, and holds a part
+    scaled x1000 to within its share of tau."""
+    from lean_transformer.swarm.averaging.sparse_allreduce import sparse_centered_clip
+
+    size, k = 4096, 200
+    dense = honest(4, seed=6)
+    weights = [8.0, 8.0, 9.0, 10.0]
+
+    def topk(vector: torch.Tensor) -> tuple:
+        indices = vector.abs().topk(k).indices.sort().values
+        return indices, vector[indices]
+
+    def run(senders: list) -> tuple:
+        parts = [(weight, *topk(vector)) for weight, vector in zip(weights, senders)]
+        union = torch.unique(torch.cat([indices for _, indices, _ in parts]))
+        result = torch.zeros(size)
+        result[union] = sparse_centered_clip(parts, union, size)
+        filled = []
+        for _, indices, values in parts:
+            row = torch.zeros(size)
+            row[indices] = values
+            filled.append(row)
+        return result, filled
+
+    result, filled = run(dense)
+    torch.testing.assert_close(result, centered_clip(filled, weights), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(result.double(), weighted_mean(filled, weights), rtol=RTOL, atol=ATOL)
+    attacked, filled = run([-1000 * dense[0], *dense[1:]])
+    torch.testing.assert_close(attacked, centered_clip(filled, weights), rtol=RTOL, atol=ATOL)
+    _, tau = reference(filled, weights)
+    share = weights[0] / sum(weights)
+    honest_mean = weighted_mean(filled[1:], weights[1:])
+    assert float((attacked.double() - honest_mean).norm()) <= share / (1 - share) * tau * (1 + 1e-4)
+    assert float((weighted_mean(filled, weights) - honest_mean).norm()) > 100 * tau

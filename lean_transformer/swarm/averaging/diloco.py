@@ -233,11 +233,10 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAv
     deadline), and the buffers change only once every part has arrived, so a retry sends the peer's own
     pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
     during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round).
-    ``aggregation="centered_clip"``: the dense all-reduce's reducers use CenteredClip instead of the mean."""
+    ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean."""
 
     def __init__(self, *args: Any, topk_fraction: Optional[float] = None, aggregation: str = "mean", **kwargs: Any):
-        if topk_fraction is not None and check_aggregation(aggregation) != "mean":
-            raise ValueError("aggregation: the sparse top-k all-reduce averages with the mean only")
+        check_aggregation(aggregation)
         # set before hivemind starts the averager's process
         self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
         super().__init__(*args, **kwargs)
@@ -269,7 +268,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAv
         modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]
         runner = SparseAllReduce(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
                                  ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
-                                 total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout)
+                                 total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
+                                 aggregation=self.aggregation)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
             await runner.run(None, None)
@@ -305,7 +305,7 @@ class PseudoGradientAverager:
     weighted mean, the group size and the group's tags (each peer's ``tag``, all-gathered: the outer loop sends the
     fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
     ``average`` does both. With ``topk_fraction`` the peers send top-k values with error feedback (a sparse
-    all-reduce) instead of ``compression``; ``aggregation`` picks the dense all-reduce's (mean or centered_clip).
+    all-reduce) instead of ``compression``; ``aggregation`` picks the reducers' rule (mean or centered_clip).
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging).
     """
 

@@ -16,6 +16,13 @@ payloads travel in the all-reduce phase, under the round's all-reduce timeout. N
 tensors over hivemind; the wire messages are hivemind's own (``AveragingData``), served by the averager's
 ``rpc_aggregate_part`` (see :class:`lean_transformer.swarm.averaging.diloco._Averager`).
 
+``aggregation="centered_clip"``: the reducer keeps each sender's sparse part and answers with
+:func:`..robust.centered_clip` of the senders' parts as dense vectors of its range (a value not sent is a 0, as in the
+mean: the weighted mean of those vectors is exactly the sum above over the total weight), computed on the union of the
+sent indices only (elsewhere every input is 0, so the result is too, and the distances are the same): at most
+senders x k columns, not the range. An honest top-k part is as far from the others as they are from each other
+(different supports, alike sizes): not clipped, the result is the mean; a part scaled x1000 is clipped to tau.
+
 A round with any reducer or sender missing fails as a whole (a missed round: hivemind retries it within its deadline),
 and the error feedback changes only when a round succeeded (``commit``).
 """
@@ -32,6 +39,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
+from lean_transformer.swarm.averaging.robust import centered_clip, check_aggregation
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
@@ -119,18 +127,36 @@ def check_sparse_part(indices: torch.Tensor, values: torch.Tensor, size: int) ->
     return indices, values
 
 
+def sparse_centered_clip(parts: Sequence[Tuple[float, torch.Tensor, torch.Tensor]], union: torch.Tensor,
+                         size: int) -> torch.Tensor:
+    """CenteredClip of sparse ``parts`` ((weight, int64 indices, float32 values) per sender, in a range of ``size``)
+    as dense vectors with 0 where a sender sent nothing, at the ``union`` of their indices (sorted; the result is 0
+    elsewhere): the values there, float32."""
+    column = torch.full((size,), -1, dtype=torch.long)
+    column[union] = torch.arange(len(union))
+    rows = []
+    for _, indices, values in parts:
+        row = torch.zeros(len(union))
+        row[column[indices]] = values
+        rows.append(row)
+    return centered_clip(rows, [weight for weight, _, _ in parts]) if rows else torch.zeros(len(union))
+
+
 class SparseAllReduce:
     """One sparse all-reduce round of a formed group (see the module docstring); hivemind's averager serves it like
     its own ``AllReduceRunner``: incoming parts for ``group_id`` go to :meth:`rpc_aggregate_part`.
 
     ``run(indices, values)`` (flat int64 indices, float16 values; ``None`` for an aux peer) returns the group's
-    weighted average as a dense float32 vector of ``total_size`` (``None`` for an aux peer) or raises
-    ``AllreduceException``. Every wait is bounded by ``timeout`` seconds.
+    weighted average (``aggregation`` "mean") or CenteredClip (``"centered_clip"``) as a dense float32 vector of
+    ``total_size`` (``None`` for an aux peer) or raises ``AllreduceException``. Every wait is bounded by ``timeout``
+    seconds.
     """
 
     def __init__(self, *, p2p: P2P, servicer_type: type[ServicerBase], prefix: Optional[str], group_id: bytes,
                  ordered_peer_ids: Sequence[PeerID], modes: Sequence[AveragingMode], peer_fractions: Sequence[float],
-                 total_size: int, weight: float, timeout: float):
+                 total_size: int, weight: float, timeout: float, aggregation: str = "mean"):
+        self.aggregation = check_aggregation(aggregation)
+        self._parts: List[Tuple[float, torch.Tensor, torch.Tensor]] = []  # centered_clip: (weight, indices, values)
         if len(modes) != len(ordered_peer_ids) or len(peer_fractions) != len(ordered_peer_ids):
             raise AllreduceException("the group's modes or fractions do not match its peers")
         self.p2p, self.servicer_type, self.prefix, self.group_id = p2p, servicer_type, prefix, group_id
@@ -203,13 +229,19 @@ class SparseAllReduce:
             raise ValueError(f"weight {weight}")
         if self._result.done():
             raise ValueError("the round has ended")
-        self._sum.index_add_(0, indices.long(), values.float() * weight)
+        if self.aggregation == "mean":
+            self._sum.index_add_(0, indices.long(), values.float() * weight)
+        else:
+            self._parts.append((weight, indices.long(), values.float()))
         self._touched[indices.long()] = True
         self._weight += weight
         self._arrived.add(sender)
         if self._arrived == self.senders:
             union = self._touched.nonzero().flatten()
-            average = self._sum[union] / self._weight if self._weight > 0 else torch.zeros(len(union))
+            if self.aggregation == "mean":
+                average = self._sum[union] / self._weight if self._weight > 0 else torch.zeros(len(union))
+            else:
+                average = sparse_centered_clip(self._parts, union, len(self._sum))
             self._result.set_result((union.to(torch.int32), average.to(torch.float16)))
 
     def _fail(self, error: Exception) -> None:

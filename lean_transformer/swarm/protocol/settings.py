@@ -186,11 +186,12 @@ class CollaborationSettings:
                 "--outer_topk_fraction largest values with error feedback, float16 values + int32 indices)."})
     outer_topk_fraction: float = field(default=0.01, metadata={"agree": True,
         "help": "Fraction of each pseudo-gradient tensor sent with --outer_compression topk."})
-    aggregation: Aggregation = field(default="mean", metadata={"agree": True,
-        "help": "How each reducer of an all-reduce combines the peers' gradients (or DiLoCo pseudo-gradients): mean "
-                "(hivemind's weighted mean), or centered_clip (BTARD's CenteredClip: a peer sending a huge wrong "
-                "update moves the result by at most about its share of the weight times the honest peers' spread; "
-                "not with --outer_compression topk). Parameter averaging (--average_state_every) stays a mean."})
+    aggregation: Aggregation = field(default="centered_clip", metadata={"agree": True,
+        "help": "How each reducer of an all-reduce combines the peers' gradients (or DiLoCo pseudo-gradients): "
+                "centered_clip (BTARD's CenteredClip: a peer sending a huge wrong update moves the result by at most "
+                "about its share of the weight times the honest peers' spread; honest updates get their weighted "
+                "mean, each peer's weight capped at 2x the group's median), or mean (hivemind's weighted mean: one "
+                "lying peer moves every model). Parameter averaging (--average_state_every) stays a mean."})
 
     def __post_init__(self):
         require(self.target_batch_size > 0, "target_batch_size", f"must be positive, got {self.target_batch_size}")
@@ -211,8 +212,6 @@ class CollaborationSettings:
         require(0 <= self.outer_momentum < 1, "outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         require(0 < self.outer_topk_fraction <= 1, "outer_topk_fraction",
                 f"must be in (0, 1], got {self.outer_topk_fraction}")
-        require(not (self.local_steps > 0 and self.outer_compression == "topk" and self.aggregation != "mean"),
-                "aggregation", "the sparse top-k all-reduce (--outer_compression topk) averages with the mean only")
         if self.local_steps > 0:
             for name in ("delay_optimizer_step", "delay_grad_averaging", "reuse_grad_buffers"):
                 require(not getattr(self, name), name, "does not apply with --local_steps (local optimizer steps)")

@@ -1,0 +1,202 @@
+"""Peers that lie (issue 24): the honest trainers' loss at equal samples under each attack, with hivemind's mean (the
+control) and with CenteredClip (``--aggregation centered_clip``, the default), against an honest-only swarm; real
+peers on loopback, CPU only.
+
+Each cell is one swarm of 3 honest trainers (tiny LeanGPT, one torch thread each; ``run_swarm`` of
+tests/test_robust_swarm.py) and, under attack, one lying peer (tests/lying_peer.py, which describes the attacks:
+sign_flip x1000, random_direction at 1000x the honest norm, alie, label_flip, stale, inflate, nan), all started
+together. In gradient mode (``--mode gradients``) the liar lies with its gradients, in DiLoCo mode (``--mode diloco``:
+``--local_steps 2``) with the pseudo-gradients it sends to the outer all-reduce. Loss "at equal samples": the honest
+trainers' mean loss over epochs E-2..E (an epoch is --target_batch_size samples of the swarm, the liar's included).
+The honest-only rows also give each aggregation's time per round (an honest trainer's ``round_started`` to
+``averaged``, median over its rounds; matchmaking included), and a side-by-side timing of one reducer's work on one
+512 KiB part (hivemind's weighted sum against :func:`centered_clip`) for 4 and 16 senders.
+
+Results merge into benchmarks/results/byzantine.json (a cell run again replaces its earlier figure), so the table
+can be filled in several commands. One run per cell: no spread measured; 1 attacker of 4 only (3 of 16 needs 16
+trainer processes: more than 2 cores hold in this time).
+
+Usage: python benchmarks/byzantine.py [--mode gradients diloco] [--epochs 8] [--attacks none sign_flip ...]
+       [--aggregations mean centered_clip]
+About 1 minute a cell on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from lean_transformer.swarm.averaging.robust import centered_clip  # noqa: E402
+from lean_transformer.swarm.monitoring.events import read_events  # noqa: E402
+from lean_transformer.swarm.peers.processes import PeerExited  # noqa: E402
+from lying_peer import ATTACKS  # noqa: E402
+from test_robust_swarm import HONEST, run_swarm  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "byzantine.json"
+MODES = {"gradients": [], "diloco": ["--local_steps", "2"]}
+KIND = {"gradients": "gradients", "diloco": "outer"}
+
+
+def round_seconds(root: Path, kind: str) -> list:
+    """Each honest trainer's rounds of ``kind``: seconds from ``round_started`` to ``averaged``."""
+    seconds = []
+    for index in range(HONEST):
+        started = None
+        for event in read_events(root / f"honest{index}.events.jsonl"):
+            if event.get("kind") != kind:
+                continue
+            if event["event"] == "round_started":
+                started = event["time"]
+            elif event["event"] == "averaged" and started is not None:
+                seconds.append(event["time"] - started)
+                started = None
+    return seconds
+
+
+def reducer_timing(senders: int, repeats: int = 20) -> dict:
+    """One reducer's work on one 512 KiB part (131072 float32 values) of ``senders`` honest senders: hivemind's
+    weighted sum against centered_clip, best of ``repeats``, one thread."""
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(131072, generator=generator)
+    parts = [common + 0.5 * torch.randn(131072, generator=generator) for _ in range(senders)]
+    weights = [8.0 + index % 3 for index in range(senders)]
+
+    def weighted_sum():
+        total = torch.zeros(131072)
+        for part, weight in zip(parts, weights):
+            total.add_(part, alpha=weight)
+        return total / sum(weights)
+
+    best = {}
+    for name, function in (("mean", weighted_sum), ("centered_clip", lambda: centered_clip(parts, weights))):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - started)
+        best[name] = min(times)
+    return dict(senders=senders, mean_ms=1e3 * best["mean"], centered_clip_ms=1e3 * best["centered_clip"],
+                ratio=best["centered_clip"] / best["mean"])
+
+
+def tables(cells: dict, timings: list) -> list:
+    result = []
+    for mode in MODES:
+        cell = {(c["attack"], c["aggregation"]): c for c in cells.values() if c["mode"] == mode}
+        base = cell.get(("none", "mean"))
+        if base is None:
+            continue
+        rows = []
+        for attack in ("none", *ATTACKS):
+            row = [attack]
+            for aggregation in ("mean", "centered_clip"):
+                found = cell.get((attack, aggregation))
+                if found is None:
+                    row += [None, None]
+                elif found["loss"] is None:  # the honest trainers stopped
+                    row += [f"stopped at epoch {max(found['last_epochs'])}", "-"]
+                else:
+                    row += [round(found["loss"], 3), round(found["loss"] / base["loss"], 3)]
+            if any(value is not None for value in row[1:]):
+                rows.append(row)
+        honest = [cell.get(("none", aggregation)) for aggregation in ("mean", "centered_clip")]
+        notes = (f"3 honest trainers + 1 liar (1 of 4), tiny LeanGPT, --target_batch_size 96, {base['epochs']} epochs"
+                 f"{', --local_steps 2' if mode == 'diloco' else ''}; loss: the honest trainers' mean over the last "
+                 f"3 epochs; ratio: to the honest-only swarm with the mean (row none).")
+        if all(honest):
+            notes += (" 'stopped': the honest trainers exited (20 local steps in a row with a non-finite loss or "
+                      "gradients, no backup to roll back to) before the last epoch." if any(
+                          c["loss"] is None for c in cell.values()) else "")
+            notes += (f" Honest-only median seconds per round (matchmaking included): mean "
+                      f"{honest[0]['round_s']:.2f}, centered_clip {honest[1]['round_s']:.2f}.")
+        result.append(dict(title=f"{mode}: honest trainers' loss at equal samples, 1 attacker of 4",
+                           columns=["attack", "mean: loss", "mean: ratio", "centered_clip: loss",
+                                    "centered_clip: ratio"], rows=rows, notes=notes))
+    result.append(dict(title="one reducer's work on one 512 KiB part (float32), honest senders",
+                       columns=["senders", "weighted mean (ms)", "centered_clip (ms)", "ratio"],
+                       rows=[[t["senders"], round(t["mean_ms"], 2), round(t["centered_clip_ms"], 2),
+                              round(t["ratio"], 1)] for t in timings],
+                       notes="best of 20, one thread, side by side in one process"))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", nargs="+", choices=list(MODES), default=["gradients"])
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--attacks", nargs="+", choices=("none", *ATTACKS), default=["none", *ATTACKS])
+    parser.add_argument("--aggregations", nargs="+", choices=("mean", "centered_clip"),
+                        default=["mean", "centered_clip"])
+    args = parser.parse_args()
+    previous = json.loads(OUT.read_text()) if OUT.exists() else {}
+    cells = {cell["key"]: cell for cell in previous.get("raw", {}).get("cells", [])}
+    torch.set_num_threads(1)
+    timings = [reducer_timing(senders) for senders in (4, 16)]
+    print(timings, flush=True)
+    with tempfile.TemporaryDirectory() as root:
+        for mode in args.mode:
+            for attack in args.attacks:
+                for aggregation in args.aggregations:
+                    started = time.monotonic()
+                    where = Path(root) / f"{mode}-{aggregation}-{attack}"
+                    key = f"{mode}/{attack}/{aggregation}"
+                    try:
+                        losses = run_swarm(where, aggregation, None if attack == "none" else attack,
+                                           epochs=args.epochs, extra=MODES[mode])
+                    except (PeerExited, TimeoutError) as error:  # e.g. the honest trainers' models went non-finite
+                        cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation,
+                                          epochs=args.epochs, loss=None, failed=str(error).splitlines()[0],
+                                          last_epochs=stopped_at(where), seconds=round(time.monotonic() - started, 1))
+                    else:
+                        last = [statistics.mean(by_epoch.get(epoch, float("nan"))
+                                                for epoch in range(args.epochs - 2, args.epochs + 1))
+                                for by_epoch in losses.values()]
+                        rounds = round_seconds(where, KIND[mode])
+                        cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation,
+                                          epochs=args.epochs, loss=statistics.mean(last), per_trainer=last,
+                                          round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
+                                          seconds=round(time.monotonic() - started, 1))
+                    print(cells[key], flush=True)
+                    write(cells, timings)
+    result = write(cells, timings)
+    for table in result["tables"]:
+        print(f"\n{table['title']}\n| {' | '.join(table['columns'])} |")
+        for row in table["rows"]:
+            print(f"| {' | '.join(str(value) for value in row)} |")
+    print(f"written to {OUT.relative_to(REPO)}")
+
+
+def stopped_at(root: Path) -> list:
+    """The last epoch each honest trainer reported (a cell whose trainers stopped)."""
+    return [max((event["epoch"] for event in read_events(root / f"honest{index}.events.jsonl", "epoch")), default=0)
+            for index in range(HONEST)]
+
+
+def write(cells: dict, timings: list) -> dict:
+    """Write the results so far (after every cell: a later cell that fails keeps the earlier ones)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    result = dict(benchmark="byzantine", command="python benchmarks/byzantine.py --mode gradients diloco",
+                  machine=f"2 CPU cores ({platform.machine()}), 24 GB RAM, no GPU", date=str(datetime.date.today()),
+                  commit=commit, baseline="the honest-only swarm (3 trainers, no liar) with the mean, same epochs",
+                  tables=tables(cells, timings), raw=dict(cells=sorted(cells.values(), key=lambda c: c["key"]),
+                                                          reducer_timings=timings))
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
