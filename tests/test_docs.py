@@ -62,7 +62,7 @@ def test_readme_layout_matches_the_tree():
 
 def test_every_results_file_follows_the_schema():
     results = gen.load_results()
-    assert {"wan", "attacks", "gpu_memory_h100"} <= set(results)
+    assert {"wan", "byzantine", "gpu_memory_h100", "gpu_throughput", "internet"} <= set(results)
     for name, data in results.items():
         page = gen.render_page(name, data)
         assert page.startswith(f"# {gen.title_of(name, data)}\n") and data["machine"] in page, name
