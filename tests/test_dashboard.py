@@ -2,7 +2,7 @@
 Selenium through /usr/bin/chromedriver) against a real local swarm of an aux peer and two trainers.
 
 The browser test skips when chromium or its driver is missing (.ci/run installs both). With
-``DASHBOARD_SCREENSHOT=path`` it also writes its screenshot there (the docs' image: benchmarks/results/dashboard.png).
+``DASHBOARD_SCREENSHOT=path`` it also writes its screenshot there (the docs' image: docs/img/dashboard.png).
 """
 from __future__ import annotations
 
