@@ -147,12 +147,17 @@ def main() -> None:
     timings = [reducer_timing(senders) for senders in (4, 16)]
     print(timings, flush=True)
     with tempfile.TemporaryDirectory() as root:
+        total, done = len(args.mode) * len(args.attacks) * len(args.aggregations), 0
         for mode in args.mode:
             for attack in args.attacks:
                 for aggregation in args.aggregations:
                     started = time.monotonic()
                     where = Path(root) / f"{mode}-{aggregation}-{attack}"
                     key = f"{mode}/{attack}/{aggregation}"
+                    done += 1
+                    who = "no attacker" if attack == "none" else "one attacker"
+                    print(f"[{done}/{total}] {key}: 3 honest trainers + {who}, {args.epochs} epochs ...",
+                          file=sys.stderr, flush=True)
                     try:
                         losses = run_swarm(where, aggregation, None if attack == "none" else attack,
                                            epochs=args.epochs, extra=MODES[mode])

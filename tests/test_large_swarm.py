@@ -1,4 +1,4 @@
-"""Eight trainers and an aux peer on 127.0.0.1 (issue 23 item 6): one DHT, everyone averages, plausible counts.
+"""Eight trainers and an aux peer on 127.0.0.1 (issue 23 item 6): one DHT, everyone averages, exact counts.
 
 Each trainer is the tiny model with one torch thread, run through tests/slow_trainer.py with 0.2 s of sleep before each
 micro-batch: its compute stays a small share of the 2 cores, so the swarm's averaging, DHT and matchmaking get the
@@ -64,9 +64,11 @@ def test_eight_trainers_share_one_dht_and_average_together(tmp_path: Path):
     for trainer in trainers:
         assert max(group_sizes(trainer), default=0) == TRAINERS, (trainer.name, group_sizes(trainer))
     assert max(row["alive_peers"] for row in rows) == TRAINERS
-    # the aux peer's counts are plausible: never more than the trainers. Exact counts per epoch (every trainer that
-    # trained in it) need the records' histories (issue 23 item 5); then assert alive_peers == trainers per row here.
-    assert all(1 <= row["alive_peers"] <= TRAINERS for row in rows), rows
+    # exact counts: each aux row of epoch E counts every trainer that reached E (whose record of E carries the work of
+    # the epoch it finished), also where epochs were shorter than the refresh: the records repeat their last epochs
+    reached = [set(transitions(trainer)) for trainer in trainers]
+    assert [row["alive_peers"] for row in rows] == [sum(row["epoch"] in epochs for epochs in reached)
+                                                    for row in rows], rows
     # averaging fraction: each trainer averaged with others in >= 75% of the epochs it went through (its first
     # epoch(s) may pass before the others have joined: with 8 processes starting on 2 cores, ~1 of 8 epochs)
     for trainer in trainers:
