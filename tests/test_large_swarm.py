@@ -65,10 +65,17 @@ def test_eight_trainers_share_one_dht_and_average_together(tmp_path: Path):
         assert max(group_sizes(trainer), default=0) == TRAINERS, (trainer.name, group_sizes(trainer))
     assert max(row["alive_peers"] for row in rows) == TRAINERS
     # exact counts: each aux row of epoch E counts every trainer that reached E (whose record of E carries the work of
-    # the epoch it finished), also where epochs were shorter than the refresh: the records repeat their last epochs
+    # the epoch it finished), also where epochs were shorter than the refresh: the records repeat their last epochs.
+    # Not the rows up to the epoch where the last trainer published its first record: the aux peer releases an epoch
+    # once the trainers it knows of have reached it, and cannot wait for one it has never heard of (seen: epoch 1
+    # counted 7 of 8, the 8th's first record came after)
     reached = [set(transitions(trainer)) for trainer in trainers]
-    assert [row["alive_peers"] for row in rows] == [sum(row["epoch"] in epochs for epochs in reached)
-                                                    for row in rows], rows
+    settled = max(min(epochs) for epochs in reached)
+    exact = [row for row in rows if row["epoch"] > settled]
+    assert len(exact) >= EPOCHS // 2, rows
+    assert [row["alive_peers"] for row in exact] == [sum(row["epoch"] in epochs for epochs in reached)
+                                                     for row in exact], rows
+    assert all(1 <= row["alive_peers"] <= TRAINERS for row in rows), rows
     # averaging fraction: each trainer averaged with others in >= 75% of the epochs it went through (its first
     # epoch(s) may pass before the others have joined: with 8 processes starting on 2 cores, ~1 of 8 epochs)
     for trainer in trainers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 from multiprocessing.resource_sharer import _ResourceSharer
 
@@ -52,18 +53,26 @@ def test_debug_keeps_the_traceback_and_bugs_keep_theirs(caplog, hivemind_level):
     assert record.levelno == logging.ERROR and record.exc_info is not None
 
 
+def test_importing_the_fixes_installs_the_hook():
+    """In a fresh process: in this one, libraries imported by other tests (wandb's exit hooks) wrap the hook."""
+    code = ("import sys; import lean_transformer.swarm.hivemind_fixes; "
+            "from lean_transformer.swarm.hivemind_fixes import quiet_logs; "
+            "assert sys.excepthook is quiet_logs._excepthook, sys.excepthook")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_a_resource_sharer_that_is_gone_is_one_info_line(caplog, capsys, hivemind_level):
     hivemind_level(logging.INFO)
-    assert sys.excepthook is quiet_logs._excepthook  # installed when lean_transformer.swarm's fixes are imported
     try:
         _ResourceSharer.get_connection(("/nonexistent/resource-sharer-socket", b""))  # a peer's sharer that left
     except FileNotFoundError:
-        sys.excepthook(*sys.exc_info())  # what the sharer's thread does
+        quiet_logs._excepthook(*sys.exc_info())  # what the sharer's thread does through sys.excepthook
     assert "Traceback" not in capsys.readouterr().err
     assert [record.levelno for record in caplog.records] == [logging.INFO]
     assert "FileNotFoundError" in caplog.records[0].getMessage()
     try:
         raise FileNotFoundError("not from the resource sharer")
     except FileNotFoundError:
-        sys.excepthook(*sys.exc_info())
+        quiet_logs._excepthook(*sys.exc_info())
     assert "Traceback" in capsys.readouterr().err
