@@ -55,4 +55,9 @@ def test_a_slow_trainer_averages_every_epoch_and_downloads_only_at_join(tmp_path
     assert epochs and epochs[-1] == EPOCHS
     # it averaged with both others in (nearly) every epoch it trained (its first round may still find it alone)
     assert sum(event["group_size"] == 3 for event in averaged) >= 0.8 * len(epochs), (epochs, averaged)
-    assert len(slow.events("state_downloaded")) <= 1, slow.log_tail()  # the download when it joined, if any
+    # no download once it has averaged: before that, joining at an epoch's end can truly miss the swarm's step (seen:
+    # downloaded epoch 0's state at join, the swarm stepped before its first slow epoch ended, so epoch 1's too)
+    events = slow.events()
+    first_round = next(i for i, event in enumerate(events)
+                       if event["event"] == "averaged" and (event.get("group_size") or 0) >= 2)
+    assert not [event for event in events[first_round:] if event["event"] == "state_downloaded"], slow.log_tail()
