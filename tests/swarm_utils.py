@@ -28,6 +28,14 @@ def epoch_reports(peer: PeerProcess) -> Dict[int, EpochReport]:
             for event in peer.events("epoch")}
 
 
+def untrained_loss(losses: Dict[str, Dict[int, float]]) -> float:
+    """The swarm's first epoch loss (the untrained model's) from each trainer's mean loss by epoch. Not a trainer's
+    own first one: a trainer that joins late downloads the trained state and reports from a later epoch on (CI: a
+    trainer of test_robust_swarm started 20 s after the others and first reported epoch 6, at 5.0 against ~5.6)."""
+    first_epoch = min(min(by_epoch) for by_epoch in losses.values())
+    return max(by_epoch[first_epoch] for by_epoch in losses.values() if first_epoch in by_epoch)
+
+
 def transitions(peer: PeerProcess) -> List[int]:
     """The epochs a peer moved to, in order."""
     return [event["epoch"] for event in peer.events("epoch")]

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from aux_utils import PeerProcess, start_peer, stop_all, wait_until
-from swarm_utils import assert_readable_logs, epoch_reports, epochs_after_outer_steps, transitions
+from swarm_utils import assert_readable_logs, epoch_reports, epochs_after_outer_steps, transitions, untrained_loss
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.storage.training_state import TRAINING_STATE_FILE
@@ -94,14 +94,12 @@ def test_logs_hold_no_traceback_and_no_tracker_chatter(diloco_run):
 
 
 def test_loss_falls_over_the_rounds(diloco_run):
-    """Each trainer ends below the swarm's first epoch loss (the untrained model's). Not below its own first one: a
-    trainer that joins later starts from the swarm's state, and an epoch's mean over a few micro-batches is noisy
-    (a late joiner once logged 2.78, 4.11, 3.28, 2.72 in its 4 epochs)."""
+    """Each trainer ends below the swarm's first epoch loss (:func:`untrained_loss`; an epoch's mean over a few
+    micro-batches is noisy: a late joiner once logged 2.78, 4.11, 3.28, 2.72 in its 4 epochs)."""
     _, _, trainers = diloco_run
     losses = {trainer.name: {epoch: report.mean_loss for epoch, report in epoch_reports(trainer).items()}
               for trainer in trainers}
-    first_epoch = min(min(by_epoch) for by_epoch in losses.values())
-    untrained = max(by_epoch[first_epoch] for by_epoch in losses.values() if first_epoch in by_epoch)
+    untrained = untrained_loss(losses)
     for name, by_epoch in losses.items():
         assert by_epoch[max(by_epoch)] < untrained - 0.1, (name, losses)
 

@@ -17,7 +17,7 @@ import pytest
 
 from aux_utils import start_peer
 from lean_transformer.swarm.monitoring.events import read_events
-from swarm_utils import epoch_reports
+from swarm_utils import epoch_reports, untrained_loss
 
 pytestmark = pytest.mark.swarm
 
@@ -91,10 +91,11 @@ def test_centered_clip_trains_through_a_sign_flipping_peer_as_an_honest_swarm_tr
     rounds_with_liar = attacked_rounds(tmp_path / "clip")
     report(f"rounds of 4 peers (the liar's): {rounds_with_liar}")
     assert min(rounds_with_liar.values()) >= 4, rounds_with_liar
+    untrained = untrained_loss({**baseline, **{f"clip_{name}": losses for name, losses in attacked.items()}})
     for name, by_epoch in attacked.items():
-        first, last = by_epoch[min(by_epoch)], by_epoch[epochs]
-        report(f"liar, centered_clip, {name}: loss {first:.3f} (epoch {min(by_epoch)}) -> {last:.3f}")
-        assert last < first - 0.6, (name, by_epoch)  # it trains (5.6 -> 4.7 measured)
+        last = by_epoch[epochs]
+        report(f"liar, centered_clip, {name}: loss {untrained:.3f} (untrained) -> {last:.3f}")
+        assert last < untrained - 0.6, (name, by_epoch)  # it trains (5.6 -> 4.7 measured)
         assert last < honest_final + 0.15, (name, by_epoch, honest_final)  # as well as without the liar (the mean: +2)
 
 
@@ -110,7 +111,8 @@ def test_centered_clip_trains_through_a_peer_sending_pseudo_gradients_x_minus_10
     rounds_with_liar = attacked_rounds(tmp_path, "outer")
     report(f"DiLoCo, outer rounds of 4 peers (the liar's): {rounds_with_liar}")
     assert min(rounds_with_liar.values()) >= 3, rounds_with_liar
+    untrained = untrained_loss(attacked)
     for name, by_epoch in attacked.items():
-        first, last = by_epoch[min(by_epoch)], by_epoch[epochs]
-        report(f"DiLoCo, liar x -1000, centered_clip, {name}: loss {first:.3f} (epoch {min(by_epoch)}) -> {last:.3f}")
-        assert last < first - DILOCO_FALL, (name, by_epoch)
+        last = by_epoch[epochs]
+        report(f"DiLoCo, liar x -1000, centered_clip, {name}: loss {untrained:.3f} (untrained) -> {last:.3f}")
+        assert last < untrained - DILOCO_FALL, (name, by_epoch)
