@@ -97,6 +97,9 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         except ValueError as e:
             raise ValueError(f"--offload_gradients: needs --offload_optimizer and neither --delay_optimizer_step nor "
                              f"--delay_grad_averaging ({e})") from None
+    if training.device_accumulation > 1 and not host_gradients:
+        raise ValueError(f"--device_accumulation: sums host gradients on the device, and this trainer has none "
+                         f"(--offload_gradients {training.offload_gradients} on {device.type})")
     if dtype != torch.float32 and not host_gradients:
         raise ValueError(f"--model_dtype: {training.model_dtype} weights need --offload_gradients true (float32 "
                          f"host gradients for the float32 master weights)")
