@@ -269,11 +269,11 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._end_outer_round()
             self._advance_epoch(grad_scaler)
             self.steps_in_round = 0
-            if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round
-                logger.info("This peer's outer state differs from a groupmate's newer one: downloading the swarm's "
-                            "state")
+            if self.outer_loop.behind:  # e.g. it stepped in another group of the last round (a split)
+                logger.info(f"This peer's outer state differs from the one {len(self.outer_loop.donors)} groupmate(s) "
+                            f"hold: downloading theirs")
                 self.outer_loop.behind = False
-                self.load_state_from_peers()
+                self.load_state_from_peers(donors=self.outer_loop.donors)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         self.grad_averager.epoch_for_gather = self.local_epoch
