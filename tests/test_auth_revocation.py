@@ -1,14 +1,26 @@
 """Revoking identities: the signed list (signature, tampering, other authority, older lists, merging, garbage from
 the DHT), the DHT authorizer's refusal of a revoked token holder, the CLI's bad input, and one swarm test in which
-the owner revokes a trainer with the real CLI while the swarm trains."""
+the owner revokes a trainer with the real CLI while the swarm trains.
+
+Run as a script, this file is the swarm test's probe (see :func:`_probe_main`).
+"""
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # run as a probe
 from hivemind.dht.routing import DHTID
 from hivemind.proto import dht_pb2
 from hivemind.utils.crypto import RSAPrivateKey
@@ -169,3 +181,203 @@ def test_revoke_bad_input_gives_one_line(keys, case, capsys, report):
     assert code == 1, err
     assert len(err.splitlines()) == 1 and err.startswith(message.format(d=tmp)), err
     report(f"{case}: exit 1, {err.strip()}")
+
+
+# ---------------------------------------------------------------- the swarm test's probe
+
+
+async def _probe_member(_dht, node, member: str) -> dict:
+    """One try of each refusable request at ``member``: a DHT store sent straight to it, a request to join its
+    gradient averager's group (a wrong schema hash: admitted, it can never be accepted into the group) and a state
+    download."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import get_dht_time
+    from test_auth_averaging import _download, _join
+
+    result = {}
+    stored = await node.protocol.call_store(PeerID.from_base58(member), [DHTID.generate(source="probe.record")],
+                                            [node.protocol.serializer.dumps("probe")], get_dht_time() + 60)
+    result["store"] = None if stored is None else all(stored)
+    for name, call in (("join", partial(_join, node, member, b"not the run's schema", "grad_averager")),
+                       ("download", partial(_download, node, member))):
+        try:
+            result[name] = await call()
+        except Exception as e:  # a refused or broken stream
+            result[name] = f"error: {type(e).__name__}"
+    return result
+
+
+async def _read_revocations(_dht, node, run_id: str) -> List[str]:
+    entry = await node.get(revocation_key(run_id), latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return []
+    return sorted({peer for item in entry.value.values() for peer in item.value.get("revoked", [])})
+
+
+def _probe_main(argv: List[str]) -> None:
+    """A token holder that asks each member, every ``--interval`` s until the stop file appears, to store a record,
+    to let it join and to send it the state; one JSON line per round on stdout, with the revoked identities it can
+    read."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from lean_transformer.swarm.auth import make_authorizer
+    from lean_transformer.swarm.auth.averaging_gate import publish_access_token
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--identity", required=True)
+    parser.add_argument("--token", required=True)
+    parser.add_argument("--authority_pub", required=True)
+    parser.add_argument("--run_id", required=True)
+    parser.add_argument("--initial_peers", nargs="+", required=True)
+    parser.add_argument("--members", nargs="+", required=True)
+    parser.add_argument("--stop_file", required=True)
+    parser.add_argument("--interval", type=float, default=1.0)
+    args = parser.parse_args(argv)
+
+    validator = RSASignatureValidator(load_identity_key(args.identity))
+    dht = hivemind.DHT(start=True, initial_peers=args.initial_peers, identity_path=args.identity,
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], authorizer=make_authorizer(
+                           args.token, args.authority_pub, args.identity, args.run_id),
+                       record_validators=[validator])
+    publish_access_token(dht, args.run_id, args.token, validator.local_public_key)  # as every member does
+    print(json.dumps(dict(ready=str(dht.peer_id))), flush=True)
+    deadline = time.monotonic() + 280
+    while not os.path.exists(args.stop_file) and time.monotonic() < deadline:
+        row = dict(time=time.time(), members={member: dht.run_coroutine(partial(_probe_member, member=member))
+                                              for member in args.members},
+                   revoked=dht.run_coroutine(partial(_read_revocations, run_id=args.run_id)))
+        print(json.dumps(dict(probe=row)), flush=True)
+        time.sleep(args.interval)
+    dht.shutdown()
+    os._exit(0)  # the DHT and its daemon are gone; skip the interpreter's slow finalization
+
+
+# ---------------------------------------------------------------- the swarm test
+
+
+def _refused(result: dict) -> bool:
+    return result["store"] is None and result["join"] == "PROTOCOL_VIOLATION" and result["download"]["messages"] == 0
+
+
+def _admitted(result: dict) -> bool:
+    return result["store"] is True and result["join"] in ("NOT_LOOKING_FOR_GROUP", "BAD_SCHEMA_HASH") \
+        and result["download"]["messages"] > 0
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_revoked_trainer_is_refused_by_every_peer_within_a_minute(tmp_path: Path, report):
+    """Three trainers of an authorized swarm (alice, bob, mallory) train; a probe (eve, a token holder too) asks
+    alice and bob every second to store a record, to let it join and for the state. The owner then revokes mallory
+    and eve with the real CLI. Within 60 s of the CLI's exit, alice and bob refuse eve's every request, and report
+    both identities revoked; mallory sees its own revocation and exits with one line."""
+    from aux_utils import REPO, PeerProcess, start_peer, stop_all, wait_until
+    from hivemind.p2p import PeerID
+    from test_auth_averaging import RUN, RUN_ARGV
+
+    from lean_transformer.swarm.auth import save_authority_key
+
+    authority = RSAPrivateKey()
+    save_authority_key(authority, tmp_path / "authority.pem")
+    save_public_key(authority, tmp_path / "authority.pub")
+    ids = {}
+    for name in ("alice", "bob", "mallory", "eve"):
+        key = load_identity_key(tmp_path / f"{name}.id", create=True)
+        ids[name] = PeerID.from_identity((tmp_path / f"{name}.id").read_bytes()).to_base58()
+        save_token(issue_token(authority, key.get_public_key(), datetime.now(timezone.utc) + timedelta(hours=1), name),
+                   tmp_path / f"{name}.token")
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    stop_file = tmp_path / "stop"
+    peers: Dict[str, PeerProcess] = {}
+
+    def trainer(name: str, initial_peers: List[str]) -> PeerProcess:
+        joining = ["--initial_peers", *initial_peers] if initial_peers else []
+        peers[name] = start_peer(name, ["run_trainer.py", *RUN_ARGV, *joining, "--output_dir", str(tmp_path / name),
+                                        "--identity_path", str(tmp_path / f"{name}.id"), "--auth_token_path",
+                                        str(tmp_path / f"{name}.token"), "--authority_public_key_path",
+                                        str(tmp_path / "authority.pub"), "--max_epochs", "1000"], tmp_path, env)
+        return peers[name]
+
+    def probe_rows() -> List[dict]:
+        return [json.loads(line)["probe"] for line in peers["eve"].stdout.splitlines() if line.startswith('{"probe"')]
+
+    try:
+        alice = trainer("alice", [])
+        maddrs = alice.initial_peers(timeout=90)
+        bob, mallory = trainer("bob", maddrs), trainer("mallory", maddrs)
+        peers["eve"] = start_peer("eve", [__file__, "--identity", str(tmp_path / "eve.id"), "--token",
+                                          str(tmp_path / "eve.token"), "--authority_pub", str(tmp_path / "authority.pub"),
+                                          "--run_id", RUN["run_id"], "--initial_peers", *maddrs, "--members",
+                                          ids["alice"], ids["bob"], "--stop_file", str(stop_file)], tmp_path, env,
+                                  events=False)
+        mallory.wait_for_event("averaged", timeout=150)  # mallory is a member of the training swarm
+        wait_until(lambda: any(all(_admitted(result) for result in row["members"].values()) for row in probe_rows()),
+                   timeout=60, what="eve's requests to be served by alice and bob (the control)")
+
+        cli = subprocess.run([sys.executable, "-m", "lean_transformer.swarm.auth", "revoke", "--authority",
+                              str(tmp_path / "authority.pem"), "--peer-id", ids["mallory"], "--peer-id", ids["eve"],
+                              "--initial_peers", *maddrs, "--run_id", RUN["run_id"], "--list-path",
+                              str(tmp_path / "revoked.list")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        revoked_at = time.time()
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stderr.strip().splitlines()[-1].startswith(f"revoked {min(ids['mallory'], ids['eve'])}"), cli.stderr
+
+        def refused_since() -> Dict[str, float]:
+            """member -> the time of the first probe round after which eve was refused everything there."""
+            rows = [row for row in probe_rows() if row["time"] > revoked_at]
+            since = {}
+            for member in (ids["alice"], ids["bob"]):
+                first = None
+                for row in rows:
+                    first = (first or row["time"]) if _refused(row["members"][member]) else None
+                if first is not None and rows[-1]["time"] - first >= 5:  # and it stays refused
+                    since[member] = first
+            return since if len(since) == 2 else {}
+
+        refused = wait_until(refused_since, timeout=90, what="alice and bob to refuse eve", interval=1.0)
+        code = mallory.wait(90)
+        noticed = {(peer.name, event["source"]): event["time"] for peer in (alice, bob)
+                   for event in peer.events("identity_revoked")}
+        rows = probe_rows()
+        stop_file.touch()
+        assert peers["eve"].wait(60) == 0, peers["eve"].stderr[-3000:]
+        exit_codes = stop_all([alice, bob])
+    finally:
+        for peer in peers.values():
+            peer.kill()
+
+    seconds = {name: refused[ids[name]] - revoked_at for name in ("alice", "bob")}
+    assert max(seconds.values()) < 60, seconds
+    report(f"CLI: {cli.stderr.strip().splitlines()[-1]}")
+    report(f"eve (revoked, still holding a valid token): served by alice and bob before (store, join, download), "
+           f"then refused all three {seconds['alice']:.1f} s (alice) and {seconds['bob']:.1f} s (bob) after the "
+           f"CLI's exit, at every one of the {len([row for row in rows if row['time'] > refused[ids['alice']]])} "
+           f"later rounds")
+    assert all(_refused(row["members"][ids[name]]) for name in ("alice", "bob")
+               for row in rows if row["time"] >= refused[ids[name]])
+    assert sorted(rows[-1]["revoked"]) == sorted([ids["mallory"], ids["eve"]]), rows[-1]
+    report("eve can still read the revocation record, and sees both identities in it")
+
+    expected = {(peer, ids[name]) for peer in ("alice", "bob") for name in ("mallory", "eve")}
+    assert expected <= set(noticed), noticed
+    took = {key: noticed[key] - revoked_at for key in expected}
+    assert max(took.values()) < 60, took
+    report(f"alice and bob logged identity_revoked for mallory and eve {min(took.values()):.1f}-"
+           f"{max(took.values()):.1f} s after the CLI's exit")
+
+    assert code == 1, mallory.stderr[-3000:]
+    lines = [line for line in mallory.stderr.splitlines() if "revoked this peer's identity" in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"run_trainer.py: error: the swarm authority revoked this peer's identity {ids['mallory']} "), mallory.stderr
+    assert sorted((event["source"], event["own"]) for event in mallory.events("identity_revoked")) == sorted(
+        [(ids["mallory"], True), (ids["eve"], False)])
+    shutdown = mallory.events("shutdown")[-1]
+    assert shutdown["reason"] == "error" and "IdentityRevokedError" in shutdown["error"], shutdown
+    report(f"mallory exited with code 1 {shutdown['time'] - revoked_at:.1f} s after the CLI's exit, with one line: "
+           f"{lines[0]!r}")
+    assert exit_codes == [0, 0], [peer.stderr[-3000:] for peer in (alice, bob)]
+
+
+if __name__ == "__main__":
+    _probe_main(sys.argv[1:])
