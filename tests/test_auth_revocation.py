@@ -151,9 +151,67 @@ def test_authorizer_refuses_a_revoked_token_holder(keys):
     assert revocation_dht_id(RUN_ID) == DHTID.generate(source=revocation_key(RUN_ID)).to_bytes()
 
 
+def test_watcher_installs_the_newest_list_ignores_the_rest_and_keeps_it_alive(keys, caplog):
+    """One real DHT peer (alice, authorized) and its watcher, driven one read at a time: the newest list is installed
+    in the DHT process's authorizer (an older one beside it does not count), garbage and another authority's list are
+    ignored with one line each and the revocation logged once (not once per read), an expiring record is re-published
+    under alice's own subkey, and alice's own revocation is raised in her loop."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from lean_transformer.swarm.auth import make_authorizer
+    from lean_transformer.swarm.auth.revocation import (IdentityRevokedError, RevocationWatcher, revoked_peer_ids,
+                                                        revocation_key)
+
+    tmp, authority = keys["tmp"], keys["authority"]
+    validator = RSASignatureValidator(load_identity_key(tmp / "alice.id"))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(tmp / "alice.id"),
+                       authorizer=make_authorizer(tmp / "alice.token", tmp / "authority.pub", tmp / "alice.id", RUN_ID),
+                       record_validators=[validator])
+    try:
+        key, far = revocation_key(RUN_ID), get_dht_time() + 3600
+
+        def store(subkey: bytes, value, expiration: float = far) -> None:
+            assert dht.store(key, value, expiration, subkey=subkey)
+
+        watcher = RevocationWatcher(dht, RUN_ID, authority.get_public_key(), validator.local_public_key)
+        watcher.check()
+        assert watcher.current is None and dht.get(key) is None  # nothing to install, nothing to publish
+
+        first = sign_revocations(authority, [keys["mallory"]], issued_at=200.0)
+        store(b"cli", first.to_dht_value())
+        store(b"older", sign_revocations(authority, [], issued_at=100.0).to_dht_value())
+        store(b"garbage", {"issued_at": 300.0})
+        store(b"foreign", sign_revocations(keys["other"], [], issued_at=400.0).to_dht_value())
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lean_transformer.swarm.auth.revocation"):
+            for _ in range(3):
+                watcher.check()
+        assert watcher.current == first
+        assert dht.run_coroutine(revoked_peer_ids) == {keys["mallory"]}
+        lines = sorted(record.getMessage() for record in caplog.records)  # after three reads: one line each
+        assert [line.split(":")[0] for line in lines] == ["Identity " + keys["mallory"] + " was revoked by the swarm "
+                                                          "authority", "Ignoring an entry of the revocation record",
+                                                          "Ignoring an entry of the revocation record"], lines
+        assert validator.local_public_key not in dht.get(key, latest=True).value  # the DHT's copy is fresh
+
+        both = sign_revocations(authority, [keys["mallory"], keys["alice"]], issued_at=500.0)
+        store(b"cli-again", both.to_dht_value(), expiration=get_dht_time() + 30)  # expires soon: alice renews it
+        watcher.check()
+        assert dht.run_coroutine(revoked_peer_ids) == {keys["mallory"], keys["alice"]}
+        renewed = dht.get(key, latest=True).value[validator.local_public_key]
+        assert RevocationList.from_dht_value(renewed.value) == both and renewed.expiration_time > far - 3600 + 500
+        with pytest.raises(IdentityRevokedError, match=f"revoked this peer's identity {keys['alice']}"):
+            watcher.raise_if_revoked()
+    finally:
+        dht.shutdown()
+
+
 BAD_INPUTS = {  # name -> (arguments, the start of the one error line)
     "no identity": (["--initial_peers", "{peer}"], "error: revoke: give the identity to revoke"),
-    "bad peer ID": (["--peer-id", "12D3notapeer", "--initial_peers", "{peer}"], "error: --peer-id '12D3notapeer' is not the peer ID of an RSA"),
+    "bad peer ID": (["--peer-id", "12D3notapeer", "--initial_peers", "{peer}"],
+                    "error: --peer-id '12D3notapeer' is not the peer ID of an RSA"),
     "missing key file": (["--peer-public-key", "{d}/none.pub", "--initial_peers", "{peer}"],
                          "error: peer public key file not found"),
     "bad initial peer": (["--peer-id", "{mallory}", "--initial_peers", "/ip4/1.2.3.4/tcp/1"], "error: --initial_peers"),
@@ -307,7 +365,8 @@ def test_revoked_trainer_is_refused_by_every_peer_within_a_minute(tmp_path: Path
         maddrs = alice.initial_peers(timeout=90)
         bob, mallory = trainer("bob", maddrs), trainer("mallory", maddrs)
         peers["eve"] = start_peer("eve", [__file__, "--identity", str(tmp_path / "eve.id"), "--token",
-                                          str(tmp_path / "eve.token"), "--authority_pub", str(tmp_path / "authority.pub"),
+                                          str(tmp_path / "eve.token"), "--authority_pub",
+                                          str(tmp_path / "authority.pub"),
                                           "--run_id", RUN["run_id"], "--initial_peers", *maddrs, "--members",
                                           ids["alice"], ids["bob"], "--stop_file", str(stop_file)], tmp_path, env,
                                   events=False)
@@ -358,6 +417,9 @@ def test_revoked_trainer_is_refused_by_every_peer_within_a_minute(tmp_path: Path
                for row in rows if row["time"] >= refused[ids[name]])
     assert sorted(rows[-1]["revoked"]) == sorted([ids["mallory"], ids["eve"]]), rows[-1]
     report("eve can still read the revocation record, and sees both identities in it")
+    for peer in (alice, bob):
+        reasons = {event["reason"] for event in peer.events("peer_refused") if event["source"] == ids["eve"]}
+        assert reasons == {"its identity was revoked by the swarm authority"}, (peer.name, reasons)
 
     expected = {(peer, ids[name]) for peer in ("alice", "bob") for name in ("mallory", "eve")}
     assert expected <= set(noticed), noticed

@@ -58,7 +58,8 @@ from typing import Any, Iterator, List, Optional, Union
 
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
-          "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
+          "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
+          "swarm_epoch", "shutdown")
 
 
 class EventLog:

@@ -29,13 +29,13 @@ class SwarmPeer:
     """A peer's membership in the swarm, as a context manager.
 
     On entry: the peer's identity key (``private_key``, which also signs its DHT records: ``public_key`` is their
-    owner), the DHT with the run's record validators (``dht``), and the agreement on ``swarm_settings`` with the
-    peers already there (``agreement``; a mismatch raises SettingsMismatchError) and, in an authorized swarm, the watcher
-    of the authority's revocation list (``revocations``, else None; a revoked identity raises IdentityRevokedError).
-    On exit, after an error too: the
-    optimizer of :meth:`start_optimizer` leaves first (its averagers say goodbye through the DHT), then the agreement
-    stops watching and the DHT shuts down, also if the optimizer's shutdown failed. A peer that was asked to stop is held
-    to its time budget by :class:`~lean_transformer.swarm.peers.shutdown.GracefulShutdown` meanwhile.
+    owner), the DHT with the run's record validators (``dht``), the agreement on ``swarm_settings`` with the peers
+    already there (``agreement``; a mismatch raises SettingsMismatchError) and, in an authorized swarm, the watcher of
+    the authority's revocation list (``revocations``, else None; a revoked identity raises IdentityRevokedError). On
+    exit, after an error too: the optimizer of :meth:`start_optimizer` leaves first (its averagers say goodbye through
+    the DHT), then the agreement and the watcher stop and the DHT shuts down, also if the optimizer's shutdown failed.
+    A peer that was asked to stop is held to its time budget by
+    :class:`~lean_transformer.swarm.peers.shutdown.GracefulShutdown` meanwhile.
     """
 
     def __init__(self, network: NetworkSettings, swarm_settings: Mapping[str, Any]):
