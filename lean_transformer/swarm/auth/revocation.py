@@ -287,6 +287,8 @@ class RevocationWatcher:
 
     def _report_once(self, subkey: bytes, reason: str, message: str) -> None:
         if (subkey, reason) not in self._reported:
+            if len(self._reported) >= 1000:  # garbage under ever new subkeys must not grow it without bound
+                self._reported.clear()
             self._reported.add((subkey, reason))
             logger.warning(message)
 
