@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Optional
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from hivemind.proto import dht_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, TokenAuthorizerBase
@@ -97,7 +98,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         if holder is None:
             try:
                 holder = str(peer_id_of(token.public_key))
-            except (ValueError, TypeError, IndexError):
+            except (ValueError, TypeError, IndexError, UnsupportedAlgorithm):
                 return None  # not a key: the token check refuses it anyway
             if len(self._holders) >= 10_000:
                 self._holders.clear()
