@@ -29,6 +29,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
 ``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
                       averager's prefix)
+``identity_revoked``  (authorized swarms) a revocation list took effect at this peer: one event per newly revoked
+                      identity, ``source`` (its peer ID), ``issued_at`` (the list's), ``own`` (this peer itself)
 ``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
 ``checkpoint``        (aux) wrote the swarm's state: ``epoch``, ``path``
 ``evaluation``        (aux) ``epoch``, ``validation_loss``
@@ -56,7 +58,8 @@ from typing import Any, Iterator, List, Optional, Union
 
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
-          "state_rejected", "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
+          "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
+          "swarm_epoch", "shutdown")
 
 
 class EventLog:
