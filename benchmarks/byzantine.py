@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -118,7 +119,7 @@ def tables(cells: dict, timings: list) -> list:
             row = [attack]
             for aggregation in ("mean", "centered_clip"):
                 found = runs.get((attack, aggregation), [])
-                finite = [c["loss"] for c in found if c["loss"] is not None]
+                finite = [c["loss"] for c in found if c["loss"] is not None and math.isfinite(c["loss"])]
                 if not found:
                     row += [None, None]
                 elif not finite:  # the honest trainers stopped
@@ -203,9 +204,7 @@ def main() -> None:
                                           last_epochs=stopped_at(where, args.honest),
                                           seconds=round(time.monotonic() - started, 1))
                     else:
-                        last = [statistics.mean(by_epoch.get(epoch, float("nan"))
-                                                for epoch in range(args.epochs - 2, args.epochs + 1))
-                                for by_epoch in losses.values()]
+                        last = [last_epochs_loss(by_epoch, args.epochs) for by_epoch in losses.values()]
                         rounds = round_seconds(where, KIND[mode], args.honest)
                         cells[key] = dict(**swarm, loss=statistics.mean(last), per_trainer=last,
                                           round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
@@ -220,6 +219,13 @@ def main() -> None:
     print(f"written to {OUT.relative_to(REPO)}")
 
 
+def last_epochs_loss(by_epoch: dict, epochs: int) -> float:
+    """A trainer's mean loss over epochs E-2..E, of those it reported with a loss: a trainer that took no local step
+    in an epoch (the others filled it) reports it without one, and one that fell behind skips epochs (NaN if none)."""
+    found = [by_epoch[epoch] for epoch in range(epochs - 2, epochs + 1) if math.isfinite(by_epoch.get(epoch, math.nan))]
+    return statistics.mean(found) if found else math.nan
+
+
 def stopped_at(root: Path, honest: int) -> list:
     """The last epoch each honest trainer reported (a cell whose trainers stopped)."""
     return [max((event["epoch"] for event in read_events(root / f"honest{index}.events.jsonl", "epoch")), default=0)
@@ -230,10 +236,12 @@ def write(cells: dict, timings: list) -> dict:
     """Write the results so far (after every cell: a later cell that fails keeps the earlier ones)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result = dict(benchmark="byzantine", command="python benchmarks/byzantine.py --mode gradients diloco (and --honest 13 --liars 3 "
-                          "--target_batch_size 192; --run 2, 3 for repeats)",
+    result = dict(benchmark="byzantine",
+                  command="python benchmarks/byzantine.py --mode gradients diloco (3 of 16: --honest 13 --liars 3 "
+                          "--target_batch_size 256; repeats: --run 2, --run 3)",
                   machine=f"2 CPU cores ({platform.machine()}), 24 GB RAM, no GPU", date=str(datetime.date.today()),
-                  commit=commit, baseline="the honest-only swarm (the same honest trainers, no liar) with the mean, same epochs",
+                  commit=commit,
+                  baseline="the honest-only swarm (the same honest trainers, no liar) with the mean, same epochs",
                   tables=tables(cells, timings), raw=dict(cells=sorted(cells.values(), key=lambda c: c["key"]),
                                                           reducer_timings=timings))
     OUT.write_text(json.dumps(result, indent=2) + "\n")
