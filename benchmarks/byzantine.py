@@ -46,7 +46,7 @@ from lean_transformer.swarm.averaging.robust import centered_clip  # noqa: E402
 from lean_transformer.swarm.monitoring.events import read_events  # noqa: E402
 from lean_transformer.swarm.peers.processes import PeerExited  # noqa: E402
 from lying_peer import ATTACKS  # noqa: E402
-from test_robust_swarm import HONEST, TARGET_BATCH, run_swarm  # noqa: E402
+from test_robust_swarm import BATCH, HONEST, TARGET_BATCH, run_swarm  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "byzantine.json"
 MODES = {"gradients": [], "diloco": ["--local_steps", "2"]}
@@ -67,6 +67,13 @@ def round_seconds(root: Path, kind: str, honest: int) -> list:
                 seconds.append(event["time"] - started)
                 started = None
     return seconds
+
+
+def group_sizes(root: Path, kind: str, honest: int) -> list:
+    """The group size of each round of ``kind`` each honest trainer averaged in (several groups form when
+    matchmaking splits the swarm: a liar then weighs more in its group)."""
+    return [event["group_size"] for index in range(honest)
+            for event in read_events(root / f"honest{index}.events.jsonl", "averaged") if event["kind"] == kind]
 
 
 def reducer_timing(senders: int, repeats: int = 20) -> dict:
@@ -137,6 +144,13 @@ def tables(cells: dict, timings: list) -> list:
                  f"tiny LeanGPT, --target_batch_size {first.get('target_batch', TARGET_BATCH)}, {first['epochs']} "
                  f"epochs{', --local_steps 2' if mode == 'diloco' else ''}; loss: the honest trainers' mean over the "
                  f"last 3 epochs; ratio: to the honest-only swarm with the mean (row none).")
+        if honest + liars != HONEST + 1:
+            batch = first.get("target_batch", TARGET_BATCH)
+            notes += (f" An epoch of {batch} samples is about {batch / (BATCH * (honest + liars)):.1f} local steps of "
+                      f"{BATCH} samples a peer (the 3 + 1 swarm's 96: 3).")
+        groups = [c["group_size_median"] for found in runs.values() for c in found if c.get("group_size_median")]
+        if groups:
+            notes += f" Median group size of the honest trainers' rounds: {min(groups)} to {max(groups)} by cell."
         if spreads:
             notes += (" Cells run several times show the mean of their runs; each run's ratio (run-to-run spread): "
                       + "; ".join(spreads) + ".")
@@ -206,6 +220,9 @@ def main() -> None:
                     else:
                         last = [last_epochs_loss(by_epoch, args.epochs) for by_epoch in losses.values()]
                         rounds = round_seconds(where, KIND[mode], args.honest)
+                        sizes = group_sizes(where, KIND[mode], args.honest)
+                        swarm.update(group_size_median=statistics.median(sizes) if sizes else None,
+                                     group_size_min=min(sizes, default=None))
                         cells[key] = dict(**swarm, loss=statistics.mean(last), per_trainer=last,
                                           round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
                                           seconds=round(time.monotonic() - started, 1))
