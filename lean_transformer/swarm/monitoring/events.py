@@ -29,6 +29,12 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
 ``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
                       averager's prefix)
+``answer_rejected``   (robust aggregation) a reducer's answer failed this peer's check (it kept its own values for
+                      that part): ``source`` (the reducer's peer ID), ``reason``, ``size`` (values in the part)
+``sender_clipped``    (robust aggregation) this peer's reducer found a sender's part far out (a strike):
+                      ``source``, ``reason``, ``size``
+``peer_excluded``     (robust aggregation) a peer caught repeatedly is left out of this peer's groups: ``source``,
+                      ``reason``, ``until`` (Unix time)
 ``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
 ``checkpoint``        (aux) wrote the swarm's state: ``epoch``, ``path``
 ``evaluation``        (aux) ``epoch``, ``validation_loss``
@@ -56,7 +62,8 @@ from typing import Any, Iterator, List, Optional, Union
 
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
-          "state_rejected", "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown")
+          "state_rejected", "peer_refused", "settings_mismatch", "checkpoint", "evaluation", "swarm_epoch", "shutdown",
+          "answer_rejected", "sender_clipped", "peer_excluded")
 
 
 class EventLog:

@@ -1,0 +1,175 @@
+"""Checking a reducer's answers (issue 24, reducers that lie): each peer averages one share of every all-reduce and
+answers every sender with it, and a reducer that answers with a wrong average (scaled, sign-flipped, noise, another
+part, zeros) would move every peer of the group on its share. CenteredClip (:mod:`.robust`) bounds what a sender
+can do; nothing in hivemind checks what a reducer answers, hence this check, done by each receiver on the answers of
+each reducer.
+
+The rule (:func:`answer_problem`): with ``x`` the receiver's own contribution to a reducer's share (all its parts,
+concatenated) and ``v = x + delta`` the average the reducer claims, accept iff
+
+- ``||delta|| <= MAX_RATIO x ||x||``: an honest average of noisy updates is no farther from one of them than a few
+  times its size (``||v - x||`` is about ``||x||`` when noise dominates, less when the updates agree);
+- ``<x, v> > 0``: an honest average correlates positively with each honest input, ``<x, mean> = (||x||^2 + sum_j
+  <x, x_j>) / n``, and over many coordinates the cross terms are either positive (a shared signal: gradients of one
+  model on one distribution, DiLoCo's pseudo-gradients) or of the order of ``||x||^2 sqrt(n / size)`` (noise);
+- and each part of at least :data:`PART_MIN_CHECKED` values alone: ``||delta_part|| <= PART_MAX_RATIO x ||x_part||``
+  (a lie confined to a few small parts, e.g. a norm's scale x1000, is small in the share's norm).
+
+Why the share and not each part (the first design): per part, on the tiny LeanGPT's real gradients with 16 peers of
+8 samples each, honest answers failed the inner-product test in 0.7% of parts (a 128-value bias of one noisy batch
+has cosine down to -0.94 with the average) and the norm test up to 4.6x (``benchmarks/answer_check.py``); over a
+share the inner products concentrate (shares of 256 values still failed in 0.3%, hence :data:`MIN_CHECKED`). The answers of a reducer are therefore held until its whole share has arrived
+(hivemind's container then takes them as it would have; the all-reduce ends with its last answer either way).
+
+A share smaller than :data:`MIN_CHECKED` values, or where ``x`` is zero or not finite, is not checked (nothing to
+compare with, no concentration). On a failure the receiver keeps its own values for the whole share (delta 0: the
+reducer moves it by nothing, as a reducer that fails), emits ``answer_rejected`` (``source``: the reducer's peer ID,
+``reason``, ``size``) and counts a strike against the reducer (:mod:`.exclusion`). In DiLoCo's same-result
+all-reduce, where every peer must apply the same average, a rejected share fails the round instead (the anchors stay
+equal where every honest receiver rejects). An excluded reducer's answers are replaced the same way, unchecked; so
+are the answers held from a reducer that fails half-way (unchecked, they are not used).
+
+Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
+CenteredClip answers): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of 960 checked
+shares in each mode (0.1%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed gradients). One
+false rejection costs one receiver one share's average for one round (DiLoCo: the round), and one strike: an honest
+reducer is excluded only after 3 within 10 rounds. x1000, sign flips, noise x1000 and zeros: caught on every share.
+
+What it does not catch: an answer within the honest spread, e.g. the true average plus a bias of the size of one
+input's noise, another honest input, the average of a subset of the senders, or an unrelated vector of the honest
+size (``reducer_swap``: caught only where it anti-correlates, 3-8% of the shares in the benchmark). These pass: their
+influence is bounded, not removed, at most ``MAX_RATIO x ||x||`` per share and round. A threshold above 0 for the
+cosine would catch more of them (an honest one is about ``1 / sqrt(senders)`` in pure noise), but the measured
+honest minimum is already near 0 for 16 small-batch peers. Nor are shares below :data:`MIN_CHECKED` values checked,
+except for the part norms. Cost: three inner products over each received part (no extra bytes), and the answers of
+a reducer wait for its last part.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from hivemind.averaging.partition import TensorPartContainer
+
+from lean_transformer.swarm.monitoring.events import emit
+
+MAX_RATIO = 4.0
+PART_MAX_RATIO = 25.0
+MIN_CHECKED = 1024  # shares of fewer values are not checked
+PART_MIN_CHECKED = 64  # nor the norms of parts of fewer values
+
+
+@torch.no_grad()
+def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MAX_RATIO,
+                   min_checked: int = MIN_CHECKED) -> Optional[str]:
+    """Why the answer ``own + delta`` to a sender whose share is ``own`` is not a plausible average, or None."""
+    x, d = own.reshape(-1).double(), delta.reshape(-1).double()
+    if x.numel() < min_checked:
+        return None
+    x_norm = float(x.norm())
+    if x_norm == 0 or not math.isfinite(x_norm):
+        return None
+    d_norm = float(d.norm())
+    if not math.isfinite(d_norm):
+        return "not finite"
+    if d_norm > max_ratio * x_norm:
+        return f"|average - own values| is {d_norm / x_norm:.3g} x |own values| (at most {max_ratio:g})"
+    inner = float(x @ (x + d))
+    if inner <= 0:
+        cosine = inner / (x_norm * max(float((x + d).norm()), 1e-300))
+        return f"the average does not correlate with the own values (cosine {cosine:.3g})"
+    return None
+
+
+def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> Optional[str]:
+    """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
+    average, or None: :func:`answer_problem` on the whole share, and each part's norm within ``PART_MAX_RATIO``."""
+    if not owns:
+        return None
+    reason = answer_problem(torch.cat([own.reshape(-1) for own in owns]),
+                            torch.cat([delta.reshape(-1) for delta in deltas]))
+    if reason is not None:
+        return reason
+    for index, (own, delta) in enumerate(zip(owns, deltas)):
+        x_norm, d_norm = float(own.double().norm()), float(delta.double().norm())
+        if own.numel() >= PART_MIN_CHECKED and 0 < x_norm < math.inf and not d_norm <= PART_MAX_RATIO * x_norm:
+            return f"part {index}: |average - own values| is {d_norm / x_norm:.3g} x |own values| (at most " \
+                   f"{PART_MAX_RATIO:g} for a part)"
+    return None
+
+
+class CheckedParts(TensorPartContainer):
+    """hivemind's container of a runner's parts, holding each groupmate's answers until its whole share has arrived,
+    then checking them (:func:`answer_problem` on the share, the part bound on each) before hivemind's code takes
+    them. Made from the runner's container by :class:`ChecksAnswers` (``own_index``: the receiver's own index,
+    whose own parts are not checked; ``on_rejected(peer_index, reason)``; ``is_excluded(peer_index)``)."""
+
+    own_index: int
+    held: Dict[int, List[torch.Tensor]]
+    unchecked: bool = False
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        if peer_index == self.own_index or self.unchecked:
+            return super().register_processed_part(peer_index, part_index, part)
+        held = self.held.setdefault(peer_index, [])
+        held.append(part)
+        if len(held) == self.num_parts_by_peer[peer_index]:
+            self._release(peer_index)
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        self._replace_held(peer_index)  # half an answer, unchecked, is not used
+        self.unchecked = True
+        try:
+            super().register_failed_reducer(peer_index)
+        finally:
+            self.unchecked = False
+
+    def _release(self, peer_index: int) -> None:
+        if self.is_excluded(peer_index):
+            return self._replace_held(peer_index)
+        answers = self.held[peer_index]
+        owns = [part for part, _ in self._input_parts_by_peer[peer_index]]
+        if len(owns) != len(answers):  # finalized meanwhile: hivemind's own checks end the round
+            return
+        deltas = answers if self.return_deltas else [answer - own for answer, own in zip(answers, owns)]
+        reason = share_problem(owns, deltas)
+        if reason is not None:
+            self.on_rejected(peer_index, reason)
+            return self._replace_held(peer_index)
+        del self.held[peer_index]
+        for part_index, answer in enumerate(answers):
+            super().register_processed_part(peer_index, part_index, answer)
+
+    def _replace_held(self, peer_index: int) -> None:
+        """Own values for the answers held from ``peer_index`` (all of its share when all have arrived)."""
+        for part_index, _ in enumerate(self.held.pop(peer_index, [])):
+            own = self._input_parts_by_peer[peer_index][part_index][0]
+            super().register_processed_part(peer_index, part_index,
+                                            torch.zeros_like(own) if self.return_deltas else own.clone())
+            self.failed_size += own.numel()  # DiLoCo's same-result averager fails the round on it
+
+
+class ChecksAnswers:
+    """Mixed in front of an ``AllReduceRunner`` class (hivemind's or DiLoCo's same-result one) whose
+    ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) is set by the classes after it: every groupmate's
+    answers are checked (:class:`CheckedParts`) before hivemind's container takes them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        container = self.tensor_part_container
+        container.__class__ = CheckedParts
+        container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
+        container.on_rejected, container.is_excluded = self._rejected, self._excluded
+
+    def _reducer(self, peer_index: int) -> str:
+        return self.ordered_peer_ids[peer_index].to_base58()
+
+    def _excluded(self, peer_index: int) -> bool:
+        return self.exclusions is not None and self.exclusions.is_excluded(self._reducer(peer_index))
+
+    def _rejected(self, peer_index: int, reason: str) -> None:
+        size = sum(part.numel() for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index])
+        emit("answer_rejected", source=self._reducer(peer_index), reason=reason, size=size)
+        if self.exclusions is not None:
+            self.exclusions.strike(self._reducer(peer_index), f"its answers as a reducer: {reason}")
