@@ -30,8 +30,8 @@ equal where every honest receiver rejects). An excluded reducer's answers are re
 are the answers held from a reducer that fails half-way (unchecked, they are not used).
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
-CenteredClip answers): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of 960 checked
-shares in each mode (0.1%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed gradients). One
+CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of 4320 checked
+shares in each mode (0.02%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed gradients). One
 false rejection costs one receiver one share's average for one round (DiLoCo: the round), and one strike: an honest
 reducer is excluded only after 3 within 10 rounds. x1000, sign flips, noise x1000 and zeros: caught on every share.
 
