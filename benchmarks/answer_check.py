@@ -58,11 +58,14 @@ def shares_of(sizes: list, peers: int) -> list:
     return [share for share in bounds if share]
 
 
-def check_round(contributions: list, tally: Counter) -> None:
-    """Check every reducer's share of every peer against the honest average, and against each lie about it."""
+def check_round(contributions: list, tally: Counter, last: dict) -> None:
+    """Check every reducer's share of every peer against the honest average, and against each lie about it, with
+    ``last`` (each tensor's RMS in the previous round's average) as the receivers' reference; then update it."""
     peers = len(contributions)
     averages = [centered_clip([contribution[index] for contribution in contributions], [1.0] * peers)
                 for index in range(len(contributions[0]))]
+    references = [last.get(index, 0.0) * average.numel() ** 0.5 for index, average in enumerate(averages)]
+    last.update({index: float(average.square().mean().sqrt()) for index, average in enumerate(averages)})
     for share in shares_of([average.numel() for average in averages], peers):
         for contribution in contributions:
             owns = [contribution[index] for index in share]
@@ -75,12 +78,14 @@ def check_round(contributions: list, tally: Counter) -> None:
             ratio = float((v - x).norm() / x.norm())
             tally["max_ratio"] = max(tally.get("max_ratio", 0.0), ratio)
             tally["min_cosine"] = min(tally.get("min_cosine", 1.0), float(x @ v / (x.norm() * v.norm())))
-            tally["rejected"] += share_problem(owns, [averages[index] - own for index, own in zip(share, owns)]) \
-                is not None
+            share_references = [references[index] for index in share]
+            tally["rejected"] += share_problem(owns, [averages[index] - own for index, own in zip(share, owns)],
+                                               share_references) is not None
             for attack in REDUCER_ATTACKS:
                 lies = [lying_average(attack, 1000.0, averages[index], averages[share[position - 1]]
                                       if position else averages[index]) for position, index in enumerate(share)]
-                tally[attack] += share_problem(owns, [lie - own for lie, own in zip(lies, owns)]) is not None
+                tally[attack] += share_problem(owns, [lie - own for lie, own in zip(lies, owns)],
+                                               share_references) is not None
 
 
 def run(mode: str, peers: int, epochs: int, samples: int, local_steps: int) -> Counter:
@@ -89,12 +94,13 @@ def run(mode: str, peers: int, epochs: int, samples: int, local_steps: int) -> C
     model = task.build_model()
     batchers = [task.batches(seed=peer + 1) for peer in range(peers)]
     tally: Counter = Counter()
+    last: dict = {}
     start = time.perf_counter()
     if mode == "gradients":
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         for _ in range(epochs):
             contributions = [gradient_of(model, batcher, samples) for batcher in batchers]
-            check_round(contributions, tally)
+            check_round(contributions, tally, last)
             for param, *grads in zip(model.parameters(), *contributions):
                 param.grad = centered_clip(grads, [1.0] * peers)
             optimizer.step()
@@ -113,7 +119,7 @@ def run(mode: str, peers: int, epochs: int, samples: int, local_steps: int) -> C
                     gradient_of(model, batcher, samples)
                     inner[peer].step()
                 contributions.append([a - p.detach() for a, p in zip(anchor, model.parameters())])
-            check_round(contributions, tally)
+            check_round(contributions, tally, last)
             for value, *deltas in zip(anchor, *contributions):
                 value.grad = centered_clip(deltas, [1.0] * peers)
             outer.step()

@@ -97,6 +97,22 @@ def test_what_passes_moves_a_receiver_a_bounded_distance():
             assert float(lie[1].norm()) <= PART_MAX_RATIO * float(small[0].norm())
 
 
+def test_a_peer_with_few_samples_is_measured_against_the_last_average():
+    """DiLoCo: a peer that took 1 local step while the others took 10 sends a pseudo-gradient ~10x smaller than the
+    average (seen in tests/test_robust_swarm.py: 6.7x and 8.2x, honest). Against its own norm alone the honest answer
+    fails; against the larger of it and the last round's accepted average it passes, and x1000 is still caught."""
+    generator = torch.Generator().manual_seed(6)
+    direction = torch.randn(SIZE, generator=generator)
+    others = [10 * direction + torch.randn(SIZE, generator=generator) for _ in range(3)]
+    small = direction + 0.1 * torch.randn(SIZE, generator=generator)
+    average = centered_clip([*others, small], [10.0, 10.0, 10.0, 1.0])
+    last = float((average + 0.1 * torch.randn(SIZE, generator=generator)).norm())
+    assert "x |own values|" in share_problem([small], [average - small])
+    assert share_problem([small], [average - small], [last]) is None
+    assert share_problem([small], [1000 * average - small], [last]) is not None
+    assert share_problem([small], [-average - small], [last]) is not None
+
+
 def test_small_zero_and_not_finite_shares():
     assert share_problem([torch.ones(PART_MIN_CHECKED - 1)], [-1000 * torch.ones(PART_MIN_CHECKED - 1)]) is None
     assert share_problem([torch.ones(MIN_CHECKED - 1)], [-2 * torch.ones(MIN_CHECKED - 1)]) is None  # a flip
@@ -112,6 +128,7 @@ def checked_container(tensors: list, return_deltas: bool, excluded: bool = False
     rejected = []
     container.__class__ = CheckedParts
     container.own_index, container.held = 0, {}
+    container.reference, container.learned, container.sums = {}, {}, {}
     container.on_rejected = lambda peer_index, reason: rejected.append((peer_index, reason))
     container.is_excluded = lambda peer_index: excluded
     return container, rejected
@@ -149,11 +166,14 @@ def test_the_container_takes_honest_answers_and_replaces_a_lying_reducers_share(
     means = [(tensor + tensor.flip(0)) / 2 for tensor in tensors]
     outputs, rejected, container = run_group(tensors, lambda mean: mean, return_deltas)
     assert rejected == [] and container.failed_size == 0
+    for key, mean in enumerate(means):  # each tensor's RMS of the accepted average: the next round's reference
+        assert container.learned[key] == pytest.approx(float(mean.square().mean().sqrt()), rel=1e-4)
     for output, tensor, mean in zip(outputs, tensors, means):
         torch.testing.assert_close(output if not return_deltas else tensor + output, mean, rtol=1e-4, atol=1e-5)
 
     outputs, rejected, container = run_group(tensors, lambda mean: -1000 * mean, return_deltas)
     assert [peer for peer, _ in rejected] == [1] and "x |own values|" in rejected[0][1]
+    assert 1 not in container.learned  # a rejected share teaches nothing
     results = [output if not return_deltas else tensor + output for output, tensor in zip(outputs, tensors)]
     flat_result, flat_mean = torch.cat(results), torch.cat(means)
     flat_own = torch.cat(tensors)

@@ -47,7 +47,7 @@ a reducer wait for its last part.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Hashable, List, Optional, Sequence
 
 import torch
 from hivemind.averaging.partition import TensorPartContainer
@@ -62,8 +62,10 @@ PART_MIN_CHECKED = 64  # nor the norms of parts of fewer values
 
 @torch.no_grad()
 def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MAX_RATIO,
-                   min_checked: int = MIN_CHECKED) -> Optional[str]:
-    """Why the answer ``own + delta`` to a sender whose share is ``own`` is not a plausible average, or None."""
+                   min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
+    """Why the answer ``own + delta`` to a sender whose share is ``own`` is not a plausible average, or None.
+    ``reference``: the norm the same values' accepted average had in the previous round (0: none); the norm bound
+    is ``max_ratio`` x the larger of it and ``||own||``."""
     x, d = own.reshape(-1).double(), delta.reshape(-1).double()
     if x.numel() < min_checked:
         return None
@@ -73,8 +75,10 @@ def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MA
     d_norm = float(d.norm())
     if not math.isfinite(d_norm):
         return "not finite"
-    if d_norm > max_ratio * x_norm:
-        return f"|average - own values| is {d_norm / x_norm:.3g} x |own values| (at most {max_ratio:g})"
+    scale = max(x_norm, reference if math.isfinite(reference) else 0.0)
+    if d_norm > max_ratio * scale:
+        return (f"|average - own values| is {d_norm / x_norm:.3g} x |own values|, {d_norm / scale:.3g} x the larger "
+                f"of it and the last average's (at most {max_ratio:g})")
     inner = float(x @ (x + d))
     if inner <= 0:
         cosine = inner / (x_norm * max(float((x + d).norm()), 1e-300))
@@ -82,20 +86,25 @@ def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MA
     return None
 
 
-def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> Optional[str]:
+def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
+                  references: Optional[Sequence[float]] = None) -> Optional[str]:
     """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
-    average, or None: :func:`answer_problem` on the whole share, and each part's norm within ``PART_MAX_RATIO``."""
+    average, or None: :func:`answer_problem` on the whole share, and each part's norm within ``PART_MAX_RATIO``.
+    ``references``: each part's norm in the previous round's accepted average (0: unknown)."""
     if not owns:
         return None
+    references = [0.0] * len(owns) if references is None else references
     reason = answer_problem(torch.cat([own.reshape(-1) for own in owns]),
-                            torch.cat([delta.reshape(-1) for delta in deltas]))
+                            torch.cat([delta.reshape(-1) for delta in deltas]),
+                            reference=math.sqrt(sum(reference ** 2 for reference in references)))
     if reason is not None:
         return reason
-    for index, (own, delta) in enumerate(zip(owns, deltas)):
+    for index, (own, delta, reference) in enumerate(zip(owns, deltas, references)):
         x_norm, d_norm = float(own.double().norm()), float(delta.double().norm())
-        if own.numel() >= PART_MIN_CHECKED and 0 < x_norm < math.inf and not d_norm <= PART_MAX_RATIO * x_norm:
-            return f"part {index}: |average - own values| is {d_norm / x_norm:.3g} x |own values| (at most " \
-                   f"{PART_MAX_RATIO:g} for a part)"
+        scale = max(x_norm, reference)
+        if own.numel() >= PART_MIN_CHECKED and 0 < x_norm < math.inf and not d_norm <= PART_MAX_RATIO * scale:
+            return f"part {index}: |average - own values| is {d_norm / scale:.3g} x the larger of |own values| and " \
+                   f"the last average's (at most {PART_MAX_RATIO:g} for a part)"
     return None
 
 
@@ -107,9 +116,14 @@ class CheckedParts(TensorPartContainer):
 
     own_index: int
     held: Dict[int, List[torch.Tensor]]
+    reference: Dict[Hashable, float]  # per tensor (its key): the RMS of its last accepted average, before this round
+    learned: Dict[Hashable, float]  # the same, updated with this round's accepted values (kept by the averager)
+    sums: Dict[Hashable, List[float]]  # this round's sums of squares and counts per tensor
     unchecked: bool = False
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        if peer_index == self.own_index:
+            self._learn(peer_index, part_index, part)
         if peer_index == self.own_index or self.unchecked:
             return super().register_processed_part(peer_index, part_index, part)
         held = self.held.setdefault(peer_index, [])
@@ -133,13 +147,26 @@ class CheckedParts(TensorPartContainer):
         if len(owns) != len(answers):  # finalized meanwhile: hivemind's own checks end the round
             return
         deltas = answers if self.return_deltas else [answer - own for answer, own in zip(answers, owns)]
-        reason = share_problem(owns, deltas)
+        infos = [info for _, info in self._input_parts_by_peer[peer_index]]
+        references = [self.reference.get(info.key, 0.0) * own.numel() ** 0.5 for own, info in zip(owns, infos)]
+        reason = share_problem(owns, deltas, references)
         if reason is not None:
             self.on_rejected(peer_index, reason)
             return self._replace_held(peer_index)
         del self.held[peer_index]
         for part_index, answer in enumerate(answers):
+            self._learn(peer_index, part_index, answer)
             super().register_processed_part(peer_index, part_index, answer)
+
+    def _learn(self, peer_index: int, part_index: int, answer: torch.Tensor) -> None:
+        """Fold an accepted answer into its tensor's RMS (the next round's reference)."""
+        own, info = self._input_parts_by_peer[peer_index][part_index]
+        average = own + answer if self.return_deltas else answer
+        sums = self.sums.setdefault(info.key, [0.0, 0])
+        sums[0] += float(average.double().square().sum())
+        sums[1] += average.numel()
+        if sums[1] and math.isfinite(sums[0]):
+            self.learned[info.key] = math.sqrt(sums[0] / sums[1])
 
     def _replace_held(self, peer_index: int) -> None:
         """Own values for the answers held from ``peer_index`` (all of its share when all have arrived)."""
@@ -153,13 +180,16 @@ class CheckedParts(TensorPartContainer):
 class ChecksAnswers:
     """Mixed in front of an ``AllReduceRunner`` class (hivemind's or DiLoCo's same-result one) whose
     ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) is set by the classes after it: every groupmate's
-    answers are checked (:class:`CheckedParts`) before hivemind's container takes them."""
+    answers are checked (:class:`CheckedParts`) before hivemind's container takes them. ``answer_norms``: the
+    averager's dict of each tensor's last accepted RMS (read as this round's reference, updated with its answers)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         container = self.tensor_part_container
         container.__class__ = CheckedParts
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
+        learned = {} if answer_norms is None else answer_norms
+        container.reference, container.learned, container.sums = dict(learned), learned, {}
         container.on_rejected, container.is_excluded = self._rejected, self._excluded
 
     def _reducer(self, peer_index: int) -> str:

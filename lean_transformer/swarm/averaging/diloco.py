@@ -245,6 +245,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         check_aggregation(aggregation)
         # set before hivemind starts the averager's process
         self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
+        self.answer_norms = {}  # the answer check's reference (answer_check)
         super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -254,7 +255,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         if self.aggregation == "mean":
             runner_class, robust = _SameResultRunner, {}
         else:
-            runner_class, robust = _CenteredClipSameResultRunner, dict(exclusions=self.exclusions)
+            runner_class, robust = _CenteredClipSameResultRunner, dict(exclusions=self.exclusions,
+                                                                       answer_norms=self.answer_norms)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                               group_id=group_id, ordered_peer_ids=group_info.peer_ids, **robust, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"

@@ -181,7 +181,8 @@ class _SendersParts:
 class CenteredClipReducer(TensorPartReducer):
     """hivemind's reducer (same ordering, waits and failure handling), answering each part with
     :func:`centered_clip` of the senders' copies rather than their weighted mean. With ``exclusions``
-    (:mod:`.exclusion`) and the senders' peer IDs (``sender_ids``, in sender index order), an excluded sender's parts
+    (:mod:`.exclusion`) and the senders' peer IDs (``sender_ids``, in sender index order; "" for this peer, which
+    never strikes itself), an excluded sender's parts
     weigh 0 and a sender whose part ends over ``FAR_OUT`` x tau from the result (or is not finite) earns a strike."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, sender_ids: Sequence[str] = (),
@@ -239,7 +240,8 @@ class CenteredClipReducer(TensorPartReducer):
             return
         for sender_index, weight, distance in zip(arrived.senders, arrived.weights, distances):
             if (distance is not None and distance > FAR_OUT and (weight > 0 or math.isinf(distance))
-                    and sender_index < len(self.sender_ids) and not self._excluded(sender_index)):
+                    and sender_index < len(self.sender_ids) and self.sender_ids[sender_index]
+                    and not self._excluded(sender_index)):
                 sender = self.sender_ids[sender_index]
                 reason = f"its part ended {distance:.3g} x tau from the result (at most {FAR_OUT:g})"
                 emit("sender_clipped", source=sender, reason=reason, size=arrived.parts[0].numel())
@@ -258,8 +260,8 @@ class CenteredClipReduction:
         unused = self.tensor_part_reducer
         unused.finished.set()  # never used: no "received 0% of input tensors" warning when it is collected
         self.tensor_part_reducer = CenteredClipReducer(
-            unused.part_shapes, unused.num_senders, [peer_id.to_base58() for peer_id in self.sender_peer_ids],
-            exclusions)
+            unused.part_shapes, unused.num_senders,
+            ["" if peer_id == self.peer_id else peer_id.to_base58() for peer_id in self.sender_peer_ids], exclusions)
 
 
 class CenteredClipAllReduceRunner(ChecksAnswers, CenteredClipReduction, AllReduceRunner):
@@ -274,6 +276,7 @@ class Aggregated(RefusesExcluded):
 
     def __init__(self, *args: Any, aggregation: str = "mean", exclusions: Optional[Exclusions] = None, **kwargs: Any):
         self.aggregation = check_aggregation(aggregation)  # before hivemind starts the averager's process
+        self.answer_norms = {}  # the answer check's reference: each tensor's last accepted RMS (answer_check)
         super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
@@ -284,7 +287,7 @@ class Aggregated(RefusesExcluded):
         group_id = group_info.group_id if group_id is None else group_id
         runner = CenteredClipAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                              tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                             exclusions=self.exclusions, **kwargs)
+                                             exclusions=self.exclusions, answer_norms=self.answer_norms, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
