@@ -157,7 +157,7 @@ def main() -> None:
         "machine": "2 CPU cores (x86_64), 24 GB RAM, no GPU",
         "date": datetime.date.today().isoformat(),
         "commit": commit,
-        "baseline": "the honest answer: CenteredClip of the peers' parts, equal weights (what an honest reducer answers)",
+        "baseline": "the honest answer: CenteredClip of the peers' parts, equal weights (an honest reducer's)",
         "tables": [{
             "title": "Reducer answer check on the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients",
             "columns": ["mode", "peers", "shares checked", "shares unchecked (< 1024 values)",

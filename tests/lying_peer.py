@@ -174,8 +174,8 @@ def lie_as_reducer(attack: str, scale: float) -> None:
                     averages.append(average)
                     lie = lying_average(attack, scale, average, previous)
                     lie = lie - own if self.tensor_part_container.return_deltas else lie
-                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialize_torch_tensor(
-                        lie, message.tensor_part.compression))
+                    serialized = serialize_torch_tensor(lie, message.tensor_part.compression)
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
             return answers()
 
         runner_class._accumulate_parts_streaming = lying_streaming

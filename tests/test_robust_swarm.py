@@ -2,12 +2,13 @@
 (tests/lying_peer.py), real processes on 127.0.0.1, tiny LeanGPT on CPU, one torch thread each, 12 epochs (about a
 minute a swarm on 2 cores). With ``--aggregation centered_clip`` the honest trainers end where an honest swarm (no
 liar, the mean) does. The liar joins once the honest trainers average together, and takes part in rounds until every
-honest trainer has excluded it (3 rounds in which its part ended far out: lean_transformer/swarm/averaging/exclusion.py;
-from then on its parts weigh 0 where they still arrive). Joining late matters: in a group of two it would be half of the senders, and no aggregation outvotes that (seen once: the liar paired with
-one honest trainer while the swarm formed, and a trainer that then downloaded the swarm's state, by the logs the
-liar's, trained up from 5.35 to 6.24 while the other two fell to 4.67). The mean under the same attack:
-``benchmarks/byzantine.py`` (every attack, both modes), kept out
-of this test for time. ``run_swarm`` is shared with that benchmark.
+honest trainer has excluded it (3 rounds in which its part ended far out:
+lean_transformer/swarm/averaging/exclusion.py; from then on its parts weigh 0 where they still arrive). Joining late
+matters: in a group of two it would be half of the senders, and no aggregation outvotes that (seen once: the liar
+paired with one honest trainer while the swarm formed, and a trainer that then downloaded the swarm's state, by the
+logs the liar's, trained up from 5.35 to 6.24 while the other two fell to 4.67). The mean under the same attack:
+``benchmarks/byzantine.py`` (every attack, both modes), kept out of this test for time. ``run_swarm`` is shared with
+that benchmark.
 """
 from __future__ import annotations
 

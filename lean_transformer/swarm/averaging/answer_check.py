@@ -4,22 +4,28 @@ part, zeros) would move every peer of the group on its share. CenteredClip (:mod
 can do; nothing in hivemind checks what a reducer answers, hence this check, done by each receiver on the answers of
 each reducer.
 
-The rule (:func:`answer_problem`): with ``x`` the receiver's own contribution to a reducer's share (all its parts,
+The rule (:func:`share_problem`): with ``x`` the receiver's own contribution to a reducer's share (all its parts,
 concatenated) and ``v = x + delta`` the average the reducer claims, accept iff
 
-- ``||delta|| <= MAX_RATIO x ||x||``: an honest average of noisy updates is no farther from one of them than a few
-  times its size (``||v - x||`` is about ``||x||`` when noise dominates, less when the updates agree);
+- ``||delta|| <= MAX_RATIO x max(||x||, r)``: an honest average of noisy updates is no farther from one of them than a
+  few times its size (``||v - x||`` is about ``||x||`` when noise dominates, less when the updates agree). ``r`` is
+  the norm the same values had in the receiver's last accepted average (each tensor's RMS, kept by the averager):
+  in DiLoCo a peer that took 1 local step while the others took 10 sends a pseudo-gradient ~10x smaller than the
+  average (``tests/test_robust_swarm.py`` saw honest answers 6.7x and 8.2x an own pseudo-gradient, rejected before
+  ``r``). A lie x1000 is still 1000x last round's average, unless the honest average grew by 250x in a round;
 - ``<x, v> > 0``: an honest average correlates positively with each honest input, ``<x, mean> = (||x||^2 + sum_j
   <x, x_j>) / n``, and over many coordinates the cross terms are either positive (a shared signal: gradients of one
   model on one distribution, DiLoCo's pseudo-gradients) or of the order of ``||x||^2 sqrt(n / size)`` (noise);
-- and each part of at least :data:`PART_MIN_CHECKED` values alone: ``||delta_part|| <= PART_MAX_RATIO x ||x_part||``
-  (a lie confined to a few small parts, e.g. a norm's scale x1000, is small in the share's norm).
+- and each part of at least :data:`PART_MIN_CHECKED` values alone: ``||delta_part|| <= PART_MAX_RATIO x
+  max(||x_part||, r_part)`` (a lie confined to a few small parts, e.g. a norm's scale x1000, is small in the share's
+  norm).
 
 Why the share and not each part (the first design): per part, on the tiny LeanGPT's real gradients with 16 peers of
 8 samples each, honest answers failed the inner-product test in 0.7% of parts (a 128-value bias of one noisy batch
 has cosine down to -0.94 with the average) and the norm test up to 4.6x (``benchmarks/answer_check.py``); over a
-share the inner products concentrate (shares of 256 values still failed in 0.3%, hence :data:`MIN_CHECKED`). The answers of a reducer are therefore held until its whole share has arrived
-(hivemind's container then takes them as it would have; the all-reduce ends with its last answer either way).
+share the inner products concentrate (shares of 256 values still failed in 0.3%, hence :data:`MIN_CHECKED`). The
+answers of a reducer are therefore held until its whole share has arrived (hivemind's container then takes them as
+it would have; the all-reduce ends with its last answer either way).
 
 A share smaller than :data:`MIN_CHECKED` values, or where ``x`` is zero or not finite, is not checked (nothing to
 compare with, no concentration). On a failure the receiver keeps its own values for the whole share (delta 0: the
@@ -30,19 +36,20 @@ equal where every honest receiver rejects). An excluded reducer's answers are re
 are the answers held from a reducer that fails half-way (unchecked, they are not used).
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
-CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of 4320 checked
-shares in each mode (0.02%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed gradients). One
+CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
+4320 checked shares in each mode (0.02%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed
+gradients). In the swarm tests (gradients and DiLoCo, 3 honest trainers and a liar), no honest answer rejected. One
 false rejection costs one receiver one share's average for one round (DiLoCo: the round), and one strike: an honest
 reducer is excluded only after 3 within 10 rounds. x1000, sign flips, noise x1000 and zeros: caught on every share.
 
 What it does not catch: an answer within the honest spread, e.g. the true average plus a bias of the size of one
 input's noise, another honest input, the average of a subset of the senders, or an unrelated vector of the honest
-size (``reducer_swap``: caught only where it anti-correlates, 3-8% of the shares in the benchmark). These pass: their
-influence is bounded, not removed, at most ``MAX_RATIO x ||x||`` per share and round. A threshold above 0 for the
-cosine would catch more of them (an honest one is about ``1 / sqrt(senders)`` in pure noise), but the measured
-honest minimum is already near 0 for 16 small-batch peers. Nor are shares below :data:`MIN_CHECKED` values checked,
-except for the part norms. Cost: three inner products over each received part (no extra bytes), and the answers of
-a reducer wait for its last part.
+size (``reducer_swap``: caught only where it anti-correlates, 0.2-8% of the shares in the benchmark). These pass:
+their influence is bounded, not removed, at most ``MAX_RATIO x max(||x||, r)`` per share and round. A threshold
+above 0 for the cosine would catch more of them (an honest one is about ``1 / sqrt(senders)`` in pure noise), but
+the measured honest minimum is already near 0 for 16 small-batch peers. Nor are shares below :data:`MIN_CHECKED`
+values checked, except for the part norms. Cost: three inner products over each received part (no extra bytes),
+and the answers of a reducer wait for its last part.
 """
 from __future__ import annotations
 

@@ -18,6 +18,11 @@ hivemind 1.1.12 has no robust aggregation (its CenteredClip, PR #379, was never 
   exactly the bytes the mean does, and only the reducers compute differently;
 - :class:`Aggregated`: mixed in front of a hivemind averager, its ``aggregation`` option picks the runner.
 
+Under "centered_clip" the runners also check what the other reducers answer (:mod:`.answer_check`: a reducer that
+lies), and a sender whose part ends over ``FAR_OUT`` (10) x tau from the result earns a strike, as does a reducer
+whose answers fail the check; peers caught repeatedly are excluded for a while (:mod:`.exclusion`). An honest part
+ends within about one tau (no honest sender earned a strike in the swarm tests' rounds); x -1000 ends 25-40 tau out.
+
 Choices of :func:`centered_clip` (all peers of a swarm must agree on ``--aggregation``):
 
 - **start**: the coordinate-wise median of the senders' parts. It lies inside the honest inputs' range in every
