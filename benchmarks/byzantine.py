@@ -13,18 +13,21 @@ The honest-only rows also give each aggregation's time per round (an honest trai
 512 KiB part (hivemind's weighted sum against :func:`centered_clip`) for 4 and 16 senders.
 
 Results merge into benchmarks/results/byzantine.json (a cell run again replaces its earlier figure), so the table
-can be filled in several commands. One run per cell: no spread measured; 1 attacker of 4 only (3 of 16 needs 16
-trainer processes: more than 2 cores hold in this time).
+can be filled in several commands. ``--run N`` (N > 1) keeps a repeat of a cell beside its first run (key suffix
+``#N``); the table then shows the mean of the runs and its notes each run's ratio (the run-to-run spread).
+``--honest N --liars M`` (default 3 and 1) sets the swarm (e.g. 13 + 3: 3 attackers of 16, a table of its own, keys
+``mode/13+3/attack/aggregation``; every liar runs the same attack).
 
 Usage: python benchmarks/byzantine.py [--mode gradients diloco] [--epochs 8] [--attacks none sign_flip ...]
-       [--aggregations mean centered_clip]
-About 1 minute a cell on 2 cores.
+       [--aggregations mean centered_clip] [--honest 3] [--liars 1] [--target_batch_size 96] [--run 1]
+About 1 minute a cell on 2 cores with 3 + 1 peers.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -43,17 +46,17 @@ from lean_transformer.swarm.averaging.robust import centered_clip  # noqa: E402
 from lean_transformer.swarm.monitoring.events import read_events  # noqa: E402
 from lean_transformer.swarm.peers.processes import PeerExited  # noqa: E402
 from lying_peer import ATTACKS  # noqa: E402
-from test_robust_swarm import HONEST, run_swarm  # noqa: E402
+from test_robust_swarm import BATCH, HONEST, TARGET_BATCH, run_swarm  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "byzantine.json"
 MODES = {"gradients": [], "diloco": ["--local_steps", "2"]}
 KIND = {"gradients": "gradients", "diloco": "outer"}
 
 
-def round_seconds(root: Path, kind: str) -> list:
+def round_seconds(root: Path, kind: str, honest: int) -> list:
     """Each honest trainer's rounds of ``kind``: seconds from ``round_started`` to ``averaged``."""
     seconds = []
-    for index in range(HONEST):
+    for index in range(honest):
         started = None
         for event in read_events(root / f"honest{index}.events.jsonl"):
             if event.get("kind") != kind:
@@ -64,6 +67,13 @@ def round_seconds(root: Path, kind: str) -> list:
                 seconds.append(event["time"] - started)
                 started = None
     return seconds
+
+
+def group_sizes(root: Path, kind: str, honest: int) -> list:
+    """The group size of each round of ``kind`` each honest trainer averaged in (several groups form when
+    matchmaking splits the swarm: a liar then weighs more in its group)."""
+    return [event["group_size"] for index in range(honest)
+            for event in read_events(root / f"honest{index}.events.jsonl", "averaged") if event["kind"] == kind]
 
 
 def reducer_timing(senders: int, repeats: int = 20) -> dict:
@@ -92,37 +102,66 @@ def reducer_timing(senders: int, repeats: int = 20) -> dict:
                 ratio=best["centered_clip"] / best["mean"])
 
 
+def cell_key(mode: str, honest: int, liars: int, attack: str, aggregation: str, run: int) -> str:
+    """``mode/attack/aggregation`` for the first run of 3 honest + 1 liar (the keys of the first results), with
+    ``/H+L`` after the mode for other swarms and ``#N`` for the N-th run of a cell."""
+    swarm = "" if (honest, liars) == (HONEST, 1) else f"/{honest}+{liars}"
+    return f"{mode}{swarm}/{attack}/{aggregation}" + (f"#{run}" if run > 1 else "")
+
+
 def tables(cells: dict, timings: list) -> list:
     result = []
-    for mode in MODES:
-        cell = {(c["attack"], c["aggregation"]): c for c in cells.values() if c["mode"] == mode}
-        base = cell.get(("none", "mean"))
-        if base is None:
+    swarms = sorted({(c.get("honest", HONEST), c.get("liars", 1)) for c in cells.values()})
+    for (honest, liars), mode in ((swarm, mode) for swarm in swarms for mode in MODES):
+        runs = {}
+        for c in cells.values():
+            if c["mode"] == mode and (c.get("honest", HONEST), c.get("liars", 1)) == (honest, liars):
+                runs.setdefault((c["attack"], c["aggregation"]), []).append(c)
+        if ("none", "mean") not in runs:
             continue
-        rows = []
+        base = statistics.mean(c["loss"] for c in runs[("none", "mean")])
+        first = runs[("none", "mean")][0]
+        rows, spreads = [], []
         for attack in ("none", *ATTACKS):
             row = [attack]
             for aggregation in ("mean", "centered_clip"):
-                found = cell.get((attack, aggregation))
-                if found is None:
+                found = runs.get((attack, aggregation), [])
+                finite = [c["loss"] for c in found if c["loss"] is not None and math.isfinite(c["loss"])]
+                if not found:
                     row += [None, None]
-                elif found["loss"] is None:  # the honest trainers stopped
-                    row += [f"stopped at epoch {max(found['last_epochs'])}", "-"]
+                elif not finite:  # the honest trainers stopped
+                    row += [f"stopped at epoch {max(found[0]['last_epochs'])}", "-"]
                 else:
-                    row += [round(found["loss"], 3), round(found["loss"] / base["loss"], 3)]
+                    row += [round(statistics.mean(finite), 3), round(statistics.mean(finite) / base, 3)]
+                if len(found) > 1:
+                    ratios = ", ".join(f"{loss / base:.3f}" if loss is not None else "stopped"
+                                       for loss in (c["loss"] for c in found))
+                    spreads.append(f"{attack}/{aggregation} {ratios}")
             if any(value is not None for value in row[1:]):
                 rows.append(row)
-        honest = [cell.get(("none", aggregation)) for aggregation in ("mean", "centered_clip")]
-        notes = (f"3 honest trainers + 1 liar (1 of 4), tiny LeanGPT, --target_batch_size 96, {base['epochs']} epochs"
-                 f"{', --local_steps 2' if mode == 'diloco' else ''}; loss: the honest trainers' mean over the last "
-                 f"3 epochs; ratio: to the honest-only swarm with the mean (row none).")
-        if all(honest):
+        honest_only = [runs.get(("none", aggregation), [None])[0] for aggregation in ("mean", "centered_clip")]
+        notes = (f"{honest} honest trainers + {liars} liar{'s' if liars > 1 else ''} ({liars} of {honest + liars}), "
+                 f"tiny LeanGPT, --target_batch_size {first.get('target_batch', TARGET_BATCH)}, {first['epochs']} "
+                 f"epochs{', --local_steps 2' if mode == 'diloco' else ''}; loss: the honest trainers' mean over the "
+                 f"last 3 epochs; ratio: to the honest-only swarm with the mean (row none).")
+        if honest + liars != HONEST + 1:
+            batch = first.get("target_batch", TARGET_BATCH)
+            notes += (f" An epoch of {batch} samples is about {batch / (BATCH * (honest + liars)):.1f} local steps of "
+                      f"{BATCH} samples a peer (the 3 + 1 swarm's 96: 3).")
+        groups = [c["group_size_median"] for found in runs.values() for c in found if c.get("group_size_median")]
+        if groups:
+            notes += f" Median group size of the honest trainers' rounds: {min(groups)} to {max(groups)} by cell."
+        if spreads:
+            notes += (" Cells run several times show the mean of their runs; each run's ratio (run-to-run spread): "
+                      + "; ".join(spreads) + ".")
+        if any(c["loss"] is None for found in runs.values() for c in found):
             notes += (" 'stopped': the honest trainers exited (20 local steps in a row with a non-finite loss or "
-                      "gradients, no backup to roll back to) before the last epoch." if any(
-                          c["loss"] is None for c in cell.values()) else "")
+                      "gradients, no backup to roll back to) before the last epoch.")
+        if all(honest_only) and all(c.get("round_s") for c in honest_only):
             notes += (f" Honest-only median seconds per round (matchmaking included): mean "
-                      f"{honest[0]['round_s']:.2f}, centered_clip {honest[1]['round_s']:.2f}.")
-        result.append(dict(title=f"{mode}: honest trainers' loss at equal samples, 1 attacker of 4",
+                      f"{honest_only[0]['round_s']:.2f}, centered_clip {honest_only[1]['round_s']:.2f}.")
+        attackers = f"{liars} attacker{'s' if liars > 1 else ''} of {honest + liars}"
+        result.append(dict(title=f"{mode}: honest trainers' loss at equal samples, {attackers}",
                            columns=["attack", "mean: loss", "mean: ratio", "centered_clip: loss",
                                     "centered_clip: ratio"], rows=rows, notes=notes))
     result.append(dict(title="one reducer's work on one 512 KiB part (float32), honest senders",
@@ -140,7 +179,15 @@ def main() -> None:
     parser.add_argument("--attacks", nargs="+", choices=("none", *ATTACKS), default=["none", *ATTACKS])
     parser.add_argument("--aggregations", nargs="+", choices=("mean", "centered_clip"),
                         default=["mean", "centered_clip"])
+    parser.add_argument("--honest", type=int, default=HONEST, help="honest trainers")
+    parser.add_argument("--liars", type=int, default=1, help="lying peers (none for the attack 'none')")
+    parser.add_argument("--target_batch_size", type=int, default=TARGET_BATCH, help="samples of the swarm an epoch")
+    parser.add_argument("--run", type=int, default=1, help="which run of each cell this is (N > 1: a repeat, kept "
+                        "beside the first run under the key's suffix #N)")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds each honest trainer may take to finish")
     args = parser.parse_args()
+    if args.honest < 1 or args.liars < 1 or args.run < 1 or args.target_batch_size < 1:
+        parser.error("--honest, --liars, --run and --target_batch_size must be at least 1")
     previous = json.loads(OUT.read_text()) if OUT.exists() else {}
     cells = {cell["key"]: cell for cell in previous.get("raw", {}).get("cells", [])}
     torch.set_num_threads(1)
@@ -153,25 +200,30 @@ def main() -> None:
                 for aggregation in args.aggregations:
                     started = time.monotonic()
                     where = Path(root) / f"{mode}-{aggregation}-{attack}"
-                    key = f"{mode}/{attack}/{aggregation}"
+                    key = cell_key(mode, args.honest, args.liars, attack, aggregation, args.run)
                     done += 1
-                    who = "no attacker" if attack == "none" else "one attacker"
-                    print(f"[{done}/{total}] {key}: 3 honest trainers + {who}, {args.epochs} epochs ...",
+                    who = "no attacker" if attack == "none" else f"{args.liars} attacker(s)"
+                    print(f"[{done}/{total}] {key}: {args.honest} honest trainers + {who}, {args.epochs} epochs ...",
                           file=sys.stderr, flush=True)
+                    swarm = dict(key=key, mode=mode, attack=attack, aggregation=aggregation, epochs=args.epochs,
+                                 honest=args.honest, liars=args.liars, target_batch=args.target_batch_size,
+                                 run=args.run)
                     try:
                         losses = run_swarm(where, aggregation, None if attack == "none" else attack,
-                                           epochs=args.epochs, extra=MODES[mode])
+                                           epochs=args.epochs, timeout=args.timeout, extra=MODES[mode],
+                                           honest_count=args.honest, liars=args.liars,
+                                           target_batch=args.target_batch_size)
                     except (PeerExited, TimeoutError) as error:  # e.g. the honest trainers' models went non-finite
-                        cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation,
-                                          epochs=args.epochs, loss=None, failed=str(error).splitlines()[0],
-                                          last_epochs=stopped_at(where), seconds=round(time.monotonic() - started, 1))
+                        cells[key] = dict(**swarm, loss=None, failed=str(error).splitlines()[0],
+                                          last_epochs=stopped_at(where, args.honest),
+                                          seconds=round(time.monotonic() - started, 1))
                     else:
-                        last = [statistics.mean(by_epoch.get(epoch, float("nan"))
-                                                for epoch in range(args.epochs - 2, args.epochs + 1))
-                                for by_epoch in losses.values()]
-                        rounds = round_seconds(where, KIND[mode])
-                        cells[key] = dict(key=key, mode=mode, attack=attack, aggregation=aggregation,
-                                          epochs=args.epochs, loss=statistics.mean(last), per_trainer=last,
+                        last = [last_epochs_loss(by_epoch, args.epochs) for by_epoch in losses.values()]
+                        rounds = round_seconds(where, KIND[mode], args.honest)
+                        sizes = group_sizes(where, KIND[mode], args.honest)
+                        swarm.update(group_size_median=statistics.median(sizes) if sizes else None,
+                                     group_size_min=min(sizes, default=None))
+                        cells[key] = dict(**swarm, loss=statistics.mean(last), per_trainer=last,
                                           round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
                                           seconds=round(time.monotonic() - started, 1))
                     print(cells[key], flush=True)
@@ -184,19 +236,29 @@ def main() -> None:
     print(f"written to {OUT.relative_to(REPO)}")
 
 
-def stopped_at(root: Path) -> list:
+def last_epochs_loss(by_epoch: dict, epochs: int) -> float:
+    """A trainer's mean loss over epochs E-2..E, of those it reported with a loss: a trainer that took no local step
+    in an epoch (the others filled it) reports it without one, and one that fell behind skips epochs (NaN if none)."""
+    found = [by_epoch[epoch] for epoch in range(epochs - 2, epochs + 1) if math.isfinite(by_epoch.get(epoch, math.nan))]
+    return statistics.mean(found) if found else math.nan
+
+
+def stopped_at(root: Path, honest: int) -> list:
     """The last epoch each honest trainer reported (a cell whose trainers stopped)."""
     return [max((event["epoch"] for event in read_events(root / f"honest{index}.events.jsonl", "epoch")), default=0)
-            for index in range(HONEST)]
+            for index in range(honest)]
 
 
 def write(cells: dict, timings: list) -> dict:
     """Write the results so far (after every cell: a later cell that fails keeps the earlier ones)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result = dict(benchmark="byzantine", command="python benchmarks/byzantine.py --mode gradients diloco",
+    result = dict(benchmark="byzantine",
+                  command="python benchmarks/byzantine.py --mode gradients diloco (3 of 16: --honest 13 --liars 3 "
+                          "--target_batch_size 256; repeats: --run 2, --run 3)",
                   machine=f"2 CPU cores ({platform.machine()}), 24 GB RAM, no GPU", date=str(datetime.date.today()),
-                  commit=commit, baseline="the honest-only swarm (3 trainers, no liar) with the mean, same epochs",
+                  commit=commit,
+                  baseline="the honest-only swarm (the same honest trainers, no liar) with the mean, same epochs",
                   tables=tables(cells, timings), raw=dict(cells=sorted(cells.values(), key=lambda c: c["key"]),
                                                           reducer_timings=timings))
     OUT.write_text(json.dumps(result, indent=2) + "\n")

@@ -215,11 +215,13 @@ def estimate(cfg: LeanGPTConfig, option: Option, liger: bool = False) -> tuple[i
 
 @contextlib.contextmanager
 def trainer(cfg: LeanGPTConfig, option: Option, device: str = "cuda", accumulation: int = 1, batch: int = BATCH,
-            seq: int = SEQ) -> Iterator[tuple[LeanGPTForCausalLM, "hivemind.Optimizer", Callable[[], None]]]:
+            seq: int = SEQ, device_accumulation: int = 1
+            ) -> Iterator[tuple[LeanGPTForCausalLM, "hivemind.Optimizer", Callable[[], None]]]:
     """The trainer as it builds itself for ``option``: a 1-peer hivemind.Optimizer with 8-bit LAMB offloaded, one
     optimizer step per ``accumulation`` micro-batches of BATCH x SEQ tokens. Yields the model, the optimizer and
     ``micro_batch()``: forward, backward and ``optimizer.step()`` (the global step on every ``accumulation``-th), and
-    the loss's closure (forward only)."""
+    the loss's closure (forward only). ``device_accumulation``: gradients summed on the device before they leave it
+    (``HostGradients``; with ``option.offload``)."""
     import hivemind
     from hivemind.optim.grad_averager import GradientAverager
 
@@ -230,7 +232,7 @@ def trainer(cfg: LeanGPTConfig, option: Option, device: str = "cuda", accumulati
     optimizer = None
     try:
         model = build(cfg, option, device)
-        factory = HostGradientAverager
+        factory = functools.partial(HostGradientAverager, device_accumulation=device_accumulation)
         if not option.offload:  # float32 averaged gradients: an offloaded optimizer takes them as its .grad
             factory = functools.partial(GradientAverager, averaged_grads=tuple(
                 torch.zeros(param.shape).share_memory_() for param in model.parameters()))

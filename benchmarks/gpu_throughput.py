@@ -16,7 +16,8 @@ on the same GPU in the same run.
 
 The CPU runs it with ``--sizes tiny`` (a 2-layer model, 2 x 64 tokens), which checks the script end to end.
 
-Usage: python benchmarks/gpu_throughput.py [--sizes 125M 350M 1.3B] [--accumulation 8] [--output PATH]
+Usage: python benchmarks/gpu_throughput.py [--sizes 125M 350M 1.3B] [--accumulation 8] [--device_accumulation 1 8]
+       [--output PATH]
 """
 from __future__ import annotations
 
@@ -94,8 +95,10 @@ def plain(cfg: LeanGPTConfig, device: str, accumulation: int, batch: int, seq: i
     return timed_step(micro_batch, lambda: None, accumulation, device)
 
 
-def ours(cfg: LeanGPTConfig, device: str, accumulation: int, batch: int, seq: int) -> dict[str, Optional[float]]:
-    with trainer(cfg, TRAINER, device, accumulation, batch, seq) as (_, optimizer, micro_batch, _):
+def ours(cfg: LeanGPTConfig, device: str, accumulation: int, batch: int, seq: int, device_accumulation: int = 1
+         ) -> dict[str, Optional[float]]:
+    with trainer(cfg, TRAINER, device, accumulation, batch, seq, device_accumulation) as (_, optimizer, micro_batch,
+                                                                                          _):
         return timed_step(micro_batch, optimizer.grad_averager.host_grads.wait, accumulation, device)
 
 
@@ -116,6 +119,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["125M", "350M", "1.3B"], choices=["tiny", *SIZES])
     parser.add_argument("--accumulation", type=int, default=8, help="micro-batches per optimizer step (>= 2)")
+    parser.add_argument("--device_accumulation", type=int, nargs="+", default=[1, 8],
+                        help="a trainer row for each: micro-batches whose gradients are summed on the GPU (float32, "
+                             "+4 bytes/param) before they go to the host (1: each leaves during its backward)")
     parser.add_argument("--output", type=Path, default=Path(os.environ["OUT"]) / "gpu_throughput.json"
                         if os.environ.get("OUT") else RESULTS / "gpu_throughput.json")
     args = parser.parse_args()
@@ -130,8 +136,10 @@ def main() -> None:
         cfg, batch, seq = (TINY, 2, 64) if size == "tiny" else (config(*SIZES[size]), BATCH, SEQ)
         count = sum(param.numel() for param in build(cfg, PLAIN, "meta").parameters())
         tokens = batch * seq
-        results = {"plain": run(f"{size} plain", plain, cfg, device, args.accumulation, batch, seq),
-                   "trainer": run(f"{size} trainer", ours, cfg, device, args.accumulation, batch, seq)}
+        results = {"plain": run(f"{size} plain", plain, cfg, device, args.accumulation, batch, seq)}
+        for summed in args.device_accumulation:
+            name = "trainer" if summed == 1 else f"trainer, device sums of {summed}"
+            results[name] = run(f"{size} {name}", ours, cfg, device, args.accumulation, batch, seq, summed)
         raw[size] = {"parameters": count, "tokens_per_micro_batch": tokens, **results}
         base = results["plain"]
         for name, result in results.items():
@@ -153,7 +161,8 @@ def main() -> None:
     result = {
         "benchmark": "gpu_throughput",
         "command": f"python benchmarks/gpu_throughput.py --sizes {' '.join(args.sizes)} "
-                   f"--accumulation {args.accumulation}",
+                   f"--accumulation {args.accumulation} "
+                   f"--device_accumulation {' '.join(map(str, args.device_accumulation))}",
         "machine": where, "date": datetime.date.today().isoformat(), "commit": commit,
         "baseline": "plain: float32 weights under bfloat16 autocast, full logits, torch.optim.AdamW(fused=True) on "
                     "the GPU, same model, same GPU, same run",
@@ -164,7 +173,9 @@ def main() -> None:
             "rows": rows,
             "notes": "micro-batch: forward + backward (+ host adds for the trainer), timed over A-1 micro-batches; "
                      "whole step: A micro-batches and the optimizer step (the trainer's 8-bit LAMB runs on the "
-                     "CPU inside a 1-peer hivemind.Optimizer). trainer = benchmarks/gpu_memory.py's last row."}],
+                     "CPU inside a 1-peer hivemind.Optimizer). trainer = benchmarks/gpu_memory.py's last row; "
+                     "device sums of N: its gradients summed on the GPU in float32 (--device_accumulation N, "
+                     "+4 bytes/param) and sent to the host every N-th micro-batch."}],
         "raw": raw,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,9 @@ optionally with "title" (the page's title; default: the file's name), "summary" 
 Used two ways: as a mkdocs hook (``hooks:`` in mkdocs.yml: the pages are added to the build and to the nav's
 "Benchmarks" section, and ``<!-- benchmark-list -->`` in ``benchmarks/index.md`` becomes the list of pages), and
 from the command line: ``python docs/gen_benchmarks.py --check`` validates every results file,
-``python docs/gen_benchmarks.py --out DIR`` writes the pages as markdown files. mkdocs-gen-files would do the hook's
+``python docs/gen_benchmarks.py --out DIR`` writes the pages as markdown files, and
+``python docs/gen_benchmarks.py --readme`` refills the README's result blocks (``<!-- results NAME INDEX -->`` ...
+``<!-- /results -->``: table INDEX of ``NAME.json``), which ``tests/test_docs.py`` checks are up to date. mkdocs-gen-files would do the hook's
 part too, but it is one more build dependency for twenty lines.
 """
 from __future__ import annotations
@@ -174,6 +176,24 @@ def render_list(results: dict[str, dict]) -> str:
 
 # --- the mkdocs hook -----------------------------------------------------------------------------------------------
 
+README = REPO / "README.md"
+README_BLOCK = re.compile(r"(<!-- results (\w+) (\d+) -->\n).*?(<!-- /results -->)", re.S)
+
+
+def render_readme(readme: str, results: dict[str, dict]) -> str:
+    """``readme`` with each result block refilled: the table, then its file's machine, date and commit."""
+    def block(match: re.Match) -> str:
+        name, index = match.group(2), int(match.group(3))
+        if name not in results or index >= len(results[name]["tables"]):
+            raise ResultsError(f"README: no table {index} in {name}.json")
+        data = results[name]
+        table = data["tables"][index]
+        source = f"{data['machine']}, {data['date']}" + (f", commit {data['commit']}" if data.get("commit") else "")
+        return (f"{match.group(1)}{table['title']} (`{name}.json`; {source}):\n\n{render_table(table)}\n"
+                f"{match.group(4)}")
+    return README_BLOCK.sub(block, readme)
+
+
 def on_config(config):
     """Add one nav entry per results file under the nav's "Benchmarks" section."""
     results = load_results()
@@ -207,6 +227,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="validate every results file and exit")
     parser.add_argument("--out", type=Path, help="write the pages (markdown) into this folder")
+    parser.add_argument("--readme", action="store_true", help="refill the README's result blocks")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder (default: %(default)s)")
     args = parser.parse_args()
     try:
@@ -217,6 +238,11 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, data in results.items():
             (args.out / f"{name}.md").write_text(render_page(name, data))
+    if args.readme:
+        try:
+            README.write_text(render_readme(README.read_text(), results))
+        except ResultsError as error:
+            sys.exit(f"gen_benchmarks.py: {error}")
     print(f"{len(results)} results files follow the schema")
 
 

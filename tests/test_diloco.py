@@ -74,6 +74,28 @@ def test_the_anchor_fingerprint_is_the_same_for_any_thread_count_and_sees_one_ul
     assert rounds.fingerprint() != fingerprints[0]
 
 
+def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hold():
+    """After a split, the fewest peers download: the fingerprint most members hold, then the most outer steps, then
+    the larger checksum; what a peer sent that is not a fingerprint counts for nothing."""
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, converged_state
+
+    five, lone = [7.0, 100], [7.0, 900]  # the lone peer's checksum is larger: it used to win
+    tags = {f"p{index}": five for index in range(5)} | {"lone": lone}
+    assert converged_state(tags) == five
+    assert converged_state({"a": five, "b": five, "c": lone, "d": lone}) == lone  # a tie: the larger checksum
+    assert converged_state({"a": [6.0, 999], "b": [7.0, 1]}) == [7.0, 1]  # a tie: the peer whose round failed loses
+    assert converged_state({"a": five, "b": five, "c": [8.0, 5]}) == five  # more steps alone do not outvote a group
+    garbage = {"none": None, "text": ["7", 100], "nan": [float("nan"), 1], "bool": [True, 1], "long": [1, 2, 3]}
+    assert converged_state(garbage) is None and converged_state(garbage | {"lone": lone}) == lone
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    rounds = OuterLoop(OuterNesterov([weight]), averager=None)
+    rounds._applied([torch.zeros(3)], 6, tags, sent_tag=lone)
+    assert rounds.behind and sorted(rounds.donors) == [f"p{index}" for index in range(5)]
+    rounds._applied([torch.zeros(3)], 6, tags, sent_tag=five)
+    assert not rounds.behind and rounds.donors == []
+
+
 def test_state_tensors_round_trip_gives_a_newcomer_the_same_next_step():
     old, new = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.full((4,), 9.0))
     outer_old, outer_new = OuterNesterov([old]), OuterNesterov([new])

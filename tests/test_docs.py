@@ -38,6 +38,13 @@ def test_readme_is_a_short_way_in():
         assert (REPO / target).is_file(), f"README links to {target}, which does not exist"
 
 
+def test_readme_result_tables_are_those_of_the_results_files():
+    """The README's tables are generated (``python docs/gen_benchmarks.py --readme``), so they match the results."""
+    text = README.read_text()
+    assert gen.README_BLOCK.search(text), "the README shows no result table"
+    assert gen.render_readme(text, gen.load_results()) == text, "stale: run python docs/gen_benchmarks.py --readme"
+
+
 def test_readme_layout_matches_the_tree():
     """Every path the layout block names exists, and every package folder and top-level folder is named there."""
     block = re.search(r"## Layout\n.*?```\n(.*?)```", README.read_text(), re.S).group(1)

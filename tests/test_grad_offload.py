@@ -65,6 +65,47 @@ def test_reset_lets_the_next_gradient_overwrite_and_forgets_non_finite(gpt_confi
     assert grads.buffers[0].tolist() == [2.0] * 4 and grads.buffers[1].tolist() == [0.0] * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("summed", [2, 3])
+def test_device_sums_reach_the_host_every_nth_gradient_and_on_wait(gpt_config, dtype, summed):
+    """device_accumulation: the same float32 sum as one gradient at a time (rounded in another order), unscaled
+    as it is summed; a tied weight's two parts count as one gradient; the host sees nothing until the n-th. bfloat16
+    weights untied: one at a time, a tied weight's two parts are added in bfloat16 as autograd adds them (``early``),
+    while a device sum adds both in float32."""
+    model = LeanGPTForCausalLM(gpt_config(tie_word_embeddings=dtype == torch.float32)).to(dtype)
+    twin = copy.deepcopy(model)
+    data = [torch.randint(61, (2, 16)) for _ in range(5)]
+    one_at_a_time = HostGradients(list(model.parameters()))
+    grads = HostGradients(list(twin.parameters()), device_accumulation=summed)
+    one_at_a_time.grad_scale = grads.grad_scale = 1 / 64
+    backward_twice(model, data, loss_scale=64.0)
+    backward_twice(twin, data[:summed - 1], loss_scale=64.0)
+    assert not any(grads.touched()) and grads.writes > 0  # still on the device
+    backward_twice(twin, data[summed - 1:], loss_scale=64.0)
+    assert all(grads.touched())  # the n-th gradient sent every sum, before any wait
+    one_at_a_time.wait()
+    grads.wait()
+    for param, expected, buffer in zip(twin.parameters(), one_at_a_time.buffers, grads.buffers):
+        assert param.grad is None
+        torch.testing.assert_close(buffer, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_device_sums_end_with_reset_and_reject_a_count_below_one():
+    weight = torch.nn.Parameter(torch.ones(4))
+    grads = HostGradients([weight], device_accumulation=3)
+    (weight * 3.0).sum().backward()
+    (weight * float("inf")).sum().backward()
+    assert grads.non_finite()
+    grads.reset()  # the sum so far is sent, then overwritten: a discarded step leaves nothing behind
+    assert not grads.non_finite() and grads.touched() == [False]
+    (weight * 2.0).sum().backward()
+    grads.wait()
+    assert grads.buffers[0].tolist() == [2.0] * 4
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="device_accumulation must be a positive integer"):
+            HostGradients([weight], device_accumulation=bad)
+
+
 def test_remove_hooks_gives_gradients_back_to_the_model():
     weight = torch.nn.Parameter(torch.ones(3))
     grads = HostGradients([weight])
@@ -128,3 +169,28 @@ def test_loss_scale_halves_on_overflow_and_doubles_after_clean_steps():
         DynamicLossScale(growth_interval=0)
     with pytest.raises(ValueError, match="initial_scale"):
         DynamicLossScale(initial_scale=0.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_device_sums_cost_four_bytes_a_parameter_and_give_the_host_sum(gpt_config):
+    config = gpt_config(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, vocab_size=4096,
+                        tie_word_embeddings=False)
+    model = LeanGPTForCausalLM(config).to("cuda", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    data = [torch.randint(4096, (2, 32), device="cuda") for _ in range(5)]
+    one_at_a_time = HostGradients(list(model.parameters()))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    grads = HostGradients(list(twin.parameters()), device_accumulation=3)
+    sums = torch.cuda.memory_allocated() - before
+    exact = sum(4 * param.numel() for param in twin.parameters())
+    assert 0 <= sums - exact < 512 * len(list(twin.parameters()))  # the allocator rounds each to 512 bytes
+    backward_twice(model, data)
+    backward_twice(twin, data)
+    one_at_a_time.wait()
+    grads.wait()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before + sums  # nothing but the sums stays on the device
+    for expected, buffer in zip(one_at_a_time.buffers, grads.buffers):
+        torch.testing.assert_close(buffer, expected, rtol=1e-4, atol=1e-5)

@@ -3,7 +3,8 @@
 Each case runs as a script in its own process (hivemind objects install signal handlers), with real DHTs and
 averagers on 127.0.0.1:
 
-- ``allreduce``: two peers, each with two micro-batches of known gradients, average through hivemind's all-reduce;
+- ``allreduce``: two peers, each with two micro-batches of known gradients, average through hivemind's all-reduce
+  (peer 1 sums on the device, ``device_accumulation=3``: its sums leave the device only when the round loads them);
 - ``optimizer``: one peer, ``hivemind.Optimizer(offload_optimizer=True)`` with CPULAMB8Bit, trains a tiny LeanGPT
   for 3 epochs of 2 local steps, once with hivemind's own averager (accumulators beside the ``.grad`` buffers,
   ``zero_grad`` after each step) and once with host gradients: the same weights, bit for bit. (One micro-batch per
@@ -65,8 +66,8 @@ def allreduce_case() -> dict:
     dhts.append(hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dhts[0].get_visible_maddrs()))
     params = [torch.nn.Parameter(torch.zeros(3)) for _ in dhts]
     peers = [HostGradientAverager([param], dht=dht, prefix="host", target_group_size=2, min_matchmaking_time=2.0,
-                                  request_timeout=1.0, allreduce_timeout=10, start=True)
-             for param, dht in zip(params, dhts)]
+                                  request_timeout=1.0, allreduce_timeout=10, start=True, device_accumulation=1 + 2 * index)
+             for index, (param, dht) in enumerate(zip(params, dhts))]
     non_finite = []
     for index, (peer, param) in enumerate(zip(peers, params)):
         for micro_batch in range(2):

@@ -28,9 +28,10 @@ DILOCO_FALL = 1.5  # measured: 4.58 -> 2.09 over 10 outer rounds with the liar (
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], aggregation: str, epochs: int) -> list[str]:
+def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], aggregation: str, epochs: int,
+                 target_batch: int = TARGET_BATCH) -> list[str]:
     return ["--run_id", run_id, "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--initial_peers", *initial_peers,
-            "--target_batch_size", str(TARGET_BATCH), "--per_device_batch_size", str(BATCH),
+            "--target_batch_size", str(target_batch), "--per_device_batch_size", str(BATCH),
             "--max_sequence_length", "64", "--learning_rate", "0.01", "--warmup_steps", "3", "--total_steps", "100",
             "--max_epochs", str(epochs), "--matchmaking_time", "3", "--averaging_timeout", "20",
             "--average_state_every", "1000", "--aggregation", aggregation, "--progress_every", "2",
@@ -38,13 +39,15 @@ def trainer_argv(run_id: str, output_dir: Path, initial_peers: list[str], aggreg
 
 
 def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int = EPOCHS,
-              timeout: float = 240, liar_joins_late: bool = False, extra: Sequence[str] = ()
+              timeout: float = 240, liar_joins_late: bool = False, extra: Sequence[str] = (),
+              honest_count: int = HONEST, liars: int = 1, target_batch: int = TARGET_BATCH
               ) -> Dict[str, Dict[int, float]]:
-    """Train ``HONEST`` honest trainers (and, with ``attack``, one lying peer) for ``epochs`` epochs; the honest
-    trainers' mean loss by epoch, by name. ``liar_joins_late``: the liar starts once every honest trainer has
-    averaged with the two others, so that it never meets one honest trainer alone in a group of two (where it is
-    half of the senders: no aggregation can outvote it; seen while the swarm forms). ``extra``: more trainer flags
-    (e.g. ``--local_steps``: DiLoCo mode, where the liar joins late once they took an outer step of 3)."""
+    """Train ``honest_count`` honest trainers (``honest0``...; and, with ``attack``, ``liars`` lying peers: ``liar``,
+    or ``liar0``... for several) for ``epochs`` epochs; the honest trainers' mean loss by epoch, by name.
+    ``liar_joins_late``: the liars start once every honest trainer has averaged with all the others, so that a liar
+    never meets one honest trainer alone in a group of two (where it is half of the senders: no aggregation can
+    outvote it; seen while the swarm forms). ``extra``: more trainer flags (e.g. ``--local_steps``: DiLoCo mode,
+    where the liar joins late once they took an outer step of 3)."""
     root.mkdir(parents=True, exist_ok=True)
     boot = start_peer("boot", ["-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
                       root, ENV, events=False)
@@ -53,18 +56,19 @@ def run_swarm(root: Path, aggregation: str, attack: Optional[str], epochs: int =
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
         run_id = f"robust_{aggregation}_{attack or 'none'}"
         honest = [start_peer(f"honest{index}", ["run_trainer.py", *trainer_argv(
-            run_id, root / f"honest{index}", initial, aggregation, epochs), *extra], root, ENV)
-            for index in range(HONEST)]
+            run_id, root / f"honest{index}", initial, aggregation, epochs, target_batch), *extra], root, ENV)
+            for index in range(honest_count)]
         peers += honest
         if attack is not None:
             # it stops once the honest ones have (its own epoch count may lag)
             start = ["--start_file", str(root / "liar.go")] if liar_joins_late else []
-            peers.append(start_peer("liar", ["tests/lying_peer.py", "--attack", attack, *start, *trainer_argv(
-                run_id, root / "liar", initial, aggregation, 10 * epochs), *extra], root, ENV))
+            for name in ["liar"] if liars == 1 else [f"liar{index}" for index in range(liars)]:
+                peers.append(start_peer(name, ["tests/lying_peer.py", "--attack", attack, *start, *trainer_argv(
+                    run_id, root / name, initial, aggregation, 10 * epochs, target_batch), *extra], root, ENV))
         if attack is not None and liar_joins_late:
             for peer in honest:
                 peer.wait_for_event("averaged", lambda event: event["kind"] in ("gradients", "outer")
-                                    and event["group_size"] == HONEST, timeout)
+                                    and event["group_size"] == honest_count, timeout)
             (root / "liar.go").touch()
         for peer in honest:
             peer.wait_for_event("epoch", lambda event: event["epoch"] >= epochs, timeout)

@@ -17,7 +17,7 @@ import torch
 from aux_utils import start_peer, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.hivemind_fixes.state_download import StateLayout, ValidatedStateSharing
+from lean_transformer.swarm.hivemind_fixes.state_download import StateLayout, ValidatedStateSharing, rank_donors
 
 TINY = dict(host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4, max_sequence_length=32,
             target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10, shutdown_timeout=20)
@@ -115,3 +115,19 @@ def test_state_layout_names_what_does_not_fit():
     for expected, (metadata, received) in cases.items():
         problem = layout.problem(metadata, received)
         assert problem is not None and expected in problem, (expected, problem)
+
+
+def test_donors_named_by_the_caller_are_tried_first_then_by_priority():
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    peers = [PeerID.from_base58(name) for name in (
+        "QmaTNn4hy3td4LG4rVFBXS9QWW58g86UKfctMqLvJwHBaF", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
+        "QmXuPFimLAF4VFrKN6yY8sCKyA4k2hK9trfZ1Jkf6hWaWe", "QmS4ustL54uo8FzR9455qaxZwuMiUhyvMcX9Ba8nUH4uVv")]
+    own, low, high, named = peers
+    priorities = {peer.to_bytes(): ValueWithExpiration(priority, 1e12)
+                  for peer, priority in ((own, 9), (low, 1), (high, 5), (named, 0))}
+    priorities[12345] = ValueWithExpiration(3, 1e12)  # a subkey is any msgpack value
+    priorities[named.to_bytes() + b"x"] = "not a priority"
+    assert rank_donors(priorities, own) == [high, low, named]
+    assert rank_donors(priorities, own, donors=[str(named)]) == [named, high, low]

@@ -25,9 +25,10 @@ def run(script: str, *args: str, output: Path) -> dict:
 
 
 def test_gpu_throughput_tiny_on_cpu(tmp_path):
-    result = run("gpu_throughput.py", "--sizes", "tiny", "--accumulation", "2", output=tmp_path / "gpu.json")
+    result = run("gpu_throughput.py", "--sizes", "tiny", "--accumulation", "2", "--device_accumulation", "1", "2",
+                 output=tmp_path / "gpu.json")
     (table,) = result["tables"]
-    assert [row[1] for row in table["rows"]] == ["plain", "trainer"]
+    assert [row[1] for row in table["rows"]] == ["plain", "trainer", "trainer, device sums of 2"]
     for row in table["rows"]:
         assert row[3] > 0 and row[4] > 0  # micro-batch and whole-step tokens/s
     assert table["rows"][0][6] == "1.00x"

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from aux_utils import PeerProcess, start_peer
-from swarm_utils import assert_shut_down, epoch_reports, group_sizes
+from swarm_utils import assert_shut_down, epoch_reports, group_sizes, untrained_loss
 
 pytestmark = pytest.mark.swarm
 
@@ -137,11 +137,11 @@ def test_peers_finish_cleanly(scenario: Scenario):
 
 
 def test_pair_averages_with_two_peers_and_loss_falls(scenario: Scenario):
+    untrained = untrained_loss({peer.name: epoch_losses(peer) for peer in scenario.pair})
     for peer in scenario.pair:
         assert 2 in group_sizes(peer) and 2 in group_sizes(peer, "parameters"), peer.name
-        losses = epoch_losses(peer)
-        first, last = losses[min(losses)], losses[EPOCHS]
-        assert last < first - 0.5, f"{peer.name}: loss went from {first} to {last}"
+        last = epoch_losses(peer)[EPOCHS]
+        assert last < untrained - 0.5, f"{peer.name}: loss went from {untrained} (untrained) to {last}"
 
 
 def test_pair_parameters_agree_after_state_averaging(scenario: Scenario):

@@ -10,6 +10,12 @@ the rest of backward; a host thread then adds the slot into its float32 buffer (
 so a float16 gradient is unscaled in float32, not in float16 where small values would flush to zero). On the CPU
 the hook adds synchronously. The same class serves both, so the CPU tests exercise its bookkeeping.
 
+With ``device_accumulation`` K > 1, each parameter's gradients are first summed on the device in a float32 tensor of
+its own (+4 bytes/param of device memory) and leave it as that sum every K-th gradient (and whenever a reader waits):
+the host adds K times less and the link carries 2/K as many bytes for bfloat16 weights. For a GPU faster than the
+host's adds (``benchmarks/host_throughput.py``: two cores add ~0.75 G params/s, which keeps ~35 TFLOPS busy) this
+trades device memory for speed; the result is the same sum, rounded in another order (float32 either way).
+
 A tied embedding's output-head gradient arrives first and separately (``modules/early_grad.py``: it would otherwise
 wait on the device through the whole backward for the lookup's part); both parts are added into the same buffer.
 
@@ -51,6 +57,7 @@ class HostGradients:
     :param params: the model's parameters (any device, any floating-point dtype); each gets a hook
     :param buffers: float32 CPU tensors of the parameters' shapes to accumulate into (default: new ones)
     :param staging_slots: pinned transfer slots for a CUDA model, each the size of the largest gradient
+    :param device_accumulation: gradients summed on the device (float32) before they leave it; 1: each leaves alone
 
     After :meth:`reset`, each buffer's next gradient overwrites it (no zeroing pass); a buffer that got no gradient
     since then is stale until :meth:`zero_untouched_`. ``grad_scale`` multiplies every incoming gradient (set it to
@@ -58,7 +65,7 @@ class HostGradients:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], buffers: Optional[Sequence[torch.Tensor]] = None,
-                 staging_slots: int = 2):
+                 staging_slots: int = 2, device_accumulation: int = 1):
         self.params = tuple(params)
         if not self.params:
             raise ValueError("params: HostGradients got an empty parameter list")
@@ -81,6 +88,15 @@ class HostGradients:
             if buffer.dtype != torch.float32 or buffer.device.type != "cpu" or buffer.shape != param.shape:
                 raise ValueError(f"buffers[{index}] must be a float32 CPU tensor of shape {tuple(param.shape)}, got "
                                  f"{buffer.dtype} {buffer.device.type} {tuple(buffer.shape)}")
+        if not isinstance(device_accumulation, int) or device_accumulation < 1:
+            raise ValueError(f"device_accumulation must be a positive integer, got {device_accumulation!r}")
+        self.device_accumulation = device_accumulation
+        self._sums: list[torch.Tensor] = []  # device_accumulation > 1: each parameter's float32 sum on the device
+        if device_accumulation > 1:
+            self._sums = [torch.zeros(param.shape, dtype=torch.float32, device=self.device) for param in self.params]
+        self._summed = [0] * len(self.params)  # whole gradients in each sum since it was last sent
+        self._unsent = [False] * len(self.params)  # the sum holds gradients (else the next one overwrites it)
+        self._sum_sent: list[Optional[torch.cuda.Event]] = [None] * len(self.params)  # its copy to the host
         self.grad_scale = 1.0
         self.writes = 0  # gradients received so far (ever): tells a reader whether anything arrived since it looked
         self._fresh = [True] * len(self.params)
@@ -88,7 +104,7 @@ class HostGradients:
         self._error: Optional[BaseException] = None
         if self.is_cuda:
             self._stream = torch.cuda.Stream(self.device)
-            largest = max(param.numel() * param.element_size() for param in self.params)
+            largest = max(param.numel() * (4 if self._sums else param.element_size()) for param in self.params)
             self._free_slots: queue.Queue = queue.Queue()
             for _ in range(staging_slots):
                 self._free_slots.put(torch.empty(largest, dtype=torch.uint8, pin_memory=True))
@@ -120,9 +136,35 @@ class HostGradients:
             low, high = torch.aminmax(grad)  # NaN propagates to both; no temporary of the gradient's size
             self._found_non_finite.logical_or_(~(torch.isfinite(low) & torch.isfinite(high)))
         self.writes += 1
-        if not self.is_cuda:
+        if self._sums:
+            self._sum_on_device(index, grad, early)
+        elif not self.is_cuda:
             self._accumulate(index, grad, early=early)
+        else:
+            self._send(index, grad, self.grad_scale, early)
+
+    def _sum_on_device(self, index: int, grad: torch.Tensor, early: bool) -> None:
+        """Add ``grad`` (unscaled, in float32) to parameter ``index``'s device sum; send the sum on its K-th gradient.
+        An early part counts with the rest of its gradient, not on its own."""
+        total = self._sums[index]
+        if self._sum_sent[index] is not None:  # its last copy to the host must be done before it is overwritten
+            torch.cuda.current_stream(self.device).wait_event(self._sum_sent[index])
+            self._sum_sent[index] = None
+        accumulate_into(total, grad, self.grad_scale, overwrite=not self._unsent[index])
+        self._unsent[index] = True
+        self._summed[index] += 0 if early else 1
+        if self._summed[index] >= self.device_accumulation:
+            self._send_sum(index)
+
+    def _send_sum(self, index: int) -> None:
+        self._summed[index], self._unsent[index] = 0, False
+        if not self.is_cuda:
+            self._add_to_buffer(index, self._sums[index], 1.0)
             return
+        self._sum_sent[index] = self._send(index, self._sums[index], 1.0, early=False)
+
+    def _send(self, index: int, grad: torch.Tensor, scale: float, early: bool) -> torch.cuda.Event:
+        """Copy ``grad`` into a staging slot on the side stream and queue its host add; returns the copy's event."""
         try:
             slot = self._free_slots.get(timeout=WAIT_TIMEOUT)
         except queue.Empty:
@@ -136,7 +178,8 @@ class HostGradients:
         grad.record_stream(self._stream)  # its memory is reused only after the copy
         with self._idle:
             self._pending += 1
-        self._jobs.put((index, staged, slot, copied, self.grad_scale, early))
+        self._jobs.put((index, staged, slot, copied, scale, early))
+        return copied
 
     def _accumulate(self, index: int, grad: torch.Tensor, scale: Optional[float] = None, early: bool = False
                     ) -> None:
@@ -178,6 +221,9 @@ class HostGradients:
 
     def wait(self) -> None:
         """Return once every gradient produced so far is in the buffers."""
+        for index, unsent in enumerate(self._unsent):  # sums (device_accumulation) still on the device
+            if unsent:
+                self._send_sum(index)
         if self.is_cuda:
             with self._idle:
                 if not self._idle.wait_for(lambda: self._pending == 0, timeout=WAIT_TIMEOUT):

@@ -12,6 +12,9 @@ How a swarm owner and a volunteer use it::
         --peer-public-key "ssh-rsa AAAA..." --expires-in 7d --name alice --out alice.token
     # volunteer: run_trainer.py ... --identity_path identity.key --auth_token_path alice.token \
     #     --authority_public_key_path authority.pub
+    # owner, to cut a peer off before its token expires (every peer refuses it within a minute):
+    python -m lean_transformer.swarm.auth revoke --authority authority.pem --peer-id Qm... \
+        --initial_peers /ip4/.../p2p/Qm... --run_id my_run --list-path revoked.list
 
 One key per peer. The identity file (``--identity_path``, the RSA key in libp2p's format that hivemind writes) is
 at once the peer's libp2p peer ID, the key that signs its DHT records (hivemind's ``RSASignatureValidator``, so its
@@ -34,17 +37,21 @@ replay protection, and token expiry is checked against each peer's own clock.
 
 Modules: :mod:`~lean_transformer.swarm.auth.keys` (key files), :mod:`~lean_transformer.swarm.auth.tokens` (the token
 format), :mod:`~lean_transformer.swarm.auth.authorizer` (the DHT's authorizer),
-:mod:`~lean_transformer.swarm.auth.averaging_gate` (the averagers' gate) and :mod:`~lean_transformer.swarm.auth.cli`.
+:mod:`~lean_transformer.swarm.auth.averaging_gate` (the averagers' gate),
+:mod:`~lean_transformer.swarm.auth.revocation` (revoked identities) and :mod:`~lean_transformer.swarm.auth.cli`.
 """
 from lean_transformer.swarm.auth.authorizer import SwarmAuthorizer, make_authorizer
 from lean_transformer.swarm.auth.keys import (KeyFileError, key_fingerprint, load_authority_key, load_identity_key,
-                                              load_public_key, parse_public_key, public_key_text, save_authority_key,
-                                              save_public_key)
+                                              load_public_key, parse_public_key, peer_id_of, public_key_text,
+                                              save_authority_key, save_public_key)
+from lean_transformer.swarm.auth.revocation import (IdentityRevokedError, InvalidRevocationListError, RevocationList,
+                                                    RevocationWatcher, sign_revocations)
 from lean_transformer.swarm.auth.tokens import (InvalidTokenError, TokenExpiredError, check_token, decode_token,
                                                 encode_token, issue_token, load_token, parse_duration, save_token,
                                                 token_expiration)
 
-__all__ = ["InvalidTokenError", "KeyFileError", "SwarmAuthorizer", "TokenExpiredError", "check_token", "decode_token",
-           "encode_token", "issue_token", "key_fingerprint", "load_authority_key", "load_identity_key",
-           "load_public_key", "load_token", "make_authorizer", "parse_duration", "parse_public_key",
-           "public_key_text", "save_authority_key", "save_public_key", "save_token", "token_expiration"]
+__all__ = ["IdentityRevokedError", "InvalidRevocationListError", "InvalidTokenError", "KeyFileError", "RevocationList",
+           "RevocationWatcher", "SwarmAuthorizer", "TokenExpiredError", "check_token", "decode_token", "encode_token",
+           "issue_token", "key_fingerprint", "load_authority_key", "load_identity_key", "load_public_key",
+           "load_token", "make_authorizer", "parse_duration", "parse_public_key", "peer_id_of", "public_key_text",
+           "save_authority_key", "save_public_key", "save_token", "sign_revocations", "token_expiration"]

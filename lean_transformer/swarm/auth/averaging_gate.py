@@ -11,7 +11,10 @@ and a peer ID is the hash of the peer's identity key, the very key its access to
   :class:`~lean_transformer.swarm.averaging.diloco.GatedPseudoGradientAverager`, all taking the gate as their ``gate``
   argument) answer a join, all-reduce or state download request only if the caller's peer ID has a token there that
   the swarm authority signed, that has not expired and whose key hashes to that peer ID (:class:`AveragingGate`);
-  anyone else gets the protocol's refusal.
+  anyone else gets the protocol's refusal;
+- a peer whose identity the swarm authority revoked (:mod:`.revocation`) is refused even with a valid token: the gate
+  asks the DHT process for the revoked peer IDs (its authorizer holds the newest list) at most every
+  ``REVOCATION_REFRESH`` s and checks them before its remembered verdicts, so revocation bites an admitted peer too.
 
 :class:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer` runs the gated averagers only when it is given a
 gate (authorization is configured); an open swarm speaks hivemind's own protocol unchanged. hivemind names an
@@ -21,23 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import os
 import time
 from datetime import datetime
 from typing import AsyncIterator, Optional, Union
 
 import hivemind
-from cryptography.hazmat.primitives import serialization
 from hivemind.dht import DHTNode
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, crypto_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
+from lean_transformer.swarm.auth.keys import peer_id_of
+from lean_transformer.swarm.auth.revocation import revoked_peer_ids
 from lean_transformer.swarm.auth.tokens import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
                                                 token_expiration)
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
@@ -47,6 +50,7 @@ from lean_transformer.swarm.monitoring.events import emit
 logger = get_logger(__name__)
 
 PUBLISH_PERIOD = 60.0  # seconds between re-publications of a peer's token (its DHT record lives twice as long)
+REVOCATION_REFRESH = 5.0  # seconds between the gate's questions to the DHT process about revoked peers
 REFUSAL_TTL = 5.0  # seconds a refusal is remembered: a stranger costs one DHT lookup per this period at most
 _MAX_VERDICTS = 10_000  # remembered peers per averager, beyond which expired verdicts are dropped
 
@@ -54,16 +58,6 @@ _MAX_VERDICTS = 10_000  # remembered peers per averager, beyond which expired ve
 def access_token_key(run_id: str, peer_id: PeerID) -> str:
     """The DHT key under which the peer ``peer_id`` publishes its access token (subkey: its record owner key)."""
     return f"{run_id}_access_token_{peer_id.to_base58()}"
-
-
-def peer_id_of(public_key: Union[RSAPublicKey, bytes]) -> PeerID:
-    """The libp2p peer ID of an RSA public key (an ``RSAPublicKey`` or its OpenSSH line, as tokens hold it): the
-    sha2-256 multihash of the protobuf-wrapped DER key, as libp2p derives it (and ``PeerID.from_identity``)."""
-    openssh = public_key.to_bytes() if isinstance(public_key, RSAPublicKey) else public_key
-    der = serialization.load_ssh_public_key(openssh).public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    return PeerID(b"\x12\x20" + hashlib.sha256(wrapped).digest())  # multihash: code 0x12 (sha2-256), 32 bytes
 
 
 def check_member_token(token: AccessToken, peer_id: PeerID, authority_public_key: RSAPublicKey, *,
@@ -122,14 +116,35 @@ class AveragingGate:
 
     A verdict is remembered: an admission until the token expires, a refusal for ``REFUSAL_TTL`` s (so a token that
     was published late is seen soon). Each refusal of a peer that was not refused just before logs one warning.
+    Revoked peers are refused first, whatever the remembered verdict.
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, authority_public_key: RSAPublicKey):
         self._dht, self._run_id, self._authority_public_key = dht, run_id, authority_public_key
         self._verdicts: dict[PeerID, tuple[bool, float]] = {}  # peer -> (admitted, until this time.time())
+        self._revoked: frozenset[str] = frozenset()
+        self._revoked_checked = -float("inf")  # time.monotonic() of the last question to the DHT process
+        self._revoked_refused: set[str] = set()  # revoked peers already reported by this averager
+
+    async def _revoked_now(self) -> frozenset[str]:
+        if time.monotonic() - self._revoked_checked >= REVOCATION_REFRESH:
+            self._revoked_checked = time.monotonic()
+            try:
+                self._revoked = await self._dht.run_coroutine(revoked_peer_ids, return_future=True)
+            except Exception as e:  # the DHT is shutting down: keep the last answer
+                logger.debug(f"Could not ask the DHT process for revoked peers: {e!r}")
+        return self._revoked
 
     async def admits(self, peer_id: PeerID, service: str) -> bool:
-        """Whether ``peer_id`` holds a valid token; ``service`` names the averager in the warning."""
+        """Whether ``peer_id`` holds a valid token and is not revoked; ``service`` names the averager in the
+        warning."""
+        if str(peer_id) in await self._revoked_now():
+            if str(peer_id) not in self._revoked_refused:
+                self._revoked_refused.add(str(peer_id))
+                reason = "its identity was revoked by the swarm authority"
+                logger.warning(f"{service}: refusing averaging requests from peer {peer_id}: {reason}")
+                emit("peer_refused", source=str(peer_id), reason=reason, service=service)
+            return False
         previous = self._verdicts.get(peer_id)
         if previous is not None and time.time() < previous[1]:
             return previous[0]

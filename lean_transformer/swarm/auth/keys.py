@@ -13,7 +13,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from google.protobuf.message import DecodeError
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
@@ -75,6 +75,16 @@ def key_fingerprint(key: Union[RSAPublicKey, bytes]) -> str:
     serialized = key.to_bytes() if isinstance(key, RSAPublicKey) else key
     blob = base64.b64decode(serialized.split()[1])
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def peer_id_of(public_key: Union[RSAPublicKey, bytes]) -> PeerID:
+    """The libp2p peer ID of an RSA public key (an ``RSAPublicKey`` or its OpenSSH line, as tokens hold it): the
+    sha2-256 multihash of the protobuf-wrapped DER key, as libp2p derives it (and ``PeerID.from_identity``)."""
+    openssh = public_key.to_bytes() if isinstance(public_key, RSAPublicKey) else public_key
+    der = serialization.load_ssh_public_key(openssh).public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(wrapped).digest())  # multihash: code 0x12 (sha2-256), 32 bytes
 
 
 def parse_public_key(text: Union[str, bytes], source: str = "public key") -> RSAPublicKey:

@@ -44,12 +44,13 @@ class HostAccumulated:
     _stub_type = None
 
     def __init__(self, parameters: Sequence[torch.nn.Parameter], *args: Any, reuse_grad_buffers: bool = False,
-                 accumulate_grads_on: Any = None, averaged_grads: Sequence[torch.Tensor] = (), **kwargs: Any):
+                 accumulate_grads_on: Any = None, averaged_grads: Sequence[torch.Tensor] = (),
+                 device_accumulation: int = 1, **kwargs: Any):
         if averaged_grads:
             raise ValueError("averaged_grads: HostAccumulated allocates the averaged gradients itself")
         parameters = tuple(parameters)
         buffers = tuple(torch.zeros(param.shape, dtype=torch.float32).share_memory_() for param in parameters)
-        self.host_grads = HostGradients(parameters, buffers)
+        self.host_grads = HostGradients(parameters, buffers, device_accumulation=device_accumulation)
         self._writes_when_loaded = None
         # reuse_grad_buffers=True: no accumulators of hivemind's own; ours are _grads_from_parameters() below
         super().__init__(parameters, *args, reuse_grad_buffers=True, averaged_grads=buffers, **kwargs)

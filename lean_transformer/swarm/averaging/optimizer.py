@@ -78,6 +78,7 @@ class SwarmOptimizer(hivemind.Optimizer):
       buffers (:class:`~lean_transformer.optim.grad_offload.HostGradients`; None without): the gradient averager's
       (:mod:`lean_transformer.swarm.averaging.host_grad_averager`), or in DiLoCo mode the offloaded optimizer's
       float32 ``.grad``; either way low-precision weights (``--model_dtype``) step through float32 master copies;
+      ``device_accumulation`` > 1 sums that many gradients on the device first (``HostGradients``);
     - ``waiting``: a context manager around outer rounds and state downloads, time that is not compute;
     - :meth:`cancel_rounds_in_flight`, for a peer that leaves; :meth:`restart_from_anchor`, after its parameters were
       replaced; :meth:`checkpoint_state` / :meth:`load_checkpoint_state`, what a checkpoint holds besides hivemind's.
@@ -89,12 +90,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     def __init__(self, *, params: list[dict], averager_opts: Optional[dict] = None,
-                 gate: Optional[AveragingGate] = None, host_gradients: bool = False,
+                 gate: Optional[AveragingGate] = None, host_gradients: bool = False, device_accumulation: int = 1,
                  diloco: Optional[DiLoCoSettings] = None, aggregation: str = "mean",
                  waiting: Callable[[], ContextManager] = contextlib.nullcontext, **kwargs: Any):
         averager_opts = dict(averager_opts or {}, **({} if gate is None else dict(gate=gate)))
         self.waiting = waiting
         self.host_grads: Optional[HostGradients] = None
+        self.device_accumulation = device_accumulation
         self.outer_loop: Optional[OuterLoop] = None
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
@@ -103,8 +105,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         outer = None
         if diloco is None:
             averager_class = gradient_averager_class(gate is not None, host_gradients)
+            host_opts = dict(device_accumulation=device_accumulation) if host_gradients else {}
             kwargs["grad_averager_factory"] = functools.partial(averager_class, aggregation=aggregation,
-                                                                **averager_opts)
+                                                                **host_opts, **averager_opts)
         else:
             outer = OuterNesterov([param for group in params for param in group["params"]], lr=diloco.outer_lr,
                                   momentum=diloco.outer_momentum)
@@ -179,6 +182,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             verbose=True,
             gate=gate,
             host_gradients=host_gradients,
+            device_accumulation=training.device_accumulation,
             diloco=diloco,
             aggregation=collaboration.aggregation,
             waiting=waiting,
@@ -221,7 +225,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         buffers = [torch.zeros(master.shape, dtype=torch.float32) for master in masters]
         for master, buffer in zip(masters, buffers):
             master.grad = buffer  # hivemind's local step never zeroes the offloaded optimizer's gradients
-        host_grads = HostGradients(self.state_averager.main_parameters, buffers)
+        host_grads = HostGradients(self.state_averager.main_parameters, buffers,
+                                   device_accumulation=self.device_accumulation)
         self._schema_hash = self._compute_schema_hash()  # hivemind checks that the .grad tensors stay these
         return host_grads
 
@@ -264,11 +269,11 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._end_outer_round()
             self._advance_epoch(grad_scaler)
             self.steps_in_round = 0
-            if self.outer_loop.behind:  # e.g. it stepped alone while a trainer it had not seen yet missed the round
-                logger.info("This peer's outer state differs from a groupmate's newer one: downloading the swarm's "
-                            "state")
+            if self.outer_loop.behind:  # e.g. it stepped in another group of the last round (a split)
+                logger.info(f"This peer's outer state differs from the one {len(self.outer_loop.donors)} groupmate(s) "
+                            f"hold: downloading theirs")
                 self.outer_loop.behind = False
-                self.load_state_from_peers()
+                self.load_state_from_peers(donors=self.outer_loop.donors)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         self.grad_averager.epoch_for_gather = self.local_epoch

@@ -126,6 +126,21 @@ def optimizer_skeleton(flat_metadata: Any) -> Optional[tuple[tuple[str, Any], ..
     return tuple(skeleton)
 
 
+def rank_donors(priorities: dict, own: PeerID, donors: Sequence[str] = ()) -> list[PeerID]:
+    """The peers of the DHT's donor list (subkey: peer ID bytes -> priority) in the order to try them: ``donors``
+    (peer IDs) first, then by priority, ties in random order; malformed entries and this peer left out."""
+    ranked = {}
+    for peer_id, info in priorities.items():
+        if isinstance(info, ValueWithExpiration) and isinstance(info.value, (int, float)):
+            try:
+                peer = PeerID(peer_id)
+            except Exception:  # a malformed key in the DHT record
+                continue
+            ranked[peer] = (str(peer) in donors, float(info.value), random.random())
+    ranked.pop(own, None)
+    return sorted(ranked, key=ranked.get, reverse=True)
+
+
 class ValidatedStateSharing:
     """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in."""
 
@@ -178,12 +193,14 @@ class ValidatedStateSharing:
                                tuple(tensor.dtype for tensor in tensors), optimizer_skeleton(optimizer_metadata),
                                min_epoch=self.local_epoch)
 
-    def load_state_from_peers(self, timeout: Optional[float] = None, **_unused) -> None:
+    def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (), **_unused) -> None:
         """Load the best state that a peer serves and that fits this peer (see the module's docstring); keep the
-        current state if none does within ``timeout`` seconds (default: ``request_timeout`` per part)."""
+        current state if none does within ``timeout`` seconds (default: ``request_timeout`` per part). ``donors``
+        (peer IDs) are tried first: e.g. DiLoCo's groupmates whose outer state the group converged on."""
         layout = self._local_layout()
         future = MPFuture()
-        self._outer_pipe.send(("_download_fitting_state", [], dict(layout=layout, timeout=timeout, future=future)))
+        self._outer_pipe.send(("_download_fitting_state", [], dict(layout=layout, timeout=timeout, future=future,
+                                                                   donors=tuple(map(str, donors)))))
         loaded = future.result(timeout=None if timeout is None else timeout + MIN_CHUNK_TIMEOUT)
         if loaded is None:
             return
@@ -201,30 +218,23 @@ class ValidatedStateSharing:
         self.local_epoch = metadata["epoch"]
         self._update_scheduler()
 
-    async def _download_fitting_state(self, layout: StateLayout, future: MPFuture,
-                                      timeout: Optional[float] = None) -> None:
-        """Executed in the averager's process: try the peers that share their state, best first, until one serves a
-        state that fits ``layout``; resolve ``future`` with (metadata, tensors) or None."""
+    async def _download_fitting_state(self, layout: StateLayout, future: MPFuture, timeout: Optional[float] = None,
+                                      donors: Sequence[str] = ()) -> None:
+        """Executed in the averager's process: try the peers that share their state, ``donors`` first, then best
+        first, until one serves a state that fits ``layout``; resolve ``future`` with (metadata, tensors) or None."""
         chunk_timeout = max(MIN_CHUNK_TIMEOUT, self.next_chunk_timeout or self.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             found = self.dht.get(key, latest=True)
-            priorities = found.value if found is not None and isinstance(found.value, dict) else {}
-            ranked = {}
-            for peer_id, info in priorities.items():
-                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (int, float)):
-                    try:
-                        ranked[PeerID(peer_id)] = (float(info.value), random.random())
-                    except Exception:  # a malformed key in the DHT record
-                        continue
-            ranked.pop(self.peer_id, None)
+            ranked = rank_donors(found.value if found is not None and isinstance(found.value, dict) else {},
+                                 self.peer_id, donors)
             if not ranked:
                 logger.info("No peer shares its state: this peer keeps its own")
             else:
                 bound = "" if timeout is None else f", at most {timeout:g} s"
                 logger.info(f"Downloading the swarm's state: {len(ranked)} peer(s) share one (best first{bound})")
-            for peer in sorted(ranked, key=ranked.get, reverse=True):
+            for peer in ranked:
                 if deadline is not None and time.monotonic() > deadline:
                     logger.warning(f"No peer served a state that fits within {timeout:g} s")
                     break

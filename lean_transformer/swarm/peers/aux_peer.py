@@ -21,6 +21,7 @@ import hivemind
 from transformers import PreTrainedModel
 
 from lean_transformer.swarm.monitoring.aggregation import EpochCollector, SwarmStats
+from lean_transformer.swarm.auth.revocation import RevocationWatcher
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.storage.checkpoint_dir import CheckpointDir
 from lean_transformer.swarm.monitoring.dashboard import Dashboard, state_json
@@ -106,8 +107,10 @@ class AuxPeer:
     def __init__(self, dht: hivemind.DHT, model: PreTrainedModel, optimizer: AuxiliaryOptimizer,
                  network: NetworkSettings, aux: AuxSettings, config: dict, shutdown: GracefulShutdown,
                  agreement: SwarmAgreement, save_tokenizer: Callable[[Path], None],
-                 validation_batches: Sequence[Batch] = (), dashboard: Optional[Dashboard] = None):
+                 validation_batches: Sequence[Batch] = (), dashboard: Optional[Dashboard] = None,
+                 revocations: Optional[RevocationWatcher] = None):
         self.dht, self.model, self.optimizer, self.agreement = dht, model, optimizer, agreement
+        self.revocations = revocations
         self.save_tokenizer, self.validation_batches = save_tokenizer, validation_batches
         self.run_id, self.aux, self.shutdown = network.run_id, aux, shutdown
         self.history = RunHistory(aux.metrics_path, max_rows=aux.history_window)
@@ -139,6 +142,8 @@ class AuxPeer:
         try:
             while not self.shutdown.requested.is_set():
                 self.agreement.raise_if_mismatched()
+                if self.revocations is not None:
+                    self.revocations.raise_if_revoked()
                 self.refresh()
                 self.shutdown.requested.wait(self.aux.refresh_period)
         finally:
@@ -301,6 +306,6 @@ def _run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: C
              initial_peers=[] if network.client_mode else visible_maddrs(peer.dht), from_swarm=False)
         AuxPeer(peer.dht, model, optimizer, network, aux, run_config or {}, shutdown, peer.agreement,
                 save_tokenizer=lambda directory: task.save_tokenizer(str(directory)),
-                validation_batches=validation_batches, dashboard=dashboard).run()
+                validation_batches=validation_batches, dashboard=dashboard, revocations=peer.revocations).run()
     logger.info("Shut down cleanly")
     return dict(reason="signal", epoch=optimizer.local_epoch)

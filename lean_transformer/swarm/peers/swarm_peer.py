@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeVar
 
 from torch import nn
 
+from lean_transformer.swarm.auth.keys import load_public_key
+from lean_transformer.swarm.auth.revocation import RevocationWatcher
 from lean_transformer.swarm.monitoring.events import set_peer
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
@@ -27,16 +29,19 @@ class SwarmPeer:
     """A peer's membership in the swarm, as a context manager.
 
     On entry: the peer's identity key (``private_key``, which also signs its DHT records: ``public_key`` is their
-    owner), the DHT with the run's record validators (``dht``), and the agreement on ``swarm_settings`` with the
-    peers already there (``agreement``; a mismatch raises SettingsMismatchError). On exit, after an error too: the
-    optimizer of :meth:`start_optimizer` leaves first (its averagers say goodbye through the DHT), then the agreement
-    stops watching and the DHT shuts down, also if the optimizer's shutdown failed. A peer that was asked to stop is held
-    to its time budget by :class:`~lean_transformer.swarm.peers.shutdown.GracefulShutdown` meanwhile.
+    owner), the DHT with the run's record validators (``dht``), the agreement on ``swarm_settings`` with the peers
+    already there (``agreement``; a mismatch raises SettingsMismatchError) and, in an authorized swarm, the watcher of
+    the authority's revocation list (``revocations``, else None; a revoked identity raises IdentityRevokedError). On
+    exit, after an error too: the optimizer of :meth:`start_optimizer` leaves first (its averagers say goodbye through
+    the DHT), then the agreement and the watcher stop and the DHT shuts down, also if the optimizer's shutdown failed.
+    A peer that was asked to stop is held to its time budget by
+    :class:`~lean_transformer.swarm.peers.shutdown.GracefulShutdown` meanwhile.
     """
 
     def __init__(self, network: NetworkSettings, swarm_settings: Mapping[str, Any]):
         self.network, self.swarm_settings = network, swarm_settings
         self.optimizer: Optional[SwarmOptimizer] = None
+        self.revocations: Optional[RevocationWatcher] = None
 
     def __enter__(self) -> SwarmPeer:
         self.private_key = peer_private_key(self.network)
@@ -45,9 +50,14 @@ class SwarmPeer:
         self.dht = build_dht(self.network, [signature_validator, metrics_validator])
         set_peer(str(self.dht.peer_id))  # before the averagers fork: their events name this peer too
         try:
+            if self.network.auth_token_path is not None:
+                authority = load_public_key(self.network.authority_public_key_path, "authority public key file")
+                self.revocations = RevocationWatcher(self.dht, self.network.run_id, authority, self.public_key).start()
             self.agreement = SwarmAgreement(self.dht, self.network.run_id, self.public_key,
                                             self.swarm_settings).start()
         except BaseException:
+            if self.revocations is not None:
+                self.revocations.stop()
             self.dht.shutdown()
             raise
         return self
@@ -74,4 +84,6 @@ class SwarmPeer:
                 self.optimizer.shutdown()
         finally:
             self.agreement.stop()
+            if self.revocations is not None:
+                self.revocations.stop()
             self.dht.shutdown()

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lean_transformer.optim.loss_scale import DynamicLossScale
+from lean_transformer.swarm.auth.revocation import RevocationWatcher
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.peers.backups import LocalBackups
 from lean_transformer.swarm.averaging.block_scaling import SwarmBlockScaling
@@ -97,6 +98,9 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         except ValueError as e:
             raise ValueError(f"--offload_gradients: needs --offload_optimizer and neither --delay_optimizer_step nor "
                              f"--delay_grad_averaging ({e})") from None
+    if training.device_accumulation > 1 and not host_gradients:
+        raise ValueError(f"--device_accumulation: sums host gradients on the device, and this trainer has none "
+                         f"(--offload_gradients {training.offload_gradients} on {device.type})")
     if dtype != torch.float32 and not host_gradients:
         raise ValueError(f"--model_dtype: {training.model_dtype} weights need --offload_gradients true (float32 "
                          f"host gradients for the float32 master weights)")
@@ -118,7 +122,8 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         shutdown.on_overdue = optimizer.cancel_rounds_in_flight
         join_swarm(model, optimizer, checkpoint, peer.dht, network.client_mode, events_path)
         finished = training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network,
-                                 collaboration, training, peer.agreement, progress, block_scaling, events_path)
+                                 collaboration, training, peer.agreement, progress, block_scaling, events_path,
+                                 peer.revocations)
     logger.info("Shut down cleanly")
     return dict(reason="finished" if finished else "signal", epoch=optimizer.local_epoch)
 
@@ -142,9 +147,10 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
                   public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
                   collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
                   progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None,
-                  events_path: Optional[Path] = None) -> bool:
+                  events_path: Optional[Path] = None, revocations: Optional[RevocationWatcher] = None) -> bool:
     """Train until ``training.stop_epoch`` (returns True) or a stop request (returns False). ``events_path``: this
-    peer's event stream, where its averagers report their rounds (counted in its metrics records)."""
+    peer's event stream, where its averagers report their rounds (counted in its metrics records). ``revocations``
+    (authorized swarms): raises IdentityRevokedError once the authority revoked this peer."""
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
     amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
@@ -167,6 +173,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
         agreement.raise_if_mismatched()
+        if revocations is not None:
+            revocations.raise_if_revoked()
         # forward and backward over the micro-batches of one local step
         sequence_length = task.sequence_length(optimizer.local_epoch)
         losses = []

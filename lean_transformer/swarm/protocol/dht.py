@@ -39,7 +39,8 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
     (``benchmarks/internet.py`` saw 2 of 8 newcomers exit so). Must be called from the main thread (hivemind starts
     a child process that owns the p2p daemon).
     """
-    authorizer = make_authorizer(network.auth_token_path, network.authority_public_key_path, network.identity_path)
+    authorizer = make_authorizer(network.auth_token_path, network.authority_public_key_path, network.identity_path,
+                                 network.run_id)
     deadline = time.monotonic() + network.startup_timeout
     for attempt in itertools.count():
         dht = hivemind.DHT(

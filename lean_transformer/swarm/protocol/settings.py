@@ -265,6 +265,11 @@ class TrainingSettings:
         "help": "Move each gradient to float32 host buffers as backward produces it, so the device never holds a "
                 "whole set (auto: on a GPU, without --block_grad_scaling). Needs --offload_optimizer, without "
                 "--delay_optimizer_step."})
+    device_accumulation: int = field(default=1, metadata={
+        "help": "With host gradients (--offload_gradients): sum this many micro-batches' gradients on the GPU in "
+                "float32 (+4 bytes/param of GPU memory) before they go to the host, so the host adds N times less: "
+                "for a GPU faster than the host's adds (benchmarks/host_throughput.py). 1: each micro-batch's "
+                "gradients leave during its backward."})
     gradient_checkpointing: str = field(default="false", metadata={
         "help": "Recompute activations in backward: false; true (keep only each layer's input); or an integer N "
                 "(split the layers into N equal segments and keep only each segment's input; 1..num_hidden_layers)."})
@@ -309,7 +314,7 @@ class TrainingSettings:
 
     def __post_init__(self):
         for name in ("per_device_batch_size", "gradient_accumulation_steps", "total_steps", "max_sequence_length",
-                     "pad_to_multiple_of", "keep_backups", "backward_chunks"):
+                     "pad_to_multiple_of", "keep_backups", "backward_chunks", "device_accumulation"):
             require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "sequence_length_warmup_steps", "backup_every_epochs", "weight_decay",
                      "min_8bit_size"):
@@ -328,6 +333,8 @@ class TrainingSettings:
         require(not self.block_grad_scaling or self.offload_gradients != "true", "block_grad_scaling",
                 "not available with --offload_gradients true (host gradients are unscaled with one scale as they "
                 "leave the device)")
+        require(self.device_accumulation == 1 or self.offload_gradients != "false", "device_accumulation",
+                "sums host gradients on the device: not available with --offload_gradients false")
         require(self.initial_sequence_length is None or 0 < self.initial_sequence_length <= self.max_sequence_length,
                 "initial_sequence_length", f"must be in [1, max_sequence_length], got {self.initial_sequence_length}")
         require(self.max_epochs is None or self.max_epochs > 0, "max_epochs",
