@@ -48,8 +48,9 @@ size (``reducer_swap``: caught only where it anti-correlates, 0.2-8% of the shar
 their influence is bounded, not removed, at most ``MAX_RATIO x max(||x||, r)`` per share and round. A threshold
 above 0 for the cosine would catch more of them (an honest one is about ``1 / sqrt(senders)`` in pure noise), but
 the measured honest minimum is already near 0 for 16 small-batch peers. Nor are shares below :data:`MIN_CHECKED`
-values checked, except for the part norms. Cost: three inner products over each received part (no extra bytes),
-and the answers of a reducer wait for its last part.
+values checked, except for the part norms. Cost: four float32 inner products over each received part (0.15 ms
+per 512 KiB part, one core, with the sum v = x + d: 0.1 s a round for 100M parameters; no extra bytes), and the
+answers of a reducer wait for its last part.
 """
 from __future__ import annotations
 
@@ -68,50 +69,61 @@ PART_MIN_CHECKED = 64  # nor the norms of parts of fewer values
 
 
 @torch.no_grad()
+def inner_products(own: torch.Tensor, delta: torch.Tensor) -> tuple[float, float, float]:
+    """``<x, x>, <d, d>, <x, d>`` of ``own`` and ``delta``: float32 dot products (25x faster than float64 ones), again
+    in float64 where float32 overflows."""
+    x, d = own.reshape(-1).float(), delta.reshape(-1).float()
+    sums = (float(torch.dot(x, x)), float(torch.dot(d, d)), float(torch.dot(x, d)))
+    if not all(map(math.isfinite, sums)):
+        x, d = x.double(), d.double()
+        sums = (float(x @ x), float(d @ d), float(x @ d))
+    return sums
+
+
+def verdict(xx: float, dd: float, xd: float, size: int, max_ratio: float = MAX_RATIO,
+            min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
+    """The rule on the inner products of a share of ``size`` values (see :func:`answer_problem`)."""
+    if size < min_checked or not 0 < xx < math.inf:
+        return None
+    if not math.isfinite(dd) or not math.isfinite(xd):
+        return "not finite"
+    x_norm, d_norm = math.sqrt(xx), math.sqrt(dd)
+    scale = max(x_norm, reference if math.isfinite(reference) else 0.0)
+    if d_norm > max_ratio * scale:
+        return (f"|average - own values| is {d_norm / x_norm:.3g} x |own values|, {d_norm / scale:.3g} x the larger "
+                f"of it and the last average's (at most {max_ratio:g})")
+    if xx + xd <= 0:
+        cosine = (xx + xd) / (x_norm * max(math.sqrt(max(xx + 2 * xd + dd, 0.0)), 1e-300))
+        return f"the average does not correlate with the own values (cosine {cosine:.3g})"
+    return None
+
+
 def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MAX_RATIO,
                    min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
     """Why the answer ``own + delta`` to a sender whose share is ``own`` is not a plausible average, or None.
     ``reference``: the norm the same values' accepted average had in the previous round (0: none); the norm bound
     is ``max_ratio`` x the larger of it and ``||own||``."""
-    x, d = own.reshape(-1).double(), delta.reshape(-1).double()
-    if x.numel() < min_checked:
-        return None
-    x_norm = float(x.norm())
-    if x_norm == 0 or not math.isfinite(x_norm):
-        return None
-    d_norm = float(d.norm())
-    if not math.isfinite(d_norm):
-        return "not finite"
-    scale = max(x_norm, reference if math.isfinite(reference) else 0.0)
-    if d_norm > max_ratio * scale:
-        return (f"|average - own values| is {d_norm / x_norm:.3g} x |own values|, {d_norm / scale:.3g} x the larger "
-                f"of it and the last average's (at most {max_ratio:g})")
-    inner = float(x @ (x + d))
-    if inner <= 0:
-        cosine = inner / (x_norm * max(float((x + d).norm()), 1e-300))
-        return f"the average does not correlate with the own values (cosine {cosine:.3g})"
-    return None
+    return verdict(*inner_products(own, delta), own.numel(), max_ratio, min_checked, reference)
 
 
 def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                   references: Optional[Sequence[float]] = None) -> Optional[str]:
     """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
-    average, or None: :func:`answer_problem` on the whole share, and each part's norm within ``PART_MAX_RATIO``.
+    average, or None: the rule on the whole share, and each part's norm within ``PART_MAX_RATIO``.
     ``references``: each part's norm in the previous round's accepted average (0: unknown)."""
     if not owns:
         return None
     references = [0.0] * len(owns) if references is None else references
-    reason = answer_problem(torch.cat([own.reshape(-1) for own in owns]),
-                            torch.cat([delta.reshape(-1) for delta in deltas]),
-                            reference=math.sqrt(sum(reference ** 2 for reference in references)))
+    sums = [inner_products(own, delta) for own, delta in zip(owns, deltas)]
+    reason = verdict(*(sum(part[index] for part in sums) for index in range(3)), sum(own.numel() for own in owns),
+                     reference=math.sqrt(sum(reference ** 2 for reference in references)))
     if reason is not None:
         return reason
-    for index, (own, delta, reference) in enumerate(zip(owns, deltas, references)):
-        x_norm, d_norm = float(own.double().norm()), float(delta.double().norm())
-        scale = max(x_norm, reference)
-        if own.numel() >= PART_MIN_CHECKED and 0 < x_norm < math.inf and not d_norm <= PART_MAX_RATIO * scale:
-            return f"part {index}: |average - own values| is {d_norm / scale:.3g} x the larger of |own values| and " \
-                   f"the last average's (at most {PART_MAX_RATIO:g} for a part)"
+    for index, ((xx, dd, _), own, reference) in enumerate(zip(sums, owns, references)):
+        scale = max(math.sqrt(xx), reference)
+        if own.numel() >= PART_MIN_CHECKED and 0 < xx < math.inf and not math.sqrt(dd) <= PART_MAX_RATIO * scale:
+            return f"part {index}: |average - own values| is {math.sqrt(dd) / scale:.3g} x the larger of |own " \
+                   f"values| and the last average's (at most {PART_MAX_RATIO:g} for a part)"
     return None
 
 
@@ -170,7 +182,7 @@ class CheckedParts(TensorPartContainer):
         own, info = self._input_parts_by_peer[peer_index][part_index]
         average = own + answer if self.return_deltas else answer
         sums = self.sums.setdefault(info.key, [0.0, 0])
-        sums[0] += float(average.double().square().sum())
+        sums[0] += inner_products(average, average)[0]
         sums[1] += average.numel()
         if sums[1] and math.isfinite(sums[0]):
             self.learned[info.key] = math.sqrt(sums[0] / sums[1])
