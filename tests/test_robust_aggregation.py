@@ -222,3 +222,32 @@ def test_the_sparse_rule_is_centered_clip_of_the_zero_filled_parts():
     honest_mean = weighted_mean(filled[1:], weights[1:])
     assert float((attacked.double() - honest_mean).norm()) <= share / (1 - share) * tau * (1 + 1e-4)
     assert float((weighted_mean(filled, weights) - honest_mean).norm()) > 100 * tau
+
+
+@pytest.mark.parametrize("attack", ["sign_flip", "random_direction", "alie", "stale", "nan", "inflate"])
+def test_each_attack_of_the_lying_peer_stays_within_its_share_of_tau(attack):
+    """tests/lying_peer.py's own attack code (what the swarm tests and benchmarks/byzantine.py run) applied to one
+    sender's gradients over 30 rounds of a drifting common direction: in each of the last 8 (the stale attack sends
+    gradients 20 rounds old from round 21 on), CenteredClip of the liar and 3
+    honest senders stays within share / (1 - share) x tau of the honest mean (a NaN sender is left out: exactly the
+    honest mean), the liar's claimed weight capped as the steps cap it (inflate claims 10x its samples)."""
+    from lying_peer import INFLATE, STALE_STEPS, Lies
+
+    lies, generator = Lies(attack, 1000.0, STALE_STEPS), torch.Generator().manual_seed(11)
+    common = torch.randn(SIZE, generator=generator)
+    for round_index in range(30):
+        common += 0.1 * torch.randn(SIZE, generator=generator)  # training moves on: stale gradients drift away
+        parts = [common + 0.5 * torch.randn(SIZE, generator=generator) for _ in range(4)]
+        lies(parts[:1])
+        if round_index < 22:
+            continue
+        weights = [INFLATE if attack == "inflate" else 1.0, 1.0, 1.0, 1.0]
+        result = centered_clip(parts, weights)
+        honest_mean = weighted_mean(parts[1:], weights[1:])
+        if attack == "nan":
+            torch.testing.assert_close(result.double(), honest_mean, rtol=RTOL, atol=ATOL)
+            continue
+        _, tau = assert_matches_reference(result, parts, weights)
+        capped = [min(weight, WEIGHT_CAP * float(np.median(weights))) for weight in weights]
+        share = capped[0] / sum(capped)
+        assert float((result.double() - honest_mean).norm()) <= share / (1 - share) * tau * (1 + 1e-4)
