@@ -18,6 +18,16 @@ In DiLoCo mode (``--local_steps``) the same attacks apply to the pseudo-gradient
 
 ``label_flip`` leaves the gradients alone and trains on wrong targets: every label shifted by one token id.
 
+The reducer attacks train and send honestly and lie only in the answers they give as a reducer (the average of their
+part of the all-reduce, to every other sender; its own copy stays honest), in gradient and DiLoCo (dense) mode:
+
+- ``reducer_scale``: the average x ``scale`` (1000);
+- ``reducer_flip``: the average x -1 (the honest magnitude);
+- ``reducer_noise``: the average plus Gaussian noise of ``scale`` x its norm;
+- ``reducer_swap``: the average of another part (the previous one it answered the same sender with; the first part
+  honestly), tiled or cut to the part's size;
+- ``reducer_zeros``: zeros.
+
 All of them but ``nan`` are finite, so no non-finite guard catches them. Everything else (data, loss reports, progress)
 is an honest trainer's.
 
@@ -40,7 +50,8 @@ import torch  # noqa: E402
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer  # noqa: E402
 
 GRADIENT_ATTACKS = ("sign_flip", "random_direction", "alie", "stale", "nan", "inflate")
-ATTACKS = (*GRADIENT_ATTACKS, "label_flip")
+REDUCER_ATTACKS = ("reducer_scale", "reducer_flip", "reducer_noise", "reducer_swap", "reducer_zeros")
+ATTACKS = (*GRADIENT_ATTACKS, "label_flip", *REDUCER_ATTACKS)
 ALIE_Z, ALIE_DECAY, STALE_STEPS, STALE_ROUNDS, INFLATE = 1.0, 0.9, 20, 3, 10.0
 
 
@@ -115,6 +126,61 @@ def lie_with_gradients(attack: str, scale: float) -> None:
         GradientAverager.step = inflated_step
 
 
+def lying_average(attack: str, scale: float, average: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """What a reducer that lies with ``attack`` answers instead of ``average`` (``previous``: another part's)."""
+    if attack == "reducer_scale":
+        return average * scale
+    if attack == "reducer_flip":
+        return -average
+    if attack == "reducer_noise":
+        return average + scale * average.norm() * torch.randn_like(average) / max(average.numel(), 1) ** 0.5
+    if attack == "reducer_swap":
+        flat = previous.reshape(-1).repeat(average.numel() // max(previous.numel(), 1) + 1)[:average.numel()]
+        return flat.view_as(average).clone()
+    return torch.zeros_like(average)
+
+
+def lie_as_reducer(attack: str, scale: float) -> None:
+    """Make every all-reduce runner of this process (hivemind's, CenteredClip's, DiLoCo's same-result ones) answer
+    other senders with ``attack``'s average. The answers are rewritten on their way out: the sender's parts are read
+    as they stream in, and each answer (a delta, or DiLoCo's average itself) is decoded, lied about and encoded again
+    with the sender's codec."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+    from lean_transformer.swarm.averaging.diloco import _SameResultRunner
+
+    for runner_class in (AllReduceRunner, _SameResultRunner):
+        honest = runner_class._accumulate_parts_streaming
+
+        def lying_streaming(self, stream, sender_index, honest=honest):
+            received = []
+
+            async def recorded(messages):
+                async for message in messages:
+                    received.append(deserialize_torch_tensor(message.tensor_part))
+                    yield message
+
+            async def answers():
+                averages = []
+                async for message in honest(self, recorded(stream), sender_index):
+                    if message.code != averaging_pb2.AVERAGED_PART:
+                        yield message
+                        continue
+                    own = received[len(averages)]
+                    answer = deserialize_torch_tensor(message.tensor_part)
+                    average = own + answer if self.tensor_part_container.return_deltas else answer
+                    previous = averages[-1] if averages else average
+                    averages.append(average)
+                    lie = lying_average(attack, scale, average, previous)
+                    lie = lie - own if self.tensor_part_container.return_deltas else lie
+                    serialized = serialize_torch_tensor(lie, message.tensor_part.compression)
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+            return answers()
+
+        runner_class._accumulate_parts_streaming = lying_streaming
+
+
 def lie_with_labels() -> None:
     """Shift every label of the causal LM by one token id (padding's -100 stays)."""
     from lean_transformer import LeanGPTForCausalLM
@@ -138,6 +204,8 @@ if __name__ == "__main__":
     options, rest = own.parse_known_args()
     if options.attack == "label_flip":
         lie_with_labels()
+    elif options.attack in REDUCER_ATTACKS:
+        lie_as_reducer(options.attack, options.scale)
     else:
         lie_with_gradients(options.attack, options.scale)
     import run_trainer

@@ -58,7 +58,9 @@ from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
-from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation
+from lean_transformer.swarm.averaging.answer_check import ChecksAnswers
+from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
+from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 
 logger = logging.getLogger(__name__)
@@ -219,11 +221,12 @@ class _SameResultRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
-    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`)."""
+class _CenteredClipSameResultRunner(ChecksAnswers, CenteredClipReduction, _SameResultRunner):
+    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`) and
+    checked answers (:mod:`lean_transformer.swarm.averaging.answer_check`: a rejected part fails the round)."""
 
 
-class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAverager):
+class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
     same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
@@ -234,21 +237,29 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, DecentralizedAv
     deadline), and the buffers change only once every part has arrived, so a retry sends the peer's own
     pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
     during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round).
-    ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean."""
+    ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean; in the dense
+    all-reduce the reducers' answers are checked and peers caught repeatedly are excluded (``exclusions``,
+    :mod:`lean_transformer.swarm.averaging.exclusion`); the sparse all-reduce has neither yet."""
 
-    def __init__(self, *args: Any, topk_fraction: Optional[float] = None, aggregation: str = "mean", **kwargs: Any):
+    def __init__(self, *args: Any, topk_fraction: Optional[float] = None, aggregation: str = "mean",
+                 exclusions: Optional[Exclusions] = None, **kwargs: Any):
         check_aggregation(aggregation)
         # set before hivemind starts the averager's process
         self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
-        super().__init__(*args, **kwargs)
+        self.answer_norms = {}  # the answer check's reference (answer_check)
+        super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         if self.topk_fraction is not None:
             return await self._run_sparse_allreduce(tensors, group_info, group_id, **kwargs)
-        runner_class = _SameResultRunner if self.aggregation == "mean" else _CenteredClipSameResultRunner
+        if self.aggregation == "mean":
+            runner_class, robust = _SameResultRunner, {}
+        else:
+            runner_class, robust = _CenteredClipSameResultRunner, dict(exclusions=self.exclusions,
+                                                                       answer_norms=self.answer_norms)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                              group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+                              group_id=group_id, ordered_peer_ids=group_info.peer_ids, **robust, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:

@@ -18,6 +18,11 @@ hivemind 1.1.12 has no robust aggregation (its CenteredClip, PR #379, was never 
   exactly the bytes the mean does, and only the reducers compute differently;
 - :class:`Aggregated`: mixed in front of a hivemind averager, its ``aggregation`` option picks the runner.
 
+Under "centered_clip" the runners also check what the other reducers answer (:mod:`.answer_check`: a reducer that
+lies), and a sender whose part ends over ``FAR_OUT`` (10) x tau from the result earns a strike, as does a reducer
+whose answers fail the check; peers caught repeatedly are excluded for a while (:mod:`.exclusion`). An honest part
+ends within about one tau (no honest sender earned a strike in the swarm tests' rounds); x -1000 ends 25-40 tau out.
+
 Choices of :func:`centered_clip` (all peers of a swarm must agree on ``--aggregation``):
 
 - **start**: the coordinate-wise median of the senders' parts. It lies inside the honest inputs' range in every
@@ -56,21 +61,33 @@ in the averager's event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
+
+from lean_transformer.swarm.averaging.answer_check import ChecksAnswers
+from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions, RefusesExcluded
+from lean_transformer.swarm.monitoring.events import emit
 
 AGGREGATIONS = ("mean", "centered_clip")
 TAU_FACTOR = 2.0
 WEIGHT_CAP = 2.0  # a sender's weight counts up to this many times the senders' median weight
 ITERATIONS = 50
 TOLERANCE = 1e-6
+
+
+def robust_exclusions(aggregation: str, exclusions: Optional[Exclusions] = None) -> Optional[Exclusions]:
+    """The exclusions an averager keeps: ``exclusions``, or under "centered_clip" the defaults; none for the mean."""
+    if aggregation == "mean":
+        return None
+    return Exclusions() if exclusions is None else exclusions
 
 
 def check_aggregation(aggregation: str) -> str:
@@ -111,15 +128,25 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ta
                   iterations: int = ITERATIONS, tolerance: float = TOLERANCE) -> torch.Tensor:
     """CenteredClip of ``parts`` (same shape; one per sender) weighted by ``weights``, in float32; the module docstring
     says why the start, tau and the stopping rule are what they are."""
+    return clip_and_distances(parts, weights, tau_factor=tau_factor, iterations=iterations, tolerance=tolerance)[0]
+
+
+@torch.no_grad()
+def clip_and_distances(parts: Sequence[torch.Tensor], weights: Sequence[float], *, tau_factor: float = TAU_FACTOR,
+                       iterations: int = ITERATIONS, tolerance: float = TOLERANCE
+                       ) -> Tuple[torch.Tensor, List[Optional[float]]]:
+    """:func:`centered_clip`, and each part's distance from the result in units of tau (the clipping radius):
+    ``inf`` for a part that is not finite, None where there is no radius (fewer than two parts kept, or tau 0).
+    Honest parts end within about one tau; :mod:`.exclusion` counts a strike against a sender far beyond it."""
     if len(parts) != len(weights) or not parts:
         raise ValueError(f"centered_clip: {len(parts)} parts for {len(weights)} weights")
     shape = parts[0].shape
-    kept = [(part.reshape(-1).float(), float(weight)) for part, weight in zip(parts, weights)
-            if math.isfinite(weight) and weight > 0 and bool(torch.isfinite(part).all())]
-    if not kept:
-        return torch.zeros(shape)
-    if len(kept) == 1:
-        return kept[0][0].clone().view(shape)
+    finite = [bool(torch.isfinite(part).all()) for part in parts]
+    kept = [(part.reshape(-1).float(), float(weight)) for part, weight, ok in zip(parts, weights, finite)
+            if math.isfinite(weight) and weight > 0 and ok]
+    if len(kept) < 2:
+        result = kept[0][0].clone().view(shape) if kept else torch.zeros(shape)
+        return result, [None if ok else math.inf for ok in finite]
     inputs = torch.stack([part for part, _ in kept])
     # scaled by a power of two (exact) to a largest magnitude in [0.5, 1): the norms' squares of finite inputs near
     # float32's largest values would overflow (NaN results), those of tiny ones underflow to 0 (tau 0: the median)
@@ -131,7 +158,7 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ta
     centre = median(inputs)
     tau = tau_factor * float(median((inputs - centre).norm(dim=1, keepdim=True)))
     if tau == 0:  # most senders sit exactly on the start, and clipping to radius 0 never moves it
-        return scaled(centre, exponent).view(shape)
+        return scaled(centre, exponent).view(shape), [None if ok else math.inf for ok in finite]
     for _ in range(iterations):
         differences = inputs - centre
         pulls = shares * (tau / differences.norm(dim=1)).clamp(max=1.0)  # a distance of 0 pulls with factor 1
@@ -139,61 +166,123 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], *, ta
         centre += step
         if float(step.norm()) <= tolerance * tau:
             break
-    return scaled(centre, exponent).view(shape)
+    result = scaled(centre, exponent)
+    tau_unscaled = float(scaled(torch.tensor(tau, dtype=torch.float64), exponent))
+    distances = [float((part.reshape(-1).double() - result.double()).norm()) / tau_unscaled if ok else math.inf
+                 for part, ok in zip(parts, finite)]
+    return result.view(shape), distances
 
 
 class _SendersParts:
-    """Stands in for hivemind's accumulator tensor: ``TensorPartReducer.accumulate_part`` calls
-    ``add_(part, alpha=weight)`` once for each sender of the current part; this keeps them instead of summing."""
+    """Stands in for hivemind's accumulator tensor: keeps each sender's copy of the current part (and its index)
+    instead of summing them."""
 
     def __init__(self):
         self.parts: List[torch.Tensor] = []
         self.weights: List[float] = []
-
-    def add_(self, part: torch.Tensor, alpha: float) -> None:
-        self.parts.append(part)
-        self.weights.append(alpha)
+        self.senders: List[int] = []
 
 
 class CenteredClipReducer(TensorPartReducer):
     """hivemind's reducer (same ordering, waits and failure handling), answering each part with
-    :func:`centered_clip` of the senders' copies rather than their weighted mean."""
+    :func:`centered_clip` of the senders' copies rather than their weighted mean. With ``exclusions``
+    (:mod:`.exclusion`) and the senders' peer IDs (``sender_ids``, in sender index order; "" for this peer, which
+    never strikes itself), an excluded sender's parts
+    weigh 0 and a sender whose part ends over ``FAR_OUT`` x tau from the result (or is not finite) earns a strike."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, sender_ids: Sequence[str] = (),
+                 exclusions: Optional[Exclusions] = None):
+        self.sender_ids, self.exclusions = list(sender_ids), exclusions
+        super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
         super().reset_accumulators()
         if not self.finished.is_set():
             self.accumulator = _SendersParts()
 
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        """hivemind 1.1.12's ``TensorPartReducer.accumulate_part``, keeping the sender's index with its part."""
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # wait for the previous parts
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            arrived = self.accumulator
+            arrived.parts.append(tensor_part)
+            arrived.weights.append(0.0 if self._excluded(sender_index) else weight)
+            arrived.senders.append(sender_index)
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def _excluded(self, sender_index: int) -> bool:
+        return (self.exclusions is not None and sender_index < len(self.sender_ids)
+                and self.exclusions.is_excluded(self.sender_ids[sender_index]))
+
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
             arrived, shape = self.accumulator, self.part_shapes[self.current_part_index]
-            result = centered_clip(arrived.parts, arrived.weights) if arrived.parts else torch.zeros(shape)
+            if arrived.parts:
+                result, distances = clip_and_distances(arrived.parts, arrived.weights)
+                self._strike_far_out(arrived, distances)
+            else:
+                result = torch.zeros(shape)
             self.current_part_future.set_result(result.view(shape))
             self.reset_accumulators()
 
+    def _strike_far_out(self, arrived: _SendersParts, distances: Sequence[Optional[float]]) -> None:
+        if self.exclusions is None:
+            return
+        for sender_index, weight, distance in zip(arrived.senders, arrived.weights, distances):
+            if (distance is not None and distance > FAR_OUT and (weight > 0 or math.isinf(distance))
+                    and sender_index < len(self.sender_ids) and self.sender_ids[sender_index]
+                    and not self._excluded(sender_index)):
+                sender = self.sender_ids[sender_index]
+                reason = f"its part ended {distance:.3g} x tau from the result (at most {FAR_OUT:g})"
+                emit("sender_clipped", source=sender, reason=reason, size=arrived.parts[0].numel())
+                self.exclusions.strike(sender, f"a part it sent: {reason}")
+
 
 class CenteredClipReduction:
-    """Mixed in front of an ``AllReduceRunner`` class: its reducer is a :class:`CenteredClipReducer`."""
+    """Mixed in front of an ``AllReduceRunner`` class: its reducer is a :class:`CenteredClipReducer`, which keeps
+    ``exclusions`` (:mod:`.exclusion`; None: none) of its senders; each ``exclusions`` round is one runner."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, exclusions: Optional[Exclusions] = None, **kwargs: Any):
+        self.exclusions = exclusions
+        if exclusions is not None:
+            exclusions.begin_round()
         super().__init__(*args, **kwargs)
         unused = self.tensor_part_reducer
         unused.finished.set()  # never used: no "received 0% of input tensors" warning when it is collected
-        self.tensor_part_reducer = CenteredClipReducer(unused.part_shapes, unused.num_senders)
+        self.tensor_part_reducer = CenteredClipReducer(
+            unused.part_shapes, unused.num_senders,
+            ["" if peer_id == self.peer_id else peer_id.to_base58() for peer_id in self.sender_peer_ids], exclusions)
 
 
-class CenteredClipAllReduceRunner(CenteredClipReduction, AllReduceRunner):
-    """hivemind's all-reduce with CenteredClip reducers."""
+class CenteredClipAllReduceRunner(ChecksAnswers, CenteredClipReduction, AllReduceRunner):
+    """hivemind's all-reduce with CenteredClip reducers and checked answers (:mod:`.answer_check`)."""
 
 
-class Aggregated:
+class Aggregated(RefusesExcluded):
     """Mixed in front of a hivemind averager that runs hivemind's ``_run_allreduce_inplace_``: ``aggregation``
-    ("mean": hivemind's, or "centered_clip") chooses how its reducers combine the senders' parts."""
+    ("mean": hivemind's, or "centered_clip") chooses how its reducers combine the senders' parts. Under
+    "centered_clip" the answers of the reducers are checked too, and peers caught repeatedly are excluded
+    (``exclusions``, by default :class:`~.exclusion.Exclusions`' defaults; :mod:`.exclusion`)."""
 
-    def __init__(self, *args: Any, aggregation: str = "mean", **kwargs: Any):
+    def __init__(self, *args: Any, aggregation: str = "mean", exclusions: Optional[Exclusions] = None, **kwargs: Any):
         self.aggregation = check_aggregation(aggregation)  # before hivemind starts the averager's process
-        super().__init__(*args, **kwargs)
+        self.answer_norms = {}  # the answer check's reference: each tensor's last accepted RMS (answer_check)
+        super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: Optional[bytes] = None, **kwargs: Any) -> None:
@@ -203,7 +292,7 @@ class Aggregated:
         group_id = group_info.group_id if group_id is None else group_id
         runner = CenteredClipAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                              tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                             **kwargs)
+                                             exclusions=self.exclusions, answer_norms=self.answer_norms, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:

@@ -31,6 +31,12 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       averager's prefix)
 ``identity_revoked``  (authorized swarms) a revocation list took effect at this peer: one event per newly revoked
                       identity, ``source`` (its peer ID), ``issued_at`` (the list's), ``own`` (this peer itself)
+``answer_rejected``   (robust aggregation) a reducer's answer failed this peer's check (it kept its own values for
+                      that part): ``source`` (the reducer's peer ID), ``reason``, ``size`` (values in the part)
+``sender_clipped``    (robust aggregation) this peer's reducer found a sender's part far out (a strike):
+                      ``source``, ``reason``, ``size``
+``peer_excluded``     (robust aggregation) a peer caught repeatedly is left out of this peer's groups: ``source``,
+                      ``reason``, ``until`` (Unix time)
 ``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
 ``checkpoint``        (aux) wrote the swarm's state: ``epoch``, ``path``
 ``evaluation``        (aux) ``epoch``, ``validation_loss``
@@ -59,7 +65,7 @@ from typing import Any, Iterator, List, Optional, Union
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
-          "swarm_epoch", "shutdown")
+          "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded")
 
 
 class EventLog:

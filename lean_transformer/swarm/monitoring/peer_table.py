@@ -23,8 +23,9 @@ def key_id(public_key: bytes) -> str:
 class PeerRow:
     """One contributor. ``samples`` counts the samples of the epochs the aux peer has seen reports of;
     ``last_seen`` is when its record last advanced to a new epoch; ``alive`` whether its record is in the DHT now.
-    ``excluded`` stays False until robust aggregation reports the peers it excludes. Optional fields are ``None``
-    for trainers whose records predate them."""
+    ``excluded``: more than half of the other alive trainers that report exclusions (records with ``excluded``) list
+    this peer's ID (one liar cannot get an honest peer marked by listing it). Optional fields are ``None`` for
+    trainers whose records predate them."""
 
     key: str
     peer_id: Optional[str]
@@ -95,9 +96,11 @@ class PeerTable:
             self._peers[row.key] = _Counted(replace(row, alive=False), counted_through=row.epoch)
         self._evict()
 
-    def update(self, records: Mapping[Hashable, LocalMetrics], now: float, excluded: Collection[str] = ()) -> None:
+    def update(self, records: Mapping[Hashable, LocalMetrics], now: float,
+               excluded: Optional[Collection[str]] = None) -> None:
         """Fold in the records currently in the DHT (owner key -> record); ``excluded``: keys of peers that robust
-        aggregation excludes."""
+        aggregation excludes (by default: those the records' ``excluded`` lists mark, see :func:`excluded_keys`)."""
+        excluded = excluded_keys(records) if excluded is None else excluded
         for entry in self._peers.values():
             entry.row = replace(entry.row, alive=False)
         for public_key, record in records.items():
@@ -131,6 +134,21 @@ class PeerTable:
             self._peers = {key: self._peers[key] for key in newest}
 
 
+def excluded_keys(records: Mapping[Hashable, LocalMetrics]) -> set:
+    """Keys (:func:`key_id`) of the peers that more than half of the other reporting trainers exclude: those whose
+    records carry ``excluded`` (older records do not report, and are not counted)."""
+    reporters = {key_id(public_key): record for public_key, record in records.items() if record.excluded is not None}
+    marked = set()
+    for public_key, record in records.items():
+        if record.peer_id is None:
+            continue
+        others = [other for key, other in reporters.items() if key != key_id(public_key)]
+        votes = sum(record.peer_id in other.excluded for other in others)
+        if others and votes > len(others) / 2:
+            marked.add(key_id(public_key))
+    return marked
+
+
 def summary(rows: List[PeerRow]) -> str:
     """The table in a few words, for the status line: alive peers, client mode, the share of rounds averaged."""
     alive = [row for row in rows if row.alive]
@@ -143,9 +161,9 @@ def summary(rows: List[PeerRow]) -> str:
         lowest, slowest = min(fractions, key=lambda pair: pair[0])
         text += (f", averaged in {sum(f for f, _ in fractions) / len(fractions):.0%} of rounds "
                  f"(lowest {lowest:.0%}: {display_name(slowest)})")
-    excluded = sum(row.excluded for row in alive)
+    excluded = [row for row in alive if row.excluded]
     if excluded:
-        text += f", {excluded} excluded"
+        text += f", {len(excluded)} excluded ({', '.join(display_name(row) for row in excluded)})"
     return text
 
 

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 1024  # a valid record takes ~100 bytes once the signature is stripped, <= ~520 with a history
 HISTORY_LENGTH = 8  # earlier epochs a record repeats: the aux peer misses none while it refreshes within 8 epochs
+MAX_EXCLUDED = 4  # peer IDs a record lists as excluded (each ~53 bytes: the record stays within MAX_RECORD_BYTES)
 
 Count = Annotated[int, Field(ge=0)]
 Rate = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -58,7 +59,9 @@ class LocalMetrics(BaseModel):
     ``EpochReport`` as a tuple, epochs increasing and below ``epoch``). ``client_mode`` and ``peer_id`` (its libp2p
     ID, as it claims it: for display only; the record's owner key is what identifies it) describe the peer;
     ``rounds_attempted`` counts the epochs it trained in since it started and ``rounds_averaged`` those in which it
-    averaged with at least one other peer (DiLoCo: outer rounds). ``None`` / empty: an older trainer's record.
+    averaged with at least one other peer (DiLoCo: outer rounds); ``excluded``: the peer IDs its averagers exclude now
+    (robust aggregation, :mod:`lean_transformer.swarm.averaging.exclusion`; at most ``MAX_EXCLUDED``).
+    ``None`` / empty: an older trainer's record.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -73,6 +76,8 @@ class LocalMetrics(BaseModel):
     peer_id: Optional[Annotated[str, Field(pattern=f"^{PEER_ID_PATTERN}$")]] = None
     rounds_attempted: Optional[Count] = None
     rounds_averaged: Optional[Count] = None
+    excluded: Optional[Annotated[tuple[Annotated[str, Field(pattern=f"^{PEER_ID_PATTERN}$")], ...],
+                                 Field(max_length=MAX_EXCLUDED)]] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "LocalMetrics":

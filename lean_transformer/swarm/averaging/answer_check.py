@@ -1,0 +1,224 @@
+"""Checking a reducer's answers (issue 24, reducers that lie): each peer averages one share of every all-reduce and
+answers every sender with it, and a reducer that answers with a wrong average (scaled, sign-flipped, noise, another
+part, zeros) would move every peer of the group on its share. CenteredClip (:mod:`.robust`) bounds what a sender
+can do; nothing in hivemind checks what a reducer answers, hence this check, done by each receiver on the answers of
+each reducer.
+
+The rule (:func:`share_problem`): with ``x`` the receiver's own contribution to a reducer's share (all its parts,
+concatenated) and ``v = x + delta`` the average the reducer claims, accept iff
+
+- ``||delta|| <= MAX_RATIO x max(||x||, r)``: an honest average of noisy updates is no farther from one of them than a
+  few times its size (``||v - x||`` is about ``||x||`` when noise dominates, less when the updates agree). ``r`` is
+  the norm the same values had in the receiver's last accepted average (each tensor's RMS, kept by the averager):
+  in DiLoCo a peer that took 1 local step while the others took 10 sends a pseudo-gradient ~10x smaller than the
+  average (``tests/test_robust_swarm.py`` saw honest answers 6.7x and 8.2x an own pseudo-gradient, rejected before
+  ``r``). A lie x1000 is still 1000x last round's average, unless the honest average grew by 250x in a round;
+- ``<x, v> > 0``: an honest average correlates positively with each honest input, ``<x, mean> = (||x||^2 + sum_j
+  <x, x_j>) / n``, and over many coordinates the cross terms are either positive (a shared signal: gradients of one
+  model on one distribution, DiLoCo's pseudo-gradients) or of the order of ``||x||^2 sqrt(n / size)`` (noise);
+- and each part of at least :data:`PART_MIN_CHECKED` values alone: ``||delta_part|| <= PART_MAX_RATIO x
+  max(||x_part||, r_part)`` (a lie confined to a few small parts, e.g. a norm's scale x1000, is small in the share's
+  norm).
+
+Why the share and not each part (the first design): per part, on the tiny LeanGPT's real gradients with 16 peers of
+8 samples each, honest answers failed the inner-product test in 0.7% of parts (a 128-value bias of one noisy batch
+has cosine down to -0.94 with the average) and the norm test up to 4.6x (``benchmarks/answer_check.py``); over a
+share the inner products concentrate (shares of 256 values still failed in 0.3%, hence :data:`MIN_CHECKED`). The
+answers of a reducer are therefore held until its whole share has arrived (hivemind's container then takes them as
+it would have; the all-reduce ends with its last answer either way).
+
+A share smaller than :data:`MIN_CHECKED` values, or where ``x`` is zero or not finite, is not checked (nothing to
+compare with, no concentration). On a failure the receiver keeps its own values for the whole share (delta 0: the
+reducer moves it by nothing, as a reducer that fails), emits ``answer_rejected`` (``source``: the reducer's peer ID,
+``reason``, ``size``) and counts a strike against the reducer (:mod:`.exclusion`). In DiLoCo's same-result
+all-reduce, where every peer must apply the same average, a rejected share fails the round instead (the anchors stay
+equal where every honest receiver rejects). An excluded reducer's answers are replaced the same way, unchecked; so
+are the answers held from a reducer that fails half-way (unchecked, they are not used).
+
+Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
+CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
+4320 checked shares in each mode (0.02%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed
+gradients). In the swarm tests (gradients and DiLoCo, 3 honest trainers and a liar), no honest answer rejected. One
+false rejection costs one receiver one share's average for one round (DiLoCo: the round), and one strike: an honest
+reducer is excluded only after 3 within 10 rounds. x1000, sign flips, noise x1000 and zeros: caught on every share.
+
+What it does not catch: an answer within the honest spread, e.g. the true average plus a bias of the size of one
+input's noise, another honest input, the average of a subset of the senders, or an unrelated vector of the honest
+size (``reducer_swap``: caught only where it anti-correlates, 0.2-8% of the shares in the benchmark). These pass:
+their influence is bounded, not removed, at most ``MAX_RATIO x max(||x||, r)`` per share and round. A threshold
+above 0 for the cosine would catch more of them (an honest one is about ``1 / sqrt(senders)`` in pure noise), but
+the measured honest minimum is already near 0 for 16 small-batch peers. Nor are shares below :data:`MIN_CHECKED`
+values checked, except for the part norms. Cost: four float32 inner products over each received part (0.15 ms
+per 512 KiB part, one core, with the sum v = x + d: 0.1 s a round for 100M parameters; no extra bytes), and the
+answers of a reducer wait for its last part.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Hashable, List, Optional, Sequence
+
+import torch
+from hivemind.averaging.partition import TensorPartContainer
+
+from lean_transformer.swarm.monitoring.events import emit
+
+MAX_RATIO = 4.0
+PART_MAX_RATIO = 25.0
+MIN_CHECKED = 1024  # shares of fewer values are not checked
+PART_MIN_CHECKED = 64  # nor the norms of parts of fewer values
+
+
+@torch.no_grad()
+def inner_products(own: torch.Tensor, delta: torch.Tensor) -> tuple[float, float, float]:
+    """``<x, x>, <d, d>, <x, d>`` of ``own`` and ``delta``: float32 dot products (25x faster than float64 ones), again
+    in float64 where float32 overflows."""
+    x, d = own.reshape(-1).float(), delta.reshape(-1).float()
+    sums = (float(torch.dot(x, x)), float(torch.dot(d, d)), float(torch.dot(x, d)))
+    if not all(map(math.isfinite, sums)):
+        x, d = x.double(), d.double()
+        sums = (float(x @ x), float(d @ d), float(x @ d))
+    return sums
+
+
+def verdict(xx: float, dd: float, xd: float, size: int, max_ratio: float = MAX_RATIO,
+            min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
+    """The rule on the inner products of a share of ``size`` values (see :func:`answer_problem`)."""
+    if size < min_checked or not 0 < xx < math.inf:
+        return None
+    if not math.isfinite(dd) or not math.isfinite(xd):
+        return "not finite"
+    x_norm, d_norm = math.sqrt(xx), math.sqrt(dd)
+    scale = max(x_norm, reference if math.isfinite(reference) else 0.0)
+    if d_norm > max_ratio * scale:
+        return (f"|average - own values| is {d_norm / x_norm:.3g} x |own values|, {d_norm / scale:.3g} x the larger "
+                f"of it and the last average's (at most {max_ratio:g})")
+    if xx + xd <= 0:
+        cosine = (xx + xd) / (x_norm * max(math.sqrt(max(xx + 2 * xd + dd, 0.0)), 1e-300))
+        return f"the average does not correlate with the own values (cosine {cosine:.3g})"
+    return None
+
+
+def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MAX_RATIO,
+                   min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
+    """Why the answer ``own + delta`` to a sender whose share is ``own`` is not a plausible average, or None.
+    ``reference``: the norm the same values' accepted average had in the previous round (0: none); the norm bound
+    is ``max_ratio`` x the larger of it and ``||own||``."""
+    return verdict(*inner_products(own, delta), own.numel(), max_ratio, min_checked, reference)
+
+
+def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
+                  references: Optional[Sequence[float]] = None) -> Optional[str]:
+    """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
+    average, or None: the rule on the whole share, and each part's norm within ``PART_MAX_RATIO``.
+    ``references``: each part's norm in the previous round's accepted average (0: unknown)."""
+    if not owns:
+        return None
+    references = [0.0] * len(owns) if references is None else references
+    sums = [inner_products(own, delta) for own, delta in zip(owns, deltas)]
+    reason = verdict(*(sum(part[index] for part in sums) for index in range(3)), sum(own.numel() for own in owns),
+                     reference=math.sqrt(sum(reference ** 2 for reference in references)))
+    if reason is not None:
+        return reason
+    for index, ((xx, dd, _), own, reference) in enumerate(zip(sums, owns, references)):
+        scale = max(math.sqrt(xx), reference)
+        if own.numel() >= PART_MIN_CHECKED and 0 < xx < math.inf and not math.sqrt(dd) <= PART_MAX_RATIO * scale:
+            return f"part {index}: |average - own values| is {math.sqrt(dd) / scale:.3g} x the larger of |own " \
+                   f"values| and the last average's (at most {PART_MAX_RATIO:g} for a part)"
+    return None
+
+
+class CheckedParts(TensorPartContainer):
+    """hivemind's container of a runner's parts, holding each groupmate's answers until its whole share has arrived,
+    then checking them (:func:`answer_problem` on the share, the part bound on each) before hivemind's code takes
+    them. Made from the runner's container by :class:`ChecksAnswers` (``own_index``: the receiver's own index,
+    whose own parts are not checked; ``on_rejected(peer_index, reason)``; ``is_excluded(peer_index)``)."""
+
+    own_index: int
+    held: Dict[int, List[torch.Tensor]]
+    reference: Dict[Hashable, float]  # per tensor (its key): the RMS of its last accepted average, before this round
+    learned: Dict[Hashable, float]  # the same, updated with this round's accepted values (kept by the averager)
+    sums: Dict[Hashable, List[float]]  # this round's sums of squares and counts per tensor
+    unchecked: bool = False
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        if peer_index == self.own_index:
+            self._learn(peer_index, part_index, part)
+        if peer_index == self.own_index or self.unchecked:
+            return super().register_processed_part(peer_index, part_index, part)
+        held = self.held.setdefault(peer_index, [])
+        held.append(part)
+        if len(held) == self.num_parts_by_peer[peer_index]:
+            self._release(peer_index)
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        self._replace_held(peer_index)  # half an answer, unchecked, is not used
+        self.unchecked = True
+        try:
+            super().register_failed_reducer(peer_index)
+        finally:
+            self.unchecked = False
+
+    def _release(self, peer_index: int) -> None:
+        if self.is_excluded(peer_index):
+            return self._replace_held(peer_index)
+        answers = self.held[peer_index]
+        owns = [part for part, _ in self._input_parts_by_peer[peer_index]]
+        if len(owns) != len(answers):  # finalized meanwhile: hivemind's own checks end the round
+            return
+        deltas = answers if self.return_deltas else [answer - own for answer, own in zip(answers, owns)]
+        infos = [info for _, info in self._input_parts_by_peer[peer_index]]
+        references = [self.reference.get(info.key, 0.0) * own.numel() ** 0.5 for own, info in zip(owns, infos)]
+        reason = share_problem(owns, deltas, references)
+        if reason is not None:
+            self.on_rejected(peer_index, reason)
+            return self._replace_held(peer_index)
+        del self.held[peer_index]
+        for part_index, answer in enumerate(answers):
+            self._learn(peer_index, part_index, answer)
+            super().register_processed_part(peer_index, part_index, answer)
+
+    def _learn(self, peer_index: int, part_index: int, answer: torch.Tensor) -> None:
+        """Fold an accepted answer into its tensor's RMS (the next round's reference)."""
+        own, info = self._input_parts_by_peer[peer_index][part_index]
+        average = own + answer if self.return_deltas else answer
+        sums = self.sums.setdefault(info.key, [0.0, 0])
+        sums[0] += inner_products(average, average)[0]
+        sums[1] += average.numel()
+        if sums[1] and math.isfinite(sums[0]):
+            self.learned[info.key] = math.sqrt(sums[0] / sums[1])
+
+    def _replace_held(self, peer_index: int) -> None:
+        """Own values for the answers held from ``peer_index`` (all of its share when all have arrived)."""
+        for part_index, _ in enumerate(self.held.pop(peer_index, [])):
+            own = self._input_parts_by_peer[peer_index][part_index][0]
+            super().register_processed_part(peer_index, part_index,
+                                            torch.zeros_like(own) if self.return_deltas else own.clone())
+            self.failed_size += own.numel()  # DiLoCo's same-result averager fails the round on it
+
+
+class ChecksAnswers:
+    """Mixed in front of an ``AllReduceRunner`` class (hivemind's or DiLoCo's same-result one) whose
+    ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) is set by the classes after it: every groupmate's
+    answers are checked (:class:`CheckedParts`) before hivemind's container takes them. ``answer_norms``: the
+    averager's dict of each tensor's last accepted RMS (read as this round's reference, updated with its answers)."""
+
+    def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        container = self.tensor_part_container
+        container.__class__ = CheckedParts
+        container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
+        learned = {} if answer_norms is None else answer_norms
+        container.reference, container.learned, container.sums = dict(learned), learned, {}
+        container.on_rejected, container.is_excluded = self._rejected, self._excluded
+
+    def _reducer(self, peer_index: int) -> str:
+        return self.ordered_peer_ids[peer_index].to_base58()
+
+    def _excluded(self, peer_index: int) -> bool:
+        return self.exclusions is not None and self.exclusions.is_excluded(self._reducer(peer_index))
+
+    def _rejected(self, peer_index: int, reason: str) -> None:
+        size = sum(part.numel() for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index])
+        emit("answer_rejected", source=self._reducer(peer_index), reason=reason, size=size)
+        if self.exclusions is not None:
+            self.exclusions.strike(self._reducer(peer_index), f"its answers as a reducer: {reason}")

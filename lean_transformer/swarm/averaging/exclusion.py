@@ -1,0 +1,104 @@
+"""Strikes and exclusion (issue 24): a peer caught lying repeatedly is left out of this peer's groups for a while.
+
+A *strike* is one round in which a groupmate was caught: as a sender, CenteredClip found its part far out
+(:data:`FAR_OUT` x tau from the result, see :mod:`.robust`); as a reducer, an answer it gave failed this peer's check
+(:mod:`.answer_check`). One strike per peer per round at most: a liar's whole share of a round is one lie, and an
+honest peer's rare unlucky part should not count many times. ``strikes`` (3) strikes within its last ``window``
+(10) rounds exclude it for ``duration`` (600 s): logged once at WARNING, emitted as a ``peer_excluded`` event
+(``source``, ``reason``, ``until``: Unix time), which the trainer's metrics record then carries
+(:mod:`lean_transformer.swarm.peers.reporting`). While excluded, this peer's reducers give its parts weight 0, its
+answers are replaced by this peer's own values (as for a reducer that failed), and, when this peer leads
+matchmaking, its join requests are refused (:class:`RefusesExcluded`). hivemind has no notion of a peer's
+reputation (its all-reduce only bans a sender for the rest of one round when it stops sending), hence our own.
+
+The bookkeeping lives in the averager's process (hivemind's averagers run in a forked process); each averager keeps
+its own (gradient and DiLoCo outer averagers see different rounds).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import AsyncIterator, Callable, Deque, Dict, List, Optional
+
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
+from lean_transformer.swarm.monitoring.events import emit
+
+logger = logging.getLogger(__name__)
+
+FAR_OUT = 10.0  # a sender whose part ends this many tau (CenteredClip's radius) from the result earns a strike
+
+
+class Exclusions:
+    """Strikes per peer ID, counted by round (``begin_round`` once per all-reduce), and the peers excluded now.
+    ``clock``: Unix time (the ``until`` of the events is compared across processes)."""
+
+    def __init__(self, strikes: int = 3, window: int = 10, duration: float = 600.0,
+                 clock: Callable[[], float] = time.time):
+        if strikes < 1 or window < strikes:
+            raise ValueError(f"exclusion needs 1 <= strikes <= window, got strikes={strikes}, window={window}")
+        if not duration > 0:
+            raise ValueError(f"exclusion duration must be positive, got {duration}")
+        self.strikes, self.window, self.duration, self.clock = strikes, window, duration, clock
+        self.round = 0
+        self._struck: Dict[str, Deque[int]] = {}  # peer ID -> the rounds it was struck in (newest last)
+        self._until: Dict[str, float] = {}  # peer ID -> when its exclusion ends
+
+    def begin_round(self) -> None:
+        self.round += 1
+
+    def strike(self, peer_id: str, reason: str) -> bool:
+        """Count a strike against ``peer_id`` in this round (once per round); True if it is excluded from now on."""
+        rounds = self._struck.setdefault(peer_id, collections.deque())
+        if rounds and rounds[-1] == self.round:
+            return False
+        rounds.append(self.round)
+        while rounds and rounds[0] <= self.round - self.window:
+            rounds.popleft()
+        if len(rounds) < self.strikes or self.is_excluded(peer_id):
+            return False
+        until = self.clock() + self.duration
+        self._until[peer_id] = until
+        rounds.clear()
+        logger.warning(f"Excluding peer {peer_id} for {self.duration:.0f} s: {self.strikes} strikes within "
+                       f"{self.window} rounds, the last: {reason}")
+        emit("peer_excluded", source=peer_id, reason=reason, until=until)
+        return True
+
+    def is_excluded(self, peer_id: str) -> bool:
+        until = self._until.get(peer_id)
+        if until is None:
+            return False
+        if self.clock() >= until:
+            del self._until[peer_id]
+            return False
+        return True
+
+    def excluded(self) -> List[str]:
+        """The peer IDs excluded now."""
+        return [peer_id for peer_id in list(self._until) if self.is_excluded(peer_id)]
+
+
+class RefusesExcluded:
+    """Mixed in front of a hivemind averager: ``exclusions`` (None: none kept) and, while this peer leads
+    matchmaking, a refusal (``NOT_LOOKING_FOR_GROUP``, hivemind's answer of a leader that forms no group: the peer
+    moves on to another leader) for the join requests of excluded peers. Groups it leads itself can still hold them
+    (hivemind's followers take the leader's list); there its parts weigh 0 and its answers are replaced."""
+
+    # hivemind caches the RPC table per class: a subclass must build its own (see auth.averaging_gate.GatedRPCs)
+    _rpc_handlers = None
+    _stub_type = None
+
+    def __init__(self, *args, exclusions: Optional[Exclusions] = None, **kwargs):
+        self.exclusions = exclusions  # before hivemind's __init__, which starts the averager's process
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.exclusions is not None and self.exclusions.is_excluded(context.remote_id.to_base58()):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message

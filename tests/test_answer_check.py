@@ -1,0 +1,290 @@
+"""Reducers that lie (issue 24): the receivers' check of the answers (lean_transformer.swarm.averaging.answer_check),
+driven through hivemind's own part container; strikes, exclusion and its expiry (exclusion); the reducer's strikes
+against far-out senders and its weight 0 for excluded ones (robust); and the exclusions in the metrics record and the
+aux peer's table."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.partition import TensorPartContainer
+
+from lean_transformer.swarm.averaging.answer_check import (MAX_RATIO, MIN_CHECKED, PART_MAX_RATIO,
+                                                           PART_MIN_CHECKED, CheckedParts, share_problem)
+from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions
+from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip
+from lean_transformer.swarm.monitoring.events import close_events, emit, open_events, read_events
+from lean_transformer.swarm.monitoring.peer_table import PeerTable, excluded_keys, summary
+from lean_transformer.swarm.peers.reporting import MetricsReporter
+from lean_transformer.swarm.protocol.metrics import LocalMetrics
+from lying_peer import REDUCER_ATTACKS, lying_average
+
+SIZE = 4096
+
+
+def gradients(count: int, signal: float, seed: int = 0, size: int = SIZE) -> list[torch.Tensor]:
+    """One model's gradients on different batches: a common direction (``signal`` x the noise's scale) plus each
+    sender's own heavy-tailed noise (Student t, 3 degrees of freedom)."""
+    generator = torch.Generator().manual_seed(seed)
+    common = signal * torch.randn(size, generator=generator)
+    noise = torch.distributions.StudentT(3.0)
+    torch.manual_seed(seed)
+    return [common + noise.sample((size,)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("senders", [2, 4, 16, 64])
+@pytest.mark.parametrize("signal", [0.0, 0.1, 1.0, 10.0])
+def test_honest_answers_are_accepted(senders, signal):
+    """The honest CenteredClip answer to every sender passes, from pure noise to a strong common signal, over many
+    draws, with batches of different sizes (weights: the samples; the noise shrinks as 1/sqrt(samples)): one sender
+    with 64x the samples of most, one with 1/4. Shares of 1024 values per sender at least (in pure noise the inner
+    products' margin is about sqrt(size / senders) deviations; a real model's shares are far larger)."""
+    samples = [1.0] * senders
+    samples[0], samples[-1] = 0.25, 64.0
+    size = max(SIZE, 1024 * senders)
+    for seed in range(20 if senders < 64 else 5):
+        generator = torch.Generator().manual_seed(1000 + seed)
+        common = signal * torch.randn(size, generator=generator)
+        parts = [common + noise / batch ** 0.5 for noise, batch in zip(gradients(senders, 0.0, seed, size), samples)]
+        average = centered_clip(parts, samples)
+        for part in parts:
+            assert share_problem([part], [average - part]) is None, (senders, signal, seed)
+
+
+@pytest.mark.parametrize("attack", REDUCER_ATTACKS)
+@pytest.mark.parametrize("signal", [0.1, 1.0, 10.0])
+def test_each_lie_is_caught_or_bounded(attack, signal):
+    """Every lie of tests/lying_peer.py about a share of two parts (scale 1000), to each of 4 honest senders, is
+    caught; but the swap (the other part's average: the right size, an unrelated direction), caught only when it
+    happens to anti-correlate, moves a receiver at most MAX_RATIO x its own values."""
+    first, second = gradients(4, signal, seed=1), gradients(4, signal, seed=2)
+    averages = [centered_clip(first, [1.0] * 4), centered_clip(second, [1.0] * 4)]
+    for sender in range(4):
+        owns = [first[sender], second[sender]]
+        lies = [lying_average(attack, 1000.0, averages[0], averages[1]),  # the swap: the other part's average
+                lying_average(attack, 1000.0, averages[1], averages[0])]
+        deltas = [lie - own for lie, own in zip(lies, owns)]
+        if attack == "reducer_swap":
+            if share_problem(owns, deltas) is None:
+                assert torch.cat(deltas).norm() <= MAX_RATIO * torch.cat(owns).norm()
+        else:
+            assert share_problem(owns, deltas) is not None, (attack, sender)
+
+
+def test_what_passes_moves_a_receiver_a_bounded_distance():
+    """Lies inside the rule (a bias, a scaled average) pass or not; whatever passes is within MAX_RATIO x the
+    receiver's own values of it; a lie on one small part alone is bounded by PART_MAX_RATIO."""
+    generator = torch.Generator().manual_seed(3)
+    parts = gradients(4, 1.0, seed=3)
+    average = centered_clip(parts, [1.0] * 4)
+    for factor in [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]:
+        for _ in range(20):
+            lie = average + factor * parts[0].norm() * torch.randn(SIZE, generator=generator) / SIZE ** 0.5
+            if share_problem([parts[0]], [lie - parts[0]]) is None:
+                assert float((lie - parts[0]).norm()) <= MAX_RATIO * float(parts[0].norm())
+        accepted = share_problem([parts[0]], [factor * average - parts[0]]) is None
+        assert accepted == (float((factor * average - parts[0]).norm()) <= MAX_RATIO * float(parts[0].norm()))
+    big, small = gradients(4, 1.0, seed=4), gradients(4, 1.0, seed=5, size=128)
+    big_average, small_average = centered_clip(big, [1.0] * 4), centered_clip(small, [1.0] * 4)
+    owns = [big[0], small[0]]
+    honest = [big_average - big[0], small_average - small[0]]
+    assert share_problem(owns, honest) is None
+    for factor, caught in [(20.0, False), (1000.0, True)]:
+        lie = [honest[0], factor * small_average - small[0]]
+        assert (share_problem(owns, lie) is not None) == caught, factor
+        if not caught:
+            assert float(lie[1].norm()) <= PART_MAX_RATIO * float(small[0].norm())
+
+
+def test_a_peer_with_few_samples_is_measured_against_the_last_average():
+    """DiLoCo: a peer that took 1 local step while the others took 10 sends a pseudo-gradient ~10x smaller than the
+    average (seen in tests/test_robust_swarm.py: 6.7x and 8.2x, honest). Against its own norm alone the honest answer
+    fails; against the larger of it and the last round's accepted average it passes, and x1000 is still caught."""
+    generator = torch.Generator().manual_seed(6)
+    direction = torch.randn(SIZE, generator=generator)
+    others = [10 * direction + torch.randn(SIZE, generator=generator) for _ in range(3)]
+    small = direction + 0.1 * torch.randn(SIZE, generator=generator)
+    average = centered_clip([*others, small], [10.0, 10.0, 10.0, 1.0])
+    last = float((average + 0.1 * torch.randn(SIZE, generator=generator)).norm())
+    assert "x |own values|" in share_problem([small], [average - small])
+    assert share_problem([small], [average - small], [last]) is None
+    assert share_problem([small], [1000 * average - small], [last]) is not None
+    assert share_problem([small], [-average - small], [last]) is not None
+
+
+def test_small_zero_and_not_finite_shares():
+    assert share_problem([torch.ones(PART_MIN_CHECKED - 1)], [-1000 * torch.ones(PART_MIN_CHECKED - 1)]) is None
+    assert share_problem([torch.ones(MIN_CHECKED - 1)], [-2 * torch.ones(MIN_CHECKED - 1)]) is None  # a flip
+    assert "part 0" in share_problem([torch.ones(MIN_CHECKED - 1)], [-1000 * torch.ones(MIN_CHECKED - 1)])
+    assert share_problem([torch.zeros(SIZE)], [1000 * torch.ones(SIZE)]) is None  # nothing to compare with
+    assert share_problem([torch.ones(SIZE)], [torch.full((SIZE,), float("nan"))]) == "not finite"
+
+
+def checked_container(tensors: list, return_deltas: bool, excluded: bool = False) -> tuple[CheckedParts, list]:
+    """hivemind's container for a group of two (this peer at index 0, the reducer at index 1), made checking."""
+    container = TensorPartContainer(tensors, peer_fractions=(1.0, 1.0), return_deltas=return_deltas,
+                                    part_size_bytes=4 * 1024)
+    rejected = []
+    container.__class__ = CheckedParts
+    container.own_index, container.held = 0, {}
+    container.reference, container.learned, container.sums = {}, {}, {}
+    container.on_rejected = lambda peer_index, reason: rejected.append((peer_index, reason))
+    container.is_excluded = lambda peer_index: excluded
+    return container, rejected
+
+
+def run_group(tensors: list, answers_of_reducer, return_deltas: bool = True, excluded: bool = False,
+              fail_after: int = None) -> tuple[list, list, CheckedParts]:
+    """The own share answered honestly (the mean with a partner), the reducer's share by ``answers_of_reducer``;
+    the output tensors, the rejections, the container."""
+    container, rejected = checked_container(tensors, return_deltas, excluded)
+    partner = [tensor.flip(0) for tensor in tensors]
+    flat_partner = torch.cat([tensor.reshape(-1) for tensor in partner])
+
+    async def run() -> list:
+        offset = 0
+        for peer_index in range(2):
+            for part_index, (part, _) in enumerate(container._input_parts_by_peer[peer_index]):
+                mean = (part + flat_partner[offset:offset + part.numel()]) / 2
+                offset += part.numel()
+                if peer_index == 1 and fail_after is not None and part_index == fail_after:
+                    container.register_failed_reducer(1)
+                    break
+                answer = mean if peer_index == 0 else answers_of_reducer(mean)
+                container.register_processed_part(peer_index, part_index,
+                                                  answer - part if return_deltas else answer)
+        return [tensor async for tensor in container.iterate_output_tensors()]
+
+    return asyncio.run(asyncio.wait_for(run(), 10)), rejected, container
+
+
+@pytest.mark.parametrize("return_deltas", [True, False])
+def test_the_container_takes_honest_answers_and_replaces_a_lying_reducers_share(return_deltas):
+    torch.manual_seed(0)
+    tensors = [torch.randn(4000) + 1, torch.randn(3000) + 1]  # parts of 1024 values: the reducer holds ~3.5k
+    means = [(tensor + tensor.flip(0)) / 2 for tensor in tensors]
+    outputs, rejected, container = run_group(tensors, lambda mean: mean, return_deltas)
+    assert rejected == [] and container.failed_size == 0
+    for key, mean in enumerate(means):  # each tensor's RMS of the accepted average: the next round's reference
+        assert container.learned[key] == pytest.approx(float(mean.square().mean().sqrt()), rel=1e-4)
+    for output, tensor, mean in zip(outputs, tensors, means):
+        torch.testing.assert_close(output if not return_deltas else tensor + output, mean, rtol=1e-4, atol=1e-5)
+
+    outputs, rejected, container = run_group(tensors, lambda mean: -1000 * mean, return_deltas)
+    assert [peer for peer, _ in rejected] == [1] and "x |own values|" in rejected[0][1]
+    assert 1 not in container.learned  # a rejected share teaches nothing
+    results = [output if not return_deltas else tensor + output for output, tensor in zip(outputs, tensors)]
+    flat_result, flat_mean = torch.cat(results), torch.cat(means)
+    flat_own = torch.cat(tensors)
+    boundary = flat_own.numel() - container.failed_size  # the reducer's share is the end of the vector
+    assert 0 < container.failed_size < flat_own.numel()
+    torch.testing.assert_close(flat_result[:boundary], flat_mean[:boundary], rtol=1e-4, atol=1e-5)
+    assert torch.equal(flat_result[boundary:], flat_own[boundary:])  # its own values, exactly
+
+
+def test_an_excluded_or_failing_reducer_leaves_own_values():
+    torch.manual_seed(1)
+    tensors = [torch.randn(4000) + 1, torch.randn(3000) + 1]
+    for options in (dict(excluded=True), dict(fail_after=2)):
+        outputs, rejected, container = run_group(tensors, lambda mean: mean, **options)
+        assert rejected == []
+        results, own = torch.cat([t + o for t, o in zip(tensors, outputs)]), torch.cat(tensors)
+        boundary = own.numel() - container.failed_size
+        assert 0 < container.failed_size < own.numel(), options
+        assert torch.equal(results[boundary:], own[boundary:]), options  # half an answer is not used either
+
+
+def test_strikes_exclude_a_peer_once_for_a_while(tmp_path):
+    now = [1000.0]
+    exclusions = Exclusions(strikes=3, window=10, duration=600.0, clock=lambda: now[0])
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        for round_index in range(12):  # a strike every 5th round: never 3 within 10
+            exclusions.begin_round()
+            if round_index % 5 == 0:
+                assert not exclusions.strike("slow", "unlucky")
+        assert not exclusions.is_excluded("slow")
+        exclusions.begin_round()
+        assert not exclusions.strike("liar", "x1000") and not exclusions.strike("liar", "again, same round")
+        exclusions.begin_round()
+        assert not exclusions.strike("liar", "x1000")
+        exclusions.begin_round()
+        assert exclusions.strike("liar", "x1000")
+        assert exclusions.is_excluded("liar") and exclusions.excluded() == ["liar"]
+        for _ in range(5):
+            exclusions.begin_round()
+            assert not exclusions.strike("liar", "while excluded")
+        now[0] += 599.0
+        assert exclusions.is_excluded("liar")
+        now[0] += 1.0
+        assert not exclusions.is_excluded("liar") and exclusions.excluded() == []
+    finally:
+        close_events()
+    events = read_events(tmp_path / "events.jsonl", "peer_excluded")
+    assert [(event["source"], event["until"]) for event in events] == [("liar", 1600.0)]
+    with pytest.raises(ValueError):
+        Exclusions(strikes=4, window=3)
+
+
+def test_the_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tmp_path):
+    generator = torch.Generator().manual_seed(2)
+    common = torch.randn(SIZE, generator=generator)
+    senders = [common + 0.5 * torch.randn(SIZE, generator=generator) for _ in range(4)]
+    senders[3] = -1000 * senders[3]
+    ids = ["a", "b", "c", "liar"]
+    exclusions = Exclusions(strikes=2, window=10)
+
+    def reduce() -> torch.Tensor:
+        exclusions.begin_round()
+
+        async def run() -> list:
+            reducer = CenteredClipReducer([torch.Size([SIZE])], 4, ids, exclusions)
+            return await asyncio.gather(*(reducer.accumulate_part(index, 0, part) for index, part in
+                                          enumerate(senders)))
+        return asyncio.run(asyncio.wait_for(run(), 10))[0]
+
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        first = reduce()
+        torch.testing.assert_close(first, centered_clip(senders, [1.0] * 4), rtol=1e-4, atol=1e-5)
+        assert not exclusions.is_excluded("liar")
+        reduce()
+        assert exclusions.excluded() == ["liar"]
+        third = reduce()  # its part now weighs 0: the result is the others' (their mean: none is clipped)
+        torch.testing.assert_close(third, centered_clip(senders[:3], [1.0] * 3), rtol=1e-4, atol=1e-5)
+    finally:
+        close_events()
+    clipped = read_events(tmp_path / "events.jsonl", "sender_clipped")
+    assert [event["source"] for event in clipped] == ["liar", "liar"]
+    assert all(float(event["reason"].split(" x tau")[0].split()[-1]) > FAR_OUT for event in clipped)
+
+
+def peer_id(name: str) -> str:
+    return "12D3KooW" + name * 44
+
+
+def test_records_carry_exclusions_and_the_table_marks_a_peer_most_others_exclude(tmp_path):
+    streams = {name: tmp_path / f"{name}.jsonl" for name in "abcd"}
+    for name, path in streams.items():
+        path.touch()
+    reporters = {name: MetricsReporter(peer_id(name), False, streams[name]) for name in "abcd"}
+    for name in "abc":  # the honest ones exclude d; d claims to exclude a
+        open_events(streams[name], "trainer")
+        emit("peer_excluded", source=peer_id("d"), reason="x1000", until=4e9)
+        emit("peer_excluded", source=peer_id("x"), reason="long ago", until=1.0)  # expired
+        close_events()
+    open_events(streams["d"], "trainer")
+    emit("peer_excluded", source=peer_id("a"), reason="a lie", until=4e9)
+    close_events()
+    records = {name.encode(): reporter.record(1, 1.0, samples=8, loss_sum=1.0, mini_steps=1)
+               for name, reporter in reporters.items()}
+    assert records[b"a"].excluded == (peer_id("d"),) and records[b"d"].excluded == (peer_id("a"),)
+    assert LocalMetrics.model_validate(records[b"a"].model_dump()) == records[b"a"]
+    older = LocalMetrics(epoch=1, samples_per_second=1.0, samples_accumulated=8, loss_sum=1.0, mini_steps=1)
+    assert older.excluded is None  # records of older trainers still parse
+    table = PeerTable()
+    table.update(records, now=1.0)
+    marked = {row.peer_id for row in table.rows() if row.excluded}
+    assert marked == {peer_id("d")} and len(excluded_keys(records)) == 1
+    assert summary(table.rows()).endswith(f"1 excluded (...{peer_id('d')[-8:]})")

@@ -1,0 +1,39 @@
+"""A swarm with a reducer that lies (issue 24): three honest trainers and one (tests/lying_peer.py
+``--attack reducer_scale``) that trains and sends honestly but answers every other sender of its part of each
+gradient all-reduce with the average x1000. Real processes on 127.0.0.1, tiny LeanGPT on CPU (``run_swarm`` of
+tests/test_robust_swarm.py), the default ``--aggregation centered_clip``: the honest trainers reject its answers
+(keeping their own values for its part), strike it, and exclude it after 3 strikes within 10 rounds
+(lean_transformer/swarm/averaging/answer_check.py, exclusion.py); they train as an honest swarm does, and none of
+them rejects an honest reducer's answer or excludes an honest peer. The mean, which checks nothing, under the same
+attack: benchmarks/byzantine.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from lean_transformer.swarm.monitoring.events import read_events
+from swarm_utils import untrained_loss
+from test_robust_swarm import EPOCHS, HONEST, attacked_rounds, run_swarm
+
+pytestmark = pytest.mark.swarm
+
+
+def test_honest_trainers_exclude_a_reducer_that_scales_its_answers_and_train_on(tmp_path, report):
+    epochs = EPOCHS + 4  # the liar takes ~4 epochs to join
+    losses = run_swarm(tmp_path, "centered_clip", "reducer_scale", epochs, liar_joins_late=True)
+    liar = next(event["peer"] for event in read_events(tmp_path / "liar.events.jsonl") if event.get("peer"))
+    report(f"rounds of 4 peers (the liar's): {attacked_rounds(tmp_path)}")
+    for index in range(HONEST):
+        stream = tmp_path / f"honest{index}.events.jsonl"
+        rejected = read_events(stream, "answer_rejected")
+        excluded = read_events(stream, "peer_excluded")
+        report(f"honest{index}: {sum(event['source'] == liar for event in rejected)} of the liar's shares rejected, "
+               f"{sum(event['source'] != liar for event in rejected)} of honest reducers'; excluded "
+               f"{[event['source'][-8:] for event in excluded]}")
+        assert [event["source"] for event in excluded] == [liar], (index, excluded)  # once, the liar only
+        assert {event["source"] for event in rejected} == {liar}, (index, rejected)
+        assert all("x |own values|" in event["reason"] for event in rejected), rejected
+    untrained = untrained_loss(losses)
+    for name, by_epoch in losses.items():
+        report(f"reducer x1000, centered_clip, {name}: loss {untrained:.3f} (untrained) -> {by_epoch[epochs]:.3f}")
+        assert by_epoch[epochs] < untrained - 0.6, (name, by_epoch)  # as test_robust_swarm's honest swarm trains
