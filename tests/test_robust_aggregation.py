@@ -251,3 +251,33 @@ def test_each_attack_of_the_lying_peer_stays_within_its_share_of_tau(attack):
         capped = [min(weight, WEIGHT_CAP * float(np.median(weights))) for weight in weights]
         share = capped[0] / sum(capped)
         assert float((result.double() - honest_mean).norm()) <= share / (1 - share) * tau * (1 + 1e-4)
+
+
+def test_a_label_flipping_peer_stays_within_its_share_of_tau(gpt_config):
+    """label_flip (tests/lying_peer.py: every label shifted by one token id) lies through honest computation: its
+    gradients of a real tiny LeanGPT point elsewhere (cosine to the honest mean well below the honest senders'), and
+    CenteredClip of it and 3 honest senders stays within share / (1 - share) x tau of the honest mean."""
+    from lean_transformer import LeanGPTForCausalLM
+
+    config = gpt_config()
+    model = LeanGPTForCausalLM(config)
+    generator = torch.Generator().manual_seed(12)
+    text = torch.arange(64).remainder(config.vocab_size)  # a learnable sequence: each token predicts the next
+
+    def gradient(flip: bool) -> torch.Tensor:
+        starts = torch.randint(0, 48, (8,), generator=generator)
+        input_ids = torch.stack([text[start:start + 16] for start in starts])
+        labels = (input_ids + 1) % config.vocab_size if flip else input_ids
+        model.zero_grad()
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        return torch.cat([param.grad.reshape(-1) for param in model.parameters()])
+
+    parts = [gradient(flip=True)] + [gradient(flip=False) for _ in range(3)]
+    honest_mean = weighted_mean(parts[1:], [1.0] * 3)
+
+    def cosine(vector: torch.Tensor) -> float:
+        return float(torch.nn.functional.cosine_similarity(vector.double(), honest_mean, dim=0))
+    assert cosine(parts[0]) < min(map(cosine, parts[1:])) - 0.1, [cosine(part) for part in parts]
+    result = centered_clip(parts, [1.0] * 4)
+    _, tau = assert_matches_reference(result, parts, [1.0] * 4)
+    assert float((result.double() - honest_mean).norm()) <= tau / 3 * (1 + 1e-4)
