@@ -30,10 +30,11 @@ it would have; the all-reduce ends with its last answer either way).
 A share smaller than :data:`MIN_CHECKED` values, or where ``x`` is zero or not finite, is not checked (nothing to
 compare with, no concentration). On a failure the receiver keeps its own values for the whole share (delta 0: the
 reducer moves it by nothing, as a reducer that fails), emits ``answer_rejected`` (``source``: the reducer's peer ID,
-``reason``, ``size``) and counts a strike against the reducer (:mod:`.exclusion`). In DiLoCo's same-result
-all-reduce, where every peer must apply the same average, a rejected share fails the round instead (the anchors stay
-equal where every honest receiver rejects). An excluded reducer's answers are replaced the same way, unchecked; so
-are the answers held from a reducer that fails half-way (unchecked, they are not used).
+``reason``, ``size``) and counts a strike against the reducer (:mod:`.exclusion`). An excluded reducer's answers
+are replaced the same way, unchecked; so are the answers held from a reducer that fails half-way (unchecked, they are
+not used). Gradient averaging only: DiLoCo's same-result all-reduce, where a rejected share would fail the round for
+the whole group, is not checked (see ``diloco._CenteredClipSameResultRunner``: false rejections by a peer that joined
+mid-round failed every round and excluded honest peers).
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
