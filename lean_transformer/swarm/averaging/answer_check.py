@@ -39,8 +39,8 @@ mid-round failed every round and excluded honest peers).
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
 4320 checked shares in each mode (0.02%; cosines down to -0.04 on shares of a few thousand values of heavy-tailed
-gradients). In the swarm tests (gradients and DiLoCo, 3 honest trainers and a liar), no honest answer rejected. One
-false rejection costs one receiver one share's average for one round (DiLoCo: the round), and one strike: an honest
+gradients). In the gradient-averaging swarm tests (3 honest trainers and a liar), no honest answer rejected. One
+false rejection costs one receiver one share's average for one round, and one strike: an honest
 reducer is excluded only after 3 within 10 rounds. x1000, sign flips, noise x1000 and zeros: caught on every share.
 
 What it does not catch: an answer within the honest spread, e.g. the true average plus a bias of the size of one
@@ -194,11 +194,11 @@ class CheckedParts(TensorPartContainer):
             own = self._input_parts_by_peer[peer_index][part_index][0]
             super().register_processed_part(peer_index, part_index,
                                             torch.zeros_like(own) if self.return_deltas else own.clone())
-            self.failed_size += own.numel()  # DiLoCo's same-result averager fails the round on it
+            self.failed_size += own.numel()  # counted as hivemind counts a failed reducer's values
 
 
 class ChecksAnswers:
-    """Mixed in front of an ``AllReduceRunner`` class (hivemind's or DiLoCo's same-result one) whose
+    """Mixed in front of hivemind's ``AllReduceRunner`` class (gradient averaging) whose
     ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) is set by the classes after it: every groupmate's
     answers are checked (:class:`CheckedParts`) before hivemind's container takes them. ``answer_norms``: the
     averager's dict of each tensor's last accepted RMS (read as this round's reference, updated with its answers)."""
