@@ -11,9 +11,15 @@ rather than lucky, by holding one side still at the moment that matters:
   does, but pausing where a busy process may be descheduled: after the trigger is cancelled and the averager told,
   before the round is marked cancelled. Then B looks for a group. A holds 1.0 and B 0.0 (one sample each). On a
   loaded machine the same window let a cancelled round take the partner of the peer's next round (seen in ``gc``).
+- ``leave``: A and B average ``LEAVE_SIZE`` values (A 1.0, B 0.0; several parts in each peer's share), and B shuts
+  its averager down as soon as its round returns, as a trainer does after its last state-averaging round. B's
+  handler sends each of its answers ``ANSWER_DELAY`` s late (a busy reducer), so B's round ends before A has the
+  last one.
+  Its fix is :mod:`lean_transformer.swarm.hivemind_fixes.stream_answers`'s.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -22,13 +28,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import pytest
+from hivemind.p2p import P2PContext  # hivemind reads the handler's annotations
+from hivemind.proto import averaging_pb2
 
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 DESTROYED = "Task was destroyed but it is pending"
 ZOMBIE_RESULT = "Can't set_result to a future that is CANCELLED"
+LEAVE_SIZE, ANSWER_DELAY = 2 ** 20, 0.25  # 4 MiB of float32: 4 parts of 512 KiB in each peer's share
 
 
 def run_cases(case: str) -> dict:
@@ -78,6 +88,18 @@ def test_a_round_cancelled_before_its_allreduce_changes_nothing_in_ours(report):
            f"formed no group (B {ours['b'][0]}, A {ours['a'][0]}: unchanged)")
 
 
+def test_a_peer_leaving_right_after_its_round_lets_its_answers_arrive(report):
+    results = run_cases("leave")
+    hivemind_result, ours = results["hivemind"], results["lean_transformer"]
+    # the control: B's averager stopped while its handler was still answering (its last part: hivemind's handler
+    # reads a part only after it has answered the one before), and A kept its own 1.0 there
+    assert hivemind_result["group_size"] == 2 and hivemind_result["a_averaged"] < 1.0, hivemind_result
+    # the fix: B's shutdown waited for its answers, A holds the average everywhere
+    assert ours["group_size"] == 2 and ours["a_averaged"] == 1.0, ours
+    report(f"B left right after its round, its answers {ANSWER_DELAY} s each late: with hivemind's averager A got "
+           f"the average on {hivemind_result['a_averaged']:.0%} of its values (its own elsewhere), with ours on all")
+
+
 # ---------------------------------------------------------------- one variant, as a script
 
 
@@ -109,17 +131,28 @@ def main(variant: str, case: str) -> None:
 
     parent = averagers.GradientAverager if variant == "lean_transformer" else grad_averager.GradientAverager
 
-    class Averager(parent):
+    class Averager(parent):  # one class for A and B: hivemind names the RPCs after it
+        def __init__(self, *args, answer_delay: float = 0.0, **kwargs):
+            self.answer_delay = answer_delay  # before hivemind starts the averager's process
+            super().__init__(*args, **kwargs)
+
         async def _collect_garbage(self, future: MPFuture) -> None:
             future.set_result(gc.collect())
+
+        async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+            async for answer in super().rpc_aggregate_part(stream, context):
+                await asyncio.sleep(self.answer_delay)
+                yield answer
 
     faulthandler.dump_traceback_later(100)  # the stacks, where a run hangs (before run_cases' 120 s kill)
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
     dhts = [hivemind.DHT(start=True, host_maddrs=maddrs)]
     dhts.append(hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dhts[0].get_visible_maddrs()))
-    params = [torch.nn.Parameter(torch.zeros(2)) for _ in dhts]
+    params = [torch.nn.Parameter(torch.zeros(LEAVE_SIZE if case == "leave" else 2)) for _ in dhts]
     peers = [Averager([param], dht=dht, prefix="fix", target_group_size=2, min_matchmaking_time=2.0,
-                      request_timeout=1.0, allreduce_timeout=10, start=True) for param, dht in zip(params, dhts)]
+                      request_timeout=1.0, allreduce_timeout=10, start=True, answer_delay=delay)
+             for param, dht, delay in zip(params, dhts, (0.0, ANSWER_DELAY if case == "leave" else 0.0))]
     a, b = peers
     for peer, param, value in zip(peers, params, (1.0, 0.0)):
         param.grad = torch.full_like(param, value)
@@ -139,6 +172,12 @@ def main(variant: str, case: str) -> None:
             os.kill(dhts[0].pid, signal.SIGCONT)
         time.sleep(1.0)
         steps = [peer.step(timeout=8, wait=False) for peer in peers]
+    elif case == "leave":
+        time.sleep(1.0)  # as in the other cases: the DHTs know each other
+        steps = [peer.step(timeout=20, wait=False) for peer in (b, a)]  # A's is the last, as in the other cases
+        steps[0].result(timeout=30)
+        b.shutdown()  # at once, as a trainer does after its last round
+        peers = [a]
     else:
         a.load_accumulators_into_averager_()  # what the optimizer does before it cancels a lone peer's round
         control = a.schedule_step(timeout=10)
@@ -162,7 +201,10 @@ def main(variant: str, case: str) -> None:
     time.sleep(0.5)  # for A's cancelled round, if it runs
     for name, peer in zip("ab", peers):
         with peer.get_tensors() as (tensor,):
-            result[name] = tensor.tolist()
+            if case == "leave":
+                result["a_averaged"] = (tensor == 0.5).float().mean().item()
+            else:
+                result[name] = tensor.tolist()
     print(json.dumps(result), flush=True)
     for each in (*peers, *dhts):
         each.shutdown()

@@ -148,8 +148,18 @@ def test_pair_parameters_agree_after_state_averaging(scenario: Scenario):
     """A peer that reaches --max_epochs saves its final state after the last state-averaging round (epoch 10)."""
     p1, p2 = (load_file(backup(scenario.root / peer.name, EPOCHS) / "model.safetensors") for peer in scenario.pair)
     assert p1.keys() == p2.keys()
-    for name in p1:
-        torch.testing.assert_close(p1[name], p2[name], rtol=1e-4, atol=1e-5, msg=name)
+    differ = {name: (p1[name] - p2[name]).abs().max().item() for name in p1
+              if not torch.allclose(p1[name], p2[name], rtol=1e-4, atol=1e-5)}
+    assert not differ, f"{len(differ)} of {len(p1)} tensors differ (largest difference {max(differ.values()):.3g}, " \
+                       f"{next(iter(differ))}); the pair's last events:\n" + "\n".join(
+                           f"{peer.name}: {last_events(peer)}" for peer in scenario.pair)
+
+
+def last_events(peer: PeerProcess, count: int = 25) -> str:
+    """A peer's last events but its progress lines, one per line, for a failure message."""
+    events = [event for event in peer.events() if event["event"] != "progress"][-count:]
+    return "\n  ".join(json.dumps({key: value for key, value in event.items() if key not in ("v", "peer", "role")})
+                        for event in events)
 
 
 def test_averaging_matches_one_peer_with_twice_the_batch(scenario: Scenario):
