@@ -7,8 +7,9 @@ honest peer's rare unlucky part should not count many times. ``strikes`` (3) str
 (10) rounds exclude it for ``duration`` (600 s): logged once at WARNING, emitted as a ``peer_excluded`` event
 (``source``, ``reason``, ``until``: Unix time), which the trainer's metrics record then carries
 (:mod:`lean_transformer.swarm.peers.reporting`). While excluded, this peer's reducers give its parts weight 0, its
-answers are replaced by this peer's own values (as for a reducer that failed), and, when this peer leads
-matchmaking, its join requests are refused (:class:`RefusesExcluded`). hivemind has no notion of a peer's
+answers are replaced by this peer's own values (as for a reducer that failed), and it is in none of the groups
+this peer forms: when this peer leads matchmaking its join requests are refused, when it leads this peer does not ask
+to join it (:class:`RefusesExcluded`). hivemind has no notion of a peer's
 reputation (its all-reduce only bans a sender for the rest of one round when it stops sending), hence our own.
 
 The bookkeeping lives in the averager's process (hivemind's averagers run in a forked process); each averager keeps
@@ -19,9 +20,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import AsyncIterator, Callable, Deque, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Deque, Dict, List, Optional
 
-from hivemind.p2p import P2PContext
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from lean_transformer.swarm.monitoring.events import emit
@@ -82,10 +84,11 @@ class Exclusions:
 
 
 class RefusesExcluded:
-    """Mixed in front of a hivemind averager: ``exclusions`` (None: none kept) and, while this peer leads
-    matchmaking, a refusal (``NOT_LOOKING_FOR_GROUP``, hivemind's answer of a leader that forms no group: the peer
-    moves on to another leader) for the join requests of excluded peers. Groups it leads itself can still hold them
-    (hivemind's followers take the leader's list); there its parts weigh 0 and its answers are replaced."""
+    """Mixed in front of a hivemind averager: ``exclusions`` (None: none kept) and groups without excluded peers.
+    While this peer leads matchmaking, their join requests are refused (``NOT_LOOKING_FOR_GROUP``, hivemind's answer
+    of a leader that forms no group: the peer moves on to another leader); while it looks for a leader, it skips
+    them (also when another leader redirects it to one). A group led by a third peer can still hold them (hivemind's
+    followers take the leader's list); there their parts weigh 0 and their answers are replaced."""
 
     # hivemind caches the RPC table per class: a subclass must build its own (see auth.averaging_gate.GatedRPCs)
     _rpc_handlers = None
@@ -94,6 +97,27 @@ class RefusesExcluded:
     def __init__(self, *args, exclusions: Optional[Exclusions] = None, **kwargs):
         self.exclusions = exclusions  # before hivemind's __init__, which starts the averager's process
         super().__init__(*args, **kwargs)
+
+    async def _step(self, **kwargs: Any) -> None:
+        if self.exclusions is not None:
+            self._skip_excluded_leaders()
+        await super()._step(**kwargs)
+
+    def _skip_excluded_leaders(self) -> None:
+        """hivemind 1.1.12 builds its Matchmaking inside the averager's process and offers no hook for the choice of a
+        leader: its one request method is wrapped on the instance, once (the redirects go through it too)."""
+        matchmaking = self._matchmaking
+        request = matchmaking._request_join_group
+        if getattr(request, "skips_excluded", False):
+            return
+
+        async def request_unless_excluded(leader: PeerID) -> Optional[GroupInfo]:
+            if self.exclusions.is_excluded(leader.to_base58()):
+                return None  # as a leader that refused: the search goes on with the next one
+            return await request(leader)
+
+        request_unless_excluded.skips_excluded = True
+        matchmaking._request_join_group = request_unless_excluded
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:

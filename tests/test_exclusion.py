@@ -1,0 +1,93 @@
+"""lean_transformer.swarm.averaging.exclusion: a peer that A excludes is in none of the groups A forms.
+
+Run as a script, this file is one variant, in its own process: two peers on 127.0.0.1, A and B, each a DHT and the
+swarm's gradient averager under CenteredClip, average twice: first with B leading (B's round is scheduled before
+A's: hivemind's followers ask the leaders that declared an earlier time), then with A leading. Variant ``excluded``:
+A has excluded B (three strikes) before its averager starts. Variant ``control``: A has not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.swarm
+REPO = Path(__file__).resolve().parent.parent
+LEAD_GAP = 1.5  # seconds between the leader's scheduled time and the follower's
+
+
+def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    processes = {variant: subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env)
+                 for variant in ("control", "excluded")}
+    results = {}
+    for variant, process in processes.items():
+        try:
+            stdout, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
+        assert process.returncode == 0 and stdout.strip(), f"{variant}:\n{stderr[-6000:]}"
+        results[variant] = json.loads(stdout.strip().splitlines()[-1])
+    control, excluded = results["control"], results["excluded"]
+    # the control: B's group and A's group both form, A and B averaged (1.0 and 0.0: 0.5)
+    assert control == {"b_leads": [2, 0.5], "a_leads": [2, 0.5]}, control
+    # excluded: no group in either order; A's values stay its own (1.0). Refusing B's requests alone is not enough:
+    # a leader that found no follower looks for a leader itself (seen here: A joined B in both rounds)
+    assert excluded == {"b_leads": [None, 1.0], "a_leads": [None, 1.0]}, excluded
+    report("A excludes B: no group formed, whether B's round was scheduled first (B leads) or A's (A leads, then "
+           "looks for a leader itself); control without exclusion: both rounds averaged A and B")
+
+
+def main(variant: str) -> None:
+    import hivemind
+    import torch
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.averagers import GradientAverager
+    from lean_transformer.swarm.averaging.exclusion import Exclusions
+
+    maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    dht_a = hivemind.DHT(start=True, host_maddrs=maddrs)
+    dht_b = hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dht_a.get_visible_maddrs())
+    exclusions = Exclusions(strikes=3, window=10)
+    if variant == "excluded":
+        for _ in range(3):
+            exclusions.begin_round()
+            exclusions.strike(dht_b.peer_id.to_base58(), "a test's strike")
+    params = [torch.nn.Parameter(torch.zeros(2048)) for _ in range(2)]  # over answer_check's MIN_CHECKED
+    a, b = (GradientAverager([param], dht=dht, prefix="exclusion", target_group_size=2, min_matchmaking_time=2.0,
+                             request_timeout=1.0, allreduce_timeout=10, aggregation="centered_clip",
+                             exclusions=exclusions if dht is dht_a else None, start=True)
+            for param, dht in zip(params, (dht_a, dht_b)))
+    time.sleep(1.0)  # the DHTs know each other
+    result = {}
+    for name, leader, follower in (("b_leads", b, a), ("a_leads", a, b)):
+        for peer, param, value in ((a, params[0], 1.0), (b, params[1], 0.0)):
+            param.grad = torch.full_like(param, value)
+            peer.accumulate_grads_(batch_size=1)  # the step then resets the accumulators
+        start = get_dht_time() + 2.0
+        steps = [leader.step(scheduled_time=start, timeout=10, wait=False),
+                 follower.step(scheduled_time=start + LEAD_GAP, timeout=10, wait=False)]
+        group_size = None
+        try:
+            group_size = len(steps[1 if follower is a else 0].result(timeout=30))
+        except Exception:  # hivemind: "could not find a group"
+            pass
+        for step in steps:
+            step.exception(timeout=30)
+        with a.get_tensors() as (tensor,):
+            values = set(tensor.tolist())
+        result[name] = [group_size, values.pop() if len(values) == 1 else sorted(values)[:4]]
+    print(json.dumps(result), flush=True)
+    for each in (a, b, dht_a, dht_b):
+        each.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
