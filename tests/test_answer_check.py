@@ -227,6 +227,63 @@ def test_strikes_exclude_a_peer_once_for_a_while(tmp_path):
         Exclusions(strikes=4, window=3)
 
 
+def test_the_sparse_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tmp_path):
+    """DiLoCo's top-k all-reduce: the reducer of the whole range (a real P2P; the senders' parts handed to it as its
+    handler does) strikes a top-k part x -1000 twice, excludes its sender, and then answers the honest senders'
+    CenteredClip (float16 on the wire)."""
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.p2p import P2P, PeerID
+
+    from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce
+
+    generator = torch.Generator().manual_seed(3)
+    common = torch.randn(SIZE, generator=generator)
+    dense = [common + 0.5 * torch.randn(SIZE, generator=generator) for _ in range(4)]
+    dense[3] = -1000 * dense[3]
+    k = SIZE // 20
+    parts = []
+    for vector in dense:
+        indices = vector.abs().topk(k).indices.sort().values
+        parts.append((indices.to(torch.int32), vector[indices].to(torch.float16)))
+    exclusions = Exclusions(strikes=2, window=10)
+
+    async def rounds() -> list:
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            senders = [p2p.peer_id, *(PeerID(f"sender {index}".encode()) for index in range(3))]
+            answers = []
+            for _ in range(3):
+                runner = SparseAllReduce(p2p=p2p, servicer_type=object, prefix=None, group_id=b"group",
+                                         ordered_peer_ids=senders, modes=[AveragingMode.NODE] * 4,
+                                         peer_fractions=[1.0, 0.0, 0.0, 0.0], total_size=SIZE, weight=1.0,
+                                         timeout=5.0, aggregation="centered_clip", exclusions=exclusions)
+                for sender, (indices, values) in zip(senders, parts):
+                    runner._accumulate(sender, 1.0, indices, values)  # what its rpc_aggregate_part does
+                answers.append(await asyncio.wait_for(runner._result, 5))
+            return [senders[3].to_base58(), answers]
+        finally:
+            await p2p.shutdown()
+
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        liar, answers = asyncio.run(rounds())
+    finally:
+        close_events()
+    assert exclusions.excluded() == [liar]
+    clipped = read_events(tmp_path / "events.jsonl", "sender_clipped")
+    assert [event["source"] for event in clipped] == [liar, liar]  # not in the third round: excluded by then
+    filled = []
+    for indices, values in parts[:3]:
+        row = torch.zeros(SIZE)
+        row[indices.long()] = values.float()
+        filled.append(row)
+    union, values = answers[2]
+    expected = centered_clip(filled, [1.0] * 3)
+    torch.testing.assert_close(values, expected[union.long()].to(torch.float16))
+    first_union, first = answers[0]  # while the liar counted: clipped (under the mean it moves the result ~250x)
+    assert float((first.float() - expected[first_union.long()]).norm()) < float(expected.norm())
+
+
 def test_the_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tmp_path):
     generator = torch.Generator().manual_seed(2)
     common = torch.randn(SIZE, generator=generator)

@@ -204,7 +204,7 @@ def test_the_sparse_rule_is_centered_clip_of_the_zero_filled_parts():
         parts = [(weight, *topk(vector)) for weight, vector in zip(weights, senders)]
         union = torch.unique(torch.cat([indices for _, indices, _ in parts]))
         result = torch.zeros(size)
-        result[union] = sparse_centered_clip(parts, union, size)
+        result[union] = sparse_centered_clip(parts, union, size)[0]
         filled = []
         for _, indices, values in parts:
             row = torch.zeros(size)

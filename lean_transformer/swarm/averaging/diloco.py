@@ -240,9 +240,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
     deadline), and the buffers change only once every part has arrived, so a retry sends the peer's own
     pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
     during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round).
-    ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean; in the dense
-    all-reduce senders clipped far out repeatedly are excluded (``exclusions``,
-    :mod:`lean_transformer.swarm.averaging.exclusion`); the sparse all-reduce does not exclude yet."""
+    ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean, and senders
+    clipped far out repeatedly are excluded (``exclusions``, :mod:`lean_transformer.swarm.averaging.exclusion`)."""
 
     def __init__(self, *args: Any, topk_fraction: Optional[float] = None, aggregation: str = "mean",
                  exclusions: Optional[Exclusions] = None, **kwargs: Any):
@@ -282,7 +281,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         runner = SparseAllReduce(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
                                  ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
                                  total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
-                                 aggregation=self.aggregation)
+                                 aggregation=self.aggregation, exclusions=self.exclusions)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
             await runner.run(None, None)

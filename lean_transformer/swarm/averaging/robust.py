@@ -242,16 +242,23 @@ class CenteredClipReducer(TensorPartReducer):
             self.reset_accumulators()
 
     def _strike_far_out(self, arrived: _SendersParts, distances: Sequence[Optional[float]]) -> None:
-        if self.exclusions is None:
-            return
-        for sender_index, weight, distance in zip(arrived.senders, arrived.weights, distances):
-            if (distance is not None and distance > FAR_OUT and (weight > 0 or math.isinf(distance))
-                    and sender_index < len(self.sender_ids) and self.sender_ids[sender_index]
-                    and not self._excluded(sender_index)):
-                sender = self.sender_ids[sender_index]
-                reason = f"its part ended {distance:.3g} x tau from the result (at most {FAR_OUT:g})"
-                emit("sender_clipped", source=sender, reason=reason, size=arrived.parts[0].numel())
-                self.exclusions.strike(sender, f"a part it sent: {reason}")
+        senders = [self.sender_ids[index] if index < len(self.sender_ids) else "" for index in arrived.senders]
+        strike_far_out(self.exclusions, senders, arrived.weights, distances, arrived.parts[0].numel())
+
+
+def strike_far_out(exclusions: Optional[Exclusions], senders: Sequence[str], weights: Sequence[float],
+                   distances: Sequence[Optional[float]], size: int) -> None:
+    """A strike (and a ``sender_clipped`` event) against each sender whose part of ``size`` values ended over
+    ``FAR_OUT`` x tau from the result (:func:`clip_and_distances`' ``distances``), or was not finite. ``senders``:
+    peer IDs, "" for this peer (never struck); parts of weight 0 (excluded senders) count only when not finite."""
+    if exclusions is None:
+        return
+    for sender, weight, distance in zip(senders, weights, distances):
+        if (distance is not None and distance > FAR_OUT and (weight > 0 or math.isinf(distance)) and sender
+                and not exclusions.is_excluded(sender)):
+            reason = f"its part ended {distance:.3g} x tau from the result (at most {FAR_OUT:g})"
+            emit("sender_clipped", source=sender, reason=reason, size=size)
+            exclusions.strike(sender, f"a part it sent: {reason}")
 
 
 class CenteredClipReduction:

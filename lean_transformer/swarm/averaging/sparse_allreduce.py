@@ -39,7 +39,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
-from lean_transformer.swarm.averaging.robust import centered_clip, check_aggregation
+from lean_transformer.swarm.averaging.exclusion import Exclusions
+from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
@@ -128,10 +129,11 @@ def check_sparse_part(indices: torch.Tensor, values: torch.Tensor, size: int) ->
 
 
 def sparse_centered_clip(parts: Sequence[Tuple[float, torch.Tensor, torch.Tensor]], union: torch.Tensor,
-                         size: int) -> torch.Tensor:
+                         size: int) -> Tuple[torch.Tensor, List[Optional[float]]]:
     """CenteredClip of sparse ``parts`` ((weight, int64 indices, float32 values) per sender, in a range of ``size``)
     as dense vectors with 0 where a sender sent nothing, at the ``union`` of their indices (sorted; the result is 0
-    elsewhere): the values there, float32."""
+    elsewhere): the values there, float32, and each part's distance from them in units of tau
+    (:func:`..robust.clip_and_distances`: the same over the range, where the rest is 0 in every vector)."""
     column = torch.full((size,), -1, dtype=torch.long)
     column[union] = torch.arange(len(union))
     rows = []
@@ -139,7 +141,9 @@ def sparse_centered_clip(parts: Sequence[Tuple[float, torch.Tensor, torch.Tensor
         row = torch.zeros(len(union))
         row[column[indices]] = values
         rows.append(row)
-    return centered_clip(rows, [weight for weight, _, _ in parts]) if rows else torch.zeros(len(union))
+    if not rows:
+        return torch.zeros(len(union)), []
+    return clip_and_distances(rows, [weight for weight, _, _ in parts])
 
 
 class SparseAllReduce:
@@ -149,14 +153,20 @@ class SparseAllReduce:
     ``run(indices, values)`` (flat int64 indices, float16 values; ``None`` for an aux peer) returns the group's
     weighted average (``aggregation`` "mean") or CenteredClip (``"centered_clip"``) as a dense float32 vector of
     ``total_size`` (``None`` for an aux peer) or raises ``AllreduceException``. Every wait is bounded by ``timeout``
-    seconds.
+    seconds. With ``exclusions`` (CenteredClip; one round each), this peer's range gives an excluded sender's part
+    weight 0 and strikes a sender whose part ended far out, as the dense reducer does (:mod:`.exclusion`).
     """
 
     def __init__(self, *, p2p: P2P, servicer_type: type[ServicerBase], prefix: Optional[str], group_id: bytes,
                  ordered_peer_ids: Sequence[PeerID], modes: Sequence[AveragingMode], peer_fractions: Sequence[float],
-                 total_size: int, weight: float, timeout: float, aggregation: str = "mean"):
+                 total_size: int, weight: float, timeout: float, aggregation: str = "mean",
+                 exclusions: Optional[Exclusions] = None):
         self.aggregation = check_aggregation(aggregation)
+        self.exclusions = exclusions
+        if exclusions is not None:
+            exclusions.begin_round()
         self._parts: List[Tuple[float, torch.Tensor, torch.Tensor]] = []  # centered_clip: (weight, indices, values)
+        self._part_senders: List[str] = []  # centered_clip: the senders of _parts ("" for this peer)
         if len(modes) != len(ordered_peer_ids) or len(peer_fractions) != len(ordered_peer_ids):
             raise AllreduceException("the group's modes or fractions do not match its peers")
         self.p2p, self.servicer_type, self.prefix, self.group_id = p2p, servicer_type, prefix, group_id
@@ -232,7 +242,10 @@ class SparseAllReduce:
         if self.aggregation == "mean":
             self._sum.index_add_(0, indices.long(), values.float() * weight)
         else:
-            self._parts.append((weight, indices.long(), values.float()))
+            source = "" if sender == self.peer_id else sender.to_base58()
+            excluded = self.exclusions is not None and source and self.exclusions.is_excluded(source)
+            self._parts.append((0.0 if excluded else weight, indices.long(), values.float()))
+            self._part_senders.append(source)
         self._touched[indices.long()] = True
         self._weight += weight
         self._arrived.add(sender)
@@ -241,7 +254,9 @@ class SparseAllReduce:
             if self.aggregation == "mean":
                 average = self._sum[union] / self._weight if self._weight > 0 else torch.zeros(len(union))
             else:
-                average = sparse_centered_clip(self._parts, union, len(self._sum))
+                average, distances = sparse_centered_clip(self._parts, union, len(self._sum))
+                strike_far_out(self.exclusions, self._part_senders, [weight for weight, _, _ in self._parts],
+                               distances, len(self._sum))
             self._result.set_result((union.to(torch.int32), average.to(torch.float16)))
 
     def _fail(self, error: Exception) -> None:
