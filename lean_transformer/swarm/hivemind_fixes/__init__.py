@@ -26,7 +26,10 @@ that the swarm code uses explicitly.
   the caller sees an empty stream or a broken pipe. Reproduced by ``tests/test_stream_answers.py`` (and, as a rare
   failure, by ``tests/test_auth_averaging.py``). The drain leaves a stream that hivemind's all-reduce task still
   reads to that task (``test_draining_a_request_stream_that_the_handler_still_reads_is_quiet``; seen as tracebacks
-  in an 8-trainer swarm). Drop when hivemind reads a request to its end before closing.
+  in an 8-trainer swarm). Also, an averager shut down right after its round stopped its handler before the last
+  answers had gone out, and a groupmate kept its own values there; the averager's shutdown now waits for its
+  handlers (``tests/test_averagers.py``, case ``leave``; seen in CI as a pair whose final parameters differed).
+  Drop when hivemind reads a request to its end before closing and finishes its handlers before it shuts down.
 - :mod:`.rpc_names`: hivemind names an averager's RPCs after its Python class, so a trainer with host gradients (a
   GPU) and one without (a CPU, or an aux peer assisting) never averaged gradients together. Reproduced by
   ``tests/test_averagers.py`` and ``tests/test_trainer_host_gradients.py``. Drop when hivemind names RPCs by protocol.
