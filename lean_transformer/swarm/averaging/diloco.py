@@ -57,6 +57,7 @@ from hivemind.utils.asyncio import amap_in_executor
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
+from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
 from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
@@ -229,9 +230,11 @@ class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
     its strikes excluded both honest peers."""
 
 
-class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, DecentralizedAverager):
-    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, every peer getting the
-    same average (same wire format), and all of it or nothing; with ``topk_fraction``, the sparse all-reduce of
+class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, AnswersBeforeLeaving,
+               DecentralizedAverager):
+    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, answering its
+    groupmates before it shuts down, every peer getting the same average (same wire format), and all of it or
+    nothing; with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
 
     hivemind accepts a partial result: where a reducer fails half-way (a peer killed in the round), each peer keeps

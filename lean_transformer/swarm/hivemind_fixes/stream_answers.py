@@ -58,9 +58,9 @@ async def _read_to_end(requests: AsyncIterator[Any]) -> None:
             raise
 
 
-class AnswersDelivered:
-    """Mixed in front of a hivemind averager: its all-reduce handler's answers reach the caller, also when this
-    averager shuts down right after its round (see above). Its methods run in the averager's process."""
+class AnswersBeforeLeaving:
+    """Mixed in front of a hivemind averager: its shutdown first lets the all-reduce handlers still answering finish
+    (see above). Its methods run in the averager's process."""
 
     _answering: Optional[Set[asyncio.Task]] = None  # the streams still being answered (in the averager's process)
 
@@ -71,7 +71,7 @@ class AnswersDelivered:
         handler = asyncio.current_task()  # hivemind's task for this stream, which then closes it
         self._answering.add(handler)
         handler.add_done_callback(self._answering.discard)
-        async for answer in answer_then_drain(super().rpc_aggregate_part(stream, context), stream):
+        async for answer in super().rpc_aggregate_part(stream, context):
             yield answer
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
@@ -80,3 +80,13 @@ class AnswersDelivered:
             budget = LEAVE_TIMEOUT if timeout is None else min(LEAVE_TIMEOUT, timeout / 2)
             await asyncio.wait(answering, timeout=budget)
         await super()._shutdown(timeout)
+
+
+class AnswersDelivered(AnswersBeforeLeaving):
+    """Mixed in front of a hivemind averager: its all-reduce handler's answers reach the caller, also when this
+    averager shuts down right after its round (see above)."""
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for answer in answer_then_drain(super().rpc_aggregate_part(stream, context), stream):
+            yield answer
