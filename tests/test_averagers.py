@@ -38,7 +38,9 @@ pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 DESTROYED = "Task was destroyed but it is pending"
 ZOMBIE_RESULT = "Can't set_result to a future that is CANCELLED"
-LEAVE_SIZE, ANSWER_DELAY = 2 ** 20, 0.25  # 4 MiB of float32: 4 parts of 512 KiB in each peer's share
+# 2 MiB of float32: 2 parts of 512 KiB in each peer's share. The delay is the window in which B must be gone for the
+# control to lose its last answer: B's shutdown takes milliseconds, 1 s leaves room for a loaded machine
+LEAVE_SIZE, ANSWER_DELAY = 2 ** 19, 1.0
 
 
 def run_cases(case: str) -> dict:
