@@ -111,7 +111,10 @@ def cell_key(mode: str, honest: int, liars: int, attack: str, aggregation: str, 
 
 
 def tables(cells: dict, timings: list) -> list:
+    """One table of ratios per swarm size with both modes side by side (the README's), then the full table of each
+    swarm size and mode, then the reducer's timing."""
     result = []
+    by_swarm = {}  # (honest, liars) -> mode -> attack -> [mean's ratio, centered_clip's ratio]
     swarms = sorted({(c.get("honest", HONEST), c.get("liars", 1)) for c in cells.values()})
     for (honest, liars), mode in ((swarm, mode) for swarm in swarms for mode in MODES):
         runs = {}
@@ -140,6 +143,8 @@ def tables(cells: dict, timings: list) -> list:
                     spreads.append(f"{attack}/{aggregation} {ratios}")
             if any(value is not None for value in row[1:]):
                 rows.append(row)
+                by_swarm.setdefault((honest, liars), {}).setdefault(mode, {})[attack] = [
+                    "stopped" if row[2] == "-" else row[2], "stopped" if row[4] == "-" else row[4]]
         honest_only = [runs.get(("none", aggregation), [None])[0] for aggregation in ("mean", "centered_clip")]
         notes = (f"{honest} honest trainers + {liars} liar{'s' if liars > 1 else ''} ({liars} of {honest + liars}), "
                  f"tiny LeanGPT, --target_batch_size {first.get('target_batch', TARGET_BATCH)}, {first['epochs']} "
@@ -165,6 +170,19 @@ def tables(cells: dict, timings: list) -> list:
         result.append(dict(title=f"{mode}: honest trainers' loss at equal samples, {attackers}",
                            columns=["attack", "mean: loss", "mean: ratio", "centered_clip: loss",
                                     "centered_clip: ratio"], rows=rows, notes=notes))
+    combined = []
+    for (honest, liars), by_mode in by_swarm.items():
+        attacks = [attack for attack in ("none", *ATTACKS) if any(attack in rows for rows in by_mode.values())]
+        combined.append(dict(
+            title=f"honest trainers' loss at equal samples, {liars} attacker{'s' if liars > 1 else ''} of "
+                  f"{honest + liars}: ratio to the honest-only swarm with the mean",
+            columns=["attack", *(f"{mode}: {aggregation}" for mode in MODES for aggregation in
+                                  ("mean", "centered_clip"))],
+            rows=[[attack, *(by_mode.get(mode, {}).get(attack, [None, None])[index] for mode in MODES
+                             for index in (0, 1))] for attack in attacks],
+            notes="each mode's own table below has the losses and the swarm's settings; 'stopped': the honest "
+                  "trainers exited before the last epoch"))
+    result = combined + result
     result.append(dict(title="one reducer's work on one 512 KiB part (float32), honest senders",
                        columns=["senders", "weighted mean (ms)", "centered_clip (ms)", "ratio"],
                        rows=[[t["senders"], round(t["mean_ms"], 2), round(t["centered_clip_ms"], 2),

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -198,6 +199,71 @@ def lone_outer_loop(overlap: bool) -> Iterator[tuple]:
 
 
 @pytest.mark.swarm
+def pseudo_gradients(peers: int, steps: list, seed: int = 0) -> list:
+    """Each peer's pseudo-gradient of three tensors (4096, 2048 and 64 values): ``steps[i]`` local steps of a common
+    direction plus noise, the noise growing as the square root of the steps."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = (4096, 2048, 64)
+    common = [torch.randn(size, generator=generator) for size in sizes]
+    return [[steps[peer] * 0.01 * (c + 2 * torch.randn(c.shape, generator=generator) / steps[peer] ** 0.5)
+             for c in common] for peer in range(peers)]
+
+
+def test_an_implausible_outer_average_is_named_and_an_honest_one_passes():
+    from lean_transformer.swarm.averaging.diloco import OUTER_MAX_RATIO, implausible_average
+    from lean_transformer.swarm.averaging.robust import centered_clip
+
+    def average(deltas: list) -> list:
+        return [centered_clip([peer[index] for peer in deltas], [1.0] * len(deltas)) for index in range(3)]
+
+    def references(own: list) -> list:
+        return [float(tensor.norm()) for tensor in own]
+
+    for peers, steps in ((2, [10, 10]), (4, [10, 10, 10, 10]), (16, [10] * 15 + [1])):
+        deltas = pseudo_gradients(peers, steps, seed=peers)
+        honest = average(deltas)
+        for own in deltas:  # every peer accepts, the one that took 1 step of the others' 10 included
+            assert implausible_average(honest, references(own)) is None, (peers, steps)
+    own = deltas[0]
+    for scale in (-1000.0, 1000.0):
+        assert "average" in implausible_average([scale * t for t in honest], references(own))
+    assert implausible_average([honest[0], 1000 * honest[1], honest[2]], references(own)).startswith("tensor 1")
+    assert "not finite" in implausible_average([honest[0], honest[1] * math.nan, honest[2]], references(own))
+    # a tensor under OUTER_MIN_CHECKED values only counts in the whole
+    assert implausible_average([honest[0], honest[1], 2 * OUTER_MAX_RATIO * honest[2]], references(own)) is None
+
+
+def test_an_outer_loop_under_centered_clip_does_not_apply_an_implausible_average(tmp_path):
+    """A group's average x1000 (a lying reducer, or a group of liars) leaves the anchor as it was and counts as a
+    missed round (the samples fold into the next); the same average scaled to the honest size is applied. A
+    newcomer's first round is measured against the outer momentum it downloaded, its later rounds against the last
+    average it applied."""
+    from lean_transformer.swarm.averaging.diloco import OuterLoop
+    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
+
+    weight = torch.nn.Parameter(torch.zeros(4096))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    rounds = OuterLoop(outer, averager=None, check_averages=True)
+    own = [torch.full((4096,), 0.01)]
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        rounds.add_samples(8)
+        assert rounds._applied([own[0] * 1000], 4, own=own) is None
+        assert outer.steps.item() == 0 and torch.equal(outer.anchor[0], torch.zeros(4096))
+        assert rounds.samples_since_anchor == 8
+        assert rounds._applied([own[0] * 2], 4, own=own) == 4
+        assert outer.steps.item() == 1 and rounds.samples_since_anchor == 0
+        newcomer = OuterLoop(outer, averager=None, check_averages=True)  # the same outer state, no round of its own
+        assert newcomer._applied([own[0] * 2], 4, own=[own[0] / 20]) == 4  # 40x its own: the momentum vouches
+        assert newcomer._applied([own[0] * 1000], 4, own=[own[0] / 20]) is None
+    finally:
+        close_events()
+    rejected = read_events(tmp_path / "events.jsonl", "average_rejected")
+    assert [event["group_size"] for event in rejected] == [4, 4] and "1e+03 x" in rejected[0]["reason"]
+    unchecked = OuterLoop(OuterNesterov([torch.nn.Parameter(torch.zeros(4096))]), averager=None)  # the mean's
+    assert unchecked._applied([own[0] * 1000], 4, own=own) == 4
+
+
 def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
     with lone_outer_loop(overlap=False) as (weight, outer, rounds):
         results = []

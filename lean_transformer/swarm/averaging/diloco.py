@@ -62,6 +62,7 @@ from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
 from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
+from lean_transformer.swarm.monitoring.events import emit
 
 logger = logging.getLogger(__name__)
 
@@ -402,6 +403,36 @@ def converged_state(tags: Mapping[str, Any]) -> Optional[list]:
     return list(max(counts, key=lambda fingerprint: (counts[fingerprint], *fingerprint)))
 
 
+OUTER_MAX_RATIO = 10.0  # an outer average this many times larger than every reference is not applied
+OUTER_MIN_CHECKED = 1024  # tensors of fewer values are checked only within the whole
+
+
+def implausible_average(average: Sequence[torch.Tensor], references: Sequence[float],
+                        max_ratio: float = OUTER_MAX_RATIO, min_checked: int = OUTER_MIN_CHECKED) -> Optional[str]:
+    """Why an outer round's ``average`` (one tensor per anchor tensor) is not applied, or None.
+
+    ``references``: per tensor, the largest norm this peer knows an honest update of it to have (see
+    :meth:`OuterLoop.references`). Rejected: an average that is not finite, or whose norm, over all tensors or
+    over a tensor of at least ``min_checked`` values, exceeds ``max_ratio`` x its reference. An honest average of
+    noisy pseudo-gradients is no larger than the largest of them; a peer that joined mid-round (a few local steps
+    against the others' many) saw honest averages 5.5-7.5x its own pseudo-gradient (tests/test_diloco_faults.py),
+    before it had applied an average of its own, hence the last average (or the momentum) among the references."""
+    squares = 0.0
+    for index, (tensor, reference) in enumerate(zip(average, references)):
+        norm = float(tensor.float().norm())
+        if not math.isfinite(norm):
+            return f"tensor {index} of the average is not finite"
+        if tensor.numel() >= min_checked and reference > 0 and norm > max_ratio * reference:
+            return (f"tensor {index}: |average| is {norm / reference:.3g} x the largest honest update this peer "
+                    f"knows of it (at most {max_ratio:g})")
+        squares += norm ** 2
+    reference = math.sqrt(sum(value ** 2 for value in references))
+    if reference > 0 and math.sqrt(squares) > max_ratio * reference:
+        return (f"|average| is {math.sqrt(squares) / reference:.3g} x the largest honest update this peer knows "
+                f"(at most {max_ratio:g})")
+    return None
+
+
 class OuterLoop:
     """A peer's outer rounds: ``add_samples`` after each inner step, ``end_round(alone)`` when the swarm ends one.
 
@@ -410,10 +441,19 @@ class OuterLoop:
     With ``overlap``: send this round's progress in the background and apply the previous round's average now (the
     parameters become the new anchor minus this round's own progress, still in flight); a failed background round
     folds its progress into the next one sent. Returns the group size of the round applied now, else None.
+
+    ``check_averages`` (``--aggregation centered_clip``): a group's average that :func:`implausible_average` finds
+    implausible is not applied (an ``average_rejected`` event; the round counts as missed). It catches what CenteredClip
+    cannot: a reducer that lies about its part (its answers are not checked in DiLoCo, see
+    ``_CenteredClipSameResultRunner``), and a group whose liars are the majority (3 of 16 peers, groups of 2-4). All
+    in-sync members of a group receive the same average and mostly the same verdict; one that decides otherwise is
+    out of step with its group and downloads the state its group converges on, as after a split.
     """
 
-    def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False):
-        self.outer, self.averager, self.overlap = outer, averager, overlap
+    def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False,
+                 check_averages: bool = False):
+        self.outer, self.averager, self.overlap, self.check_averages = outer, averager, overlap, check_averages
+        self.applied_norms: Optional[List[float]] = None  # the last applied average's norm, per tensor
         self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
         self.samples_since_anchor = self.rounds = 0
         self.behind = False  # the group's outer states differed and ours lost: download the swarm's
@@ -436,8 +476,19 @@ class OuterLoop:
                 return self._applied(deltas, 1)
             tag = self.fingerprint()
             result = self.averager.average(deltas, max(1, self.samples_since_anchor), tag)
-            return None if result is None else self._applied(*result, sent_tag=tag)
+            return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
         return self._end_overlapped_round(alone)
+
+    def references(self, own: Sequence[torch.Tensor]) -> List[float]:
+        """Per anchor tensor, the largest norm of an honest update this peer knows: its own pseudo-gradient ``own``
+        and the last average it applied; before its first applied round (a newcomer, whose own progress may be a few
+        local steps), the outer momentum instead of the latter (downloaded with the state: a sum of the swarm's
+        recent averages, between one of them and 1 / (1 - momentum) of them)."""
+        if self.applied_norms is not None:
+            earlier = self.applied_norms
+        else:
+            earlier = [float(momentum.norm()) for momentum in self.outer.momenta]
+        return [max(float(mine.float().norm()), last) for mine, last in zip(own, earlier)]
 
     def fingerprint(self) -> list:
         """[outer steps, checksum of the anchor]: peers that applied the same outer steps to the same anchor have the
@@ -448,13 +499,22 @@ class OuterLoop:
         return [float(self.outer.steps), checksum % (1 << 62)]  # within msgpack's integers
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Optional[Mapping[str, Any]] = None,
-                 keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None) -> int:
+                 keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None,
+                 own: Optional[Sequence[torch.Tensor]] = None) -> Optional[int]:
+        """Apply a round's average (``own``: this peer's pseudo-gradient in it, for the check); None if rejected."""
+        if self.check_averages and own is not None:
+            reason = implausible_average(averaged, self.references(own))
+            if reason is not None:
+                logger.warning(f"Not applying the outer average of a group of {group_size}: {reason}")
+                emit("average_rejected", group_size=group_size, reason=reason)
+                return None
         tags = tags or {}
         winner = converged_state(tags) if sent_tag is not None else None
         self.behind = winner is not None and list(sent_tag) != winner
         self.donors = [peer for peer, tag in tags.items() if self.behind and fingerprint_of(tag) == winner]
         with self.lock:
             self.outer.step(averaged, keep=keep)
+        self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
         return group_size
 
@@ -468,8 +528,8 @@ class OuterLoop:
             control, sent, sent_samples, sent_tag = self._pending
             result = self.averager.finish(control)
             if result is not None:
-                group_size = self._applied(*result, keep=progress, sent_tag=sent_tag)
-            else:  # fold the unapplied progress into this round's
+                group_size = self._applied(*result, keep=progress, sent_tag=sent_tag, own=sent)
+            if group_size is None:  # fold the unapplied progress into this round's
                 progress = [p + s for p, s in zip(progress, sent)]
                 samples += sent_samples
         if alone:

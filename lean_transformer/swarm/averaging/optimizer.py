@@ -122,7 +122,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             matchmaking_time=self.matchmaking_time, allreduce_timeout=self.averaging_timeout,
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
             auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
-        self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap)
+        self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean")
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
         outer.bind(self._offloaded_parameters())

@@ -35,6 +35,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       that part): ``source`` (the reducer's peer ID), ``reason``, ``size`` (values in the part)
 ``sender_clipped``    (robust aggregation) this peer's reducer found a sender's part far out (a strike):
                       ``source``, ``reason``, ``size``
+``average_rejected``  (robust aggregation, DiLoCo) this peer did not apply an implausible outer average (a missed
+                      round): ``group_size``, ``reason``
 ``peer_excluded``     (robust aggregation) a peer caught repeatedly is left out of this peer's groups: ``source``,
                       ``reason``, ``until`` (Unix time)
 ``settings_mismatch`` this peer's settings differ from the swarm's: ``differences`` (flag -> [ours, theirs])
@@ -65,7 +67,7 @@ from typing import Any, Iterator, List, Optional, Union
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
-          "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded")
+          "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected")
 
 
 class EventLog:
