@@ -34,7 +34,8 @@ reducer moves it by nothing, as a reducer that fails), emits ``answer_rejected``
 are replaced the same way, unchecked; so are the answers held from a reducer that fails half-way (unchecked, they are
 not used). Gradient averaging only: DiLoCo's same-result all-reduce, where a rejected share would fail the round for
 the whole group, is not checked (see ``diloco._CenteredClipSameResultRunner``: false rejections by a peer that joined
-mid-round failed every round and excluded honest peers).
+mid-round failed every round and excluded honest peers); there each peer checks the group's whole average before its
+outer step instead (``diloco.implausible_average``).
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of

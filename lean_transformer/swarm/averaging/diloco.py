@@ -228,7 +228,8 @@ class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
     averaging): a peer that joined mid-round sends a pseudo-gradient of a few local steps against the others' many,
     and in tests/test_diloco_faults.py (CI) such a peer rejected 6 honest answers (5.5-7.5x its own norm, cosine
     -0.08 before it had an accepted average to compare with); each rejection failed the round for the whole group and
-    its strikes excluded both honest peers."""
+    its strikes excluded both honest peers. The group's whole average is checked instead, before the outer step
+    (:func:`implausible_average`)."""
 
 
 class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, AnswersBeforeLeaving,
