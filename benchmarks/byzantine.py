@@ -70,6 +70,12 @@ def round_seconds(root: Path, kind: str, honest: int) -> list:
     return seconds
 
 
+def rejected_averages(root: Path, honest: int) -> int:
+    """How many outer averages the honest trainers did not apply (DiLoCo under centered_clip: ``average_rejected``);
+    in an honest-only swarm each one is a false rejection."""
+    return sum(len(read_events(root / f"honest{index}.events.jsonl", "average_rejected")) for index in range(honest))
+
+
 def group_sizes(root: Path, kind: str, honest: int) -> list:
     """The group size of each round of ``kind`` each honest trainer averaged in (several groups form when
     matchmaking splits the swarm: a liar then weighs more in its group)."""
@@ -241,7 +247,8 @@ def main() -> None:
                         rounds = round_seconds(where, KIND[mode], args.honest)
                         sizes = group_sizes(where, KIND[mode], args.honest)
                         swarm.update(group_size_median=statistics.median(sizes) if sizes else None,
-                                     group_size_min=min(sizes, default=None))
+                                     group_size_min=min(sizes, default=None),
+                                     rejected_averages=rejected_averages(where, args.honest))
                         cells[key] = dict(**swarm, loss=statistics.mean(last), per_trainer=last,
                                           round_s=statistics.median(rounds) if rounds else None, rounds=len(rounds),
                                           seconds=round(time.monotonic() - started, 1))
