@@ -235,7 +235,8 @@ def test_an_implausible_outer_average_is_named_and_an_honest_one_passes():
 
 def test_an_outer_loop_under_centered_clip_does_not_apply_an_implausible_average(tmp_path):
     """A group's average x1000 (a lying reducer, or a group of liars) leaves the anchor as it was and counts as a
-    missed round (the samples fold into the next); the same average scaled to the honest size is applied. A
+    missed round (the samples fold into the next); in the swarm's first round one 50x the peer's own is applied
+    (nothing else to compare with: up to 100x), later one 20x the last applied average is not. A
     newcomer's first round is measured against the outer momentum it downloaded, its later rounds against the last
     average it applied."""
     from lean_transformer.swarm.averaging.diloco import OuterLoop
@@ -251,15 +252,16 @@ def test_an_outer_loop_under_centered_clip_does_not_apply_an_implausible_average
         assert rounds._applied([own[0] * 1000], 4, own=own) is None
         assert outer.steps.item() == 0 and torch.equal(outer.anchor[0], torch.zeros(4096))
         assert rounds.samples_since_anchor == 8
-        assert rounds._applied([own[0] * 2], 4, own=own) == 4
+        assert rounds._applied([own[0] * 50], 4, own=own) == 4  # the swarm's first round: a late starter's 1 step
         assert outer.steps.item() == 1 and rounds.samples_since_anchor == 0
+        assert rounds._applied([own[0] * 50 * 20], 4, own=own) is None  # later: 10x the last average applied
         newcomer = OuterLoop(outer, averager=None, check_averages=True)  # the same outer state, no round of its own
         assert newcomer._applied([own[0] * 2], 4, own=[own[0] / 20]) == 4  # 40x its own: the momentum vouches
         assert newcomer._applied([own[0] * 1000], 4, own=[own[0] / 20]) is None
     finally:
         close_events()
     rejected = read_events(tmp_path / "events.jsonl", "average_rejected")
-    assert [event["group_size"] for event in rejected] == [4, 4] and "1e+03 x" in rejected[0]["reason"]
+    assert [event["group_size"] for event in rejected] == [4, 4, 4] and "1e+03 x" in rejected[0]["reason"]
     unchecked = OuterLoop(OuterNesterov([torch.nn.Parameter(torch.zeros(4096))]), averager=None)  # the mean's
     assert unchecked._applied([own[0] * 1000], 4, own=own) == 4
 

@@ -405,6 +405,10 @@ def converged_state(tags: Mapping[str, Any]) -> Optional[list]:
 
 
 OUTER_MAX_RATIO = 10.0  # an outer average this many times larger than every reference is not applied
+# ... and this many times its own pseudo-gradient, for a peer with nothing else to compare with (the swarm's first
+# round): one that started late took 1 local step where the others took 8 or more, and saw honest averages 19.5x and
+# 23x its own (13 trainers, benchmarks/byzantine.py's honest swarm)
+OUTER_FIRST_RATIO = 100.0
 OUTER_MIN_CHECKED = 1024  # tensors of fewer values are checked only within the whole
 
 
@@ -444,7 +448,9 @@ class OuterLoop:
     folds its progress into the next one sent. Returns the group size of the round applied now, else None.
 
     ``check_averages`` (``--aggregation centered_clip``): a group's average that :func:`implausible_average` finds
-    implausible is not applied (an ``average_rejected`` event; the round counts as missed). It catches what CenteredClip
+    implausible (over ``OUTER_MAX_RATIO`` x :meth:`references`, or ``OUTER_FIRST_RATIO`` x its own pseudo-gradient
+    before the swarm's first outer step) is not applied (an ``average_rejected`` event; the round counts as
+    missed). It catches what CenteredClip
     cannot: a reducer that lies about its part (its answers are not checked in DiLoCo, see
     ``_CenteredClipSameResultRunner``), and a group whose liars are the majority (3 of 16 peers, groups of 2-4). All
     in-sync members of a group receive the same average and mostly the same verdict; one that decides otherwise is
@@ -504,7 +510,9 @@ class OuterLoop:
                  own: Optional[Sequence[torch.Tensor]] = None) -> Optional[int]:
         """Apply a round's average (``own``: this peer's pseudo-gradient in it, for the check); None if rejected."""
         if self.check_averages and own is not None:
-            reason = implausible_average(averaged, self.references(own))
+            references = self.references(own)
+            first = self.applied_norms is None and not any(float(momentum.norm()) for momentum in self.outer.momenta)
+            reason = implausible_average(averaged, references, OUTER_FIRST_RATIO if first else OUTER_MAX_RATIO)
             if reason is not None:
                 logger.warning(f"Not applying the outer average of a group of {group_size}: {reason}")
                 emit("average_rejected", group_size=group_size, reason=reason)
