@@ -82,30 +82,22 @@ def inner_products(own: torch.Tensor, delta: torch.Tensor) -> tuple[float, float
     return sums
 
 
-def verdict(xx: float, dd: float, xd: float, size: int, max_ratio: float = MAX_RATIO,
-            min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
-    """The rule on the inner products of a share of ``size`` values (see :func:`answer_problem`)."""
-    if size < min_checked or not 0 < xx < math.inf:
+def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0) -> Optional[str]:
+    """The rule on the inner products ``<x, x>, <d, d>, <x, d>`` of a share of ``size`` values (see the module
+    docstring); ``reference``: the norm the share's accepted average had in the previous round (0: none)."""
+    if size < MIN_CHECKED or not 0 < xx < math.inf:
         return None
     if not math.isfinite(dd) or not math.isfinite(xd):
         return "not finite"
     x_norm, d_norm = math.sqrt(xx), math.sqrt(dd)
     scale = max(x_norm, reference if math.isfinite(reference) else 0.0)
-    if d_norm > max_ratio * scale:
+    if d_norm > MAX_RATIO * scale:
         return (f"|average - own values| is {d_norm / x_norm:.3g} x |own values|, {d_norm / scale:.3g} x the larger "
-                f"of it and the last average's (at most {max_ratio:g})")
+                f"of it and the last average's (at most {MAX_RATIO:g})")
     if xx + xd <= 0:
         cosine = (xx + xd) / (x_norm * max(math.sqrt(max(xx + 2 * xd + dd, 0.0)), 1e-300))
         return f"the average does not correlate with the own values (cosine {cosine:.3g})"
     return None
-
-
-def answer_problem(own: torch.Tensor, delta: torch.Tensor, max_ratio: float = MAX_RATIO,
-                   min_checked: int = MIN_CHECKED, reference: float = 0.0) -> Optional[str]:
-    """Why the answer ``own + delta`` to a sender whose share is ``own`` is not a plausible average, or None.
-    ``reference``: the norm the same values' accepted average had in the previous round (0: none); the norm bound
-    is ``max_ratio`` x the larger of it and ``||own||``."""
-    return verdict(*inner_products(own, delta), own.numel(), max_ratio, min_checked, reference)
 
 
 def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
@@ -131,7 +123,7 @@ def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
 
 class CheckedParts(TensorPartContainer):
     """hivemind's container of a runner's parts, holding each groupmate's answers until its whole share has arrived,
-    then checking them (:func:`answer_problem` on the share, the part bound on each) before hivemind's code takes
+    then checking them (:func:`share_problem`) before hivemind's code takes
     them. Made from the runner's container by :class:`ChecksAnswers` (``own_index``: the receiver's own index,
     whose own parts are not checked; ``on_rejected(peer_index, reason)``; ``is_excluded(peer_index)``)."""
 

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -448,10 +448,8 @@ class OuterLoop:
     folds its progress into the next one sent. Returns the group size of the round applied now, else None.
 
     ``check_averages`` (``--aggregation centered_clip``): a group's average that :func:`implausible_average` finds
-    implausible (over ``OUTER_MAX_RATIO`` x :meth:`references`, or ``OUTER_FIRST_RATIO`` x its own pseudo-gradient
-    before the swarm's first outer step) is not applied (an ``average_rejected`` event; the round counts as
-    missed). It catches what CenteredClip
-    cannot: a reducer that lies about its part (its answers are not checked in DiLoCo, see
+    implausible (over :meth:`references`) is not applied (an ``average_rejected`` event; the round counts as
+    missed). It catches what CenteredClip cannot: a reducer that lies about its part (its answers are not checked in DiLoCo, see
     ``_CenteredClipSameResultRunner``), and a group whose liars are the majority (3 of 16 peers, groups of 2-4). All
     in-sync members of a group receive the same average and mostly the same verdict; one that decides otherwise is
     out of step with its group and downloads the state its group converges on, as after a split.
@@ -486,16 +484,20 @@ class OuterLoop:
             return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
         return self._end_overlapped_round(alone)
 
-    def references(self, own: Sequence[torch.Tensor]) -> List[float]:
-        """Per anchor tensor, the largest norm of an honest update this peer knows: its own pseudo-gradient ``own``
-        and the last average it applied; before its first applied round (a newcomer, whose own progress may be a few
-        local steps), the outer momentum instead of the latter (downloaded with the state: a sum of the swarm's
-        recent averages, between one of them and 1 / (1 - momentum) of them)."""
-        if self.applied_norms is not None:
-            earlier = self.applied_norms
-        else:
+    def references(self, own: Sequence[torch.Tensor]) -> Tuple[List[float], float]:
+        """Per anchor tensor, the largest norm of an honest update this peer knows, and how many times it an average
+        may be: its own pseudo-gradient ``own`` and the last average it applied (``OUTER_MAX_RATIO``); before its
+        first applied round (a newcomer, whose own progress may be a few local steps), the outer momentum instead of
+        the latter (downloaded with the state: a sum of the swarm's recent averages, between one of them and
+        1 / (1 - momentum) of them); with no momentum either (the swarm's first round), its own alone
+        (``OUTER_FIRST_RATIO``)."""
+        own_norms = [float(mine.float().norm()) for mine in own]
+        earlier = self.applied_norms
+        if earlier is None:
             earlier = [float(momentum.norm()) for momentum in self.outer.momenta]
-        return [max(float(mine.float().norm()), last) for mine, last in zip(own, earlier)]
+            if not any(earlier):
+                return own_norms, OUTER_FIRST_RATIO
+        return [max(mine, last) for mine, last in zip(own_norms, earlier)], OUTER_MAX_RATIO
 
     def fingerprint(self) -> list:
         """[outer steps, checksum of the anchor]: peers that applied the same outer steps to the same anchor have the
@@ -510,9 +512,7 @@ class OuterLoop:
                  own: Optional[Sequence[torch.Tensor]] = None) -> Optional[int]:
         """Apply a round's average (``own``: this peer's pseudo-gradient in it, for the check); None if rejected."""
         if self.check_averages and own is not None:
-            references = self.references(own)
-            first = self.applied_norms is None and not any(float(momentum.norm()) for momentum in self.outer.momenta)
-            reason = implausible_average(averaged, references, OUTER_FIRST_RATIO if first else OUTER_MAX_RATIO)
+            reason = implausible_average(averaged, *self.references(own))
             if reason is not None:
                 logger.warning(f"Not applying the outer average of a group of {group_size}: {reason}")
                 emit("average_rejected", group_size=group_size, reason=reason)
