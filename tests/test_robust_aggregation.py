@@ -20,9 +20,11 @@ def clip_once(parts: list, weights: list) -> tuple[np.ndarray, float]:
     """One CenteredClip pass in float64, iterated to convergence: (result, tau)."""
     kept = [(np.asarray(p, np.float64).ravel(), w) for p, w in zip(parts, weights) if w > 0]
     x, w = np.stack([p for p, _ in kept]), np.array([w for _, w in kept], np.float64)
-    w = np.minimum(w, WEIGHT_CAP * np.median(w))  # no sender counts more than 2x the median sender
     v = np.median(x, axis=0)  # one vote per sender
-    tau = TAU_FACTOR * np.median(np.linalg.norm(x - v, axis=1))
+    from_start = np.linalg.norm(x - v, axis=1)
+    tau = TAU_FACTOR * np.median(from_start)
+    # no sender counts more than 2x the median sender, nor more than it when it starts beyond tau
+    w = np.minimum(w, np.where(from_start > tau, 1.0, WEIGHT_CAP) * np.median(w))
     for _ in range(10_000):
         d = x - v
         factor = np.minimum(1.0, tau / np.maximum(np.linalg.norm(d, axis=1), 1e-300))
@@ -125,6 +127,21 @@ def test_a_sender_cannot_inflate_its_weight():
     _, tau = assert_matches_reference(inflated, parts, [1, 1, 1, 1000])
     share = WEIGHT_CAP / (WEIGHT_CAP + 3)
     assert float((inflated - torch.stack(parts[:3]).mean(0)).norm()) <= share / (1 - share) * tau * (1 + 1e-4)
+
+
+def test_liars_below_half_of_the_senders_stay_below_half_of_the_weight():
+    """2 liars among 5 that flip their honest parts (x -1: norms like the honest ones') and claim 10x the samples:
+    they start beyond tau, so each counts as the median sender (share 2/5) and the result stays within
+    2/3 x tau of the honest mean. Capped at 2x the median alone they held 4/7 of the weight, and the result pointed
+    away from the honest mean (cosine -0.45)."""
+    parts = honest(5, seed=3)
+    parts[0], parts[1] = -parts[0], -parts[1]
+    weights = [10.0, 10.0, 1.0, 1.0, 1.0]
+    result = centered_clip(parts, weights)
+    _, tau = assert_matches_reference(result, parts, weights)
+    honest_mean = weighted_mean(parts[2:], weights[2:])
+    assert float((result.double() - honest_mean).norm()) <= (2 / 5) / (3 / 5) * tau * (1 + 1e-4)
+    assert float(torch.cosine_similarity(result.double(), honest_mean, dim=0)) > 0.8
 
 
 def test_degenerate_cases_are_exact():
