@@ -20,12 +20,13 @@ can be filled in several commands. ``--run N`` (N > 1) keeps a repeat of a cell 
 ``mode/13+3/attack/aggregation``; every liar runs the same attack).
 
 Usage: python benchmarks/byzantine.py [--mode gradients diloco] [--epochs 8] [--attacks none sign_flip ...]
-       [--aggregations mean centered_clip] [--honest 3] [--liars 1] [--target_batch_size 96] [--run 1]
+       [--aggregations mean centered_clip] [--honest 3] [--liars 1] [--target_batch_size 96] [--run 1] [--logs DIR]
 About 1 minute a cell on 2 cores with 3 + 1 peers.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -210,6 +211,8 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=1, help="which run of each cell this is (N > 1: a repeat, kept "
                         "beside the first run under the key's suffix #N)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds each honest trainer may take to finish")
+    parser.add_argument("--logs", type=Path, help="keep each cell's peer logs and events under this folder "
+                        "(default: a temporary one, removed)")
     args = parser.parse_args()
     if args.honest < 1 or args.liars < 1 or args.run < 1 or args.target_batch_size < 1:
         parser.error("--honest, --liars, --run and --target_batch_size must be at least 1")
@@ -218,14 +221,14 @@ def main() -> None:
     torch.set_num_threads(1)
     timings = [reducer_timing(senders) for senders in (4, 16)]
     print(timings, flush=True)
-    with tempfile.TemporaryDirectory() as root:
+    with contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory() as root:
         total, done = len(args.mode) * len(args.attacks) * len(args.aggregations), 0
         for mode in args.mode:
             for attack in args.attacks:
                 for aggregation in args.aggregations:
                     started = time.monotonic()
-                    where = Path(root) / f"{mode}-{aggregation}-{attack}"
                     key = cell_key(mode, args.honest, args.liars, attack, aggregation, args.run)
+                    where = Path(root) / key.replace("/", "-").replace("#", "-run")
                     done += 1
                     who = "no attacker" if attack == "none" else f"{args.liars} attacker(s)"
                     print(f"[{done}/{total}] {key}: {args.honest} honest trainers + {who}, {args.epochs} epochs ...",
