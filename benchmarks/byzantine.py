@@ -235,7 +235,7 @@ def main() -> None:
                           file=sys.stderr, flush=True)
                     swarm = dict(key=key, mode=mode, attack=attack, aggregation=aggregation, epochs=args.epochs,
                                  honest=args.honest, liars=args.liars, target_batch=args.target_batch_size,
-                                 run=args.run)
+                                 run=args.run, commit=head_commit())
                     try:
                         losses = run_swarm(where, aggregation, None if attack == "none" else attack,
                                            epochs=args.epochs, timeout=args.timeout, extra=MODES[mode],
@@ -278,15 +278,19 @@ def stopped_at(root: Path, honest: int) -> list:
             for index in range(honest)]
 
 
+def head_commit() -> str:
+    """The checkout's short commit (each cell keeps the one it was measured at: cells are re-run one by one)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def write(cells: dict, timings: list) -> dict:
     """Write the results so far (after every cell: a later cell that fails keeps the earlier ones)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
     result = dict(benchmark="byzantine",
                   command="python benchmarks/byzantine.py --mode gradients diloco (3 of 16: --honest 13 --liars 3 "
                           "--target_batch_size 256; repeats: --run 2, --run 3)",
                   machine=f"2 CPU cores ({platform.machine()}), 24 GB RAM, no GPU", date=str(datetime.date.today()),
-                  commit=commit,
+                  commit=head_commit(),
                   baseline="the honest-only swarm (the same honest trainers, no liar) with the mean, same epochs",
                   tables=tables(cells, timings), raw=dict(cells=sorted(cells.values(), key=lambda c: c["key"]),
                                                           reducer_timings=timings))
