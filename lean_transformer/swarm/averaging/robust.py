@@ -51,9 +51,10 @@ Choices of :func:`centered_clip` (all peers of a swarm must agree on ``--aggrega
   share ``a`` >= 1/2 no fixed point near the honest ones exists). With the 2x cap alone, 2 liars among 5 that
   sign-flip their pseudo-gradients (x -1, a norm like the honest ones') and claim 10x held 4/7 of the weight: the
   result pointed against the honest mean (cosine -0.45), and 13 honest DiLoCo trainers with 3 such liars ended at
-  loss 3.5-4.6 against 2.0-2.1 (``benchmarks/byzantine.py``). The price: an honest peer more than 2x faster than the median (a big GPU among small
-  ones) counts as 2x in this mode (the mean keeps every peer's samples as they are); honest parts start well within
-  tau (distances concentrate about the median one: half of tau), so they keep that.
+  loss 3.5-4.6 against 2.0-2.1 (``benchmarks/byzantine.py``). The price: an honest peer more than 2x faster than
+  the median (a big GPU among small ones) counts as 2x in this mode (the mean keeps every peer's samples as they
+  are); honest parts start well within tau (distances concentrate about the median one: half of tau), so they
+  keep that.
 - **iterations**: ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i`` until a step is shorter than
   ``TOLERANCE x tau`` or after ``ITERATIONS`` steps (BTARD uses ~20). Each step shrinks the distance to the fixed
   point by about the clipped share of the weight (below 1/2), so 50 steps reach float32 resolution; the honest case
