@@ -6,8 +6,10 @@ Each cell is one swarm of 3 honest trainers (tiny LeanGPT, one torch thread each
 tests/test_robust_swarm.py) and, under attack, one lying peer (tests/lying_peer.py, which describes the attacks:
 sign_flip x1000, random_direction at 1000x the honest norm, alie, label_flip, stale, inflate, nan; and the reducer
 attacks: reducer_scale, reducer_flip, reducer_noise, reducer_swap, reducer_zeros, which train and send honestly and
-lie only in the averages they answer as a reducer), all started together. In gradient mode (``--mode gradients``) the liar lies with its gradients, in DiLoCo mode (``--mode diloco``:
-``--local_steps 2``) with the pseudo-gradients it sends to the outer all-reduce. Loss "at equal samples": the honest
+lie only in the averages they answer as a reducer), all started together (so a liar may be the first peer up, and
+the honest trainers may download its state: see docs/security.md). In gradient mode (``--mode gradients``) the liar
+lies with its gradients, in DiLoCo mode (``--mode diloco``: ``--local_steps 2``) with the pseudo-gradients it sends
+to the outer all-reduce. Loss "at equal samples": the honest
 trainers' mean loss over epochs E-2..E (an epoch is --target_batch_size samples of the swarm, the liar's included).
 The honest-only rows also give each aggregation's time per round (an honest trainer's ``round_started`` to
 ``averaged``, median over its rounds; matchmaking included), and a side-by-side timing of one reducer's work on one
