@@ -99,7 +99,7 @@ def test_attackers_far_out_are_left_out(senders, attackers, attacker_weight, att
 def test_attackers_inside_far_out_move_the_result_at_most_their_share_of_tau(senders, attackers):
     """Attackers that stay inside FAR_OUT x tau (here 5 x the honest noise from the honest mean, in one direction)
     are clipped, not left out: they move the result at most a / (1 - a) x tau from the honest mean (a: their share
-    of the weight, each capped at 2x the median as in the steps)."""
+    of the weight with each capped at 2x the median, at least what the steps give them)."""
     parts = honest(senders, seed=senders + attackers)
     generator = torch.Generator().manual_seed(7)
     direction = torch.randn(SIZE, generator=generator)

@@ -449,10 +449,11 @@ class OuterLoop:
 
     ``check_averages`` (``--aggregation centered_clip``): a group's average that :func:`implausible_average` finds
     implausible (over :meth:`references`) is not applied (an ``average_rejected`` event; the round counts as
-    missed). It catches what CenteredClip cannot: a reducer that lies about its part (its answers are not checked in DiLoCo, see
-    ``_CenteredClipSameResultRunner``), and a group whose liars are the majority (3 of 16 peers, groups of 2-4). All
-    in-sync members of a group receive the same average and mostly the same verdict; one that decides otherwise is
-    out of step with its group and downloads the state its group converges on, as after a split.
+    missed). It catches what CenteredClip cannot: a reducer that lies about its part (its answers are not checked
+    in DiLoCo, see ``_CenteredClipSameResultRunner``), and a group whose liars are the majority (3 of 16 peers,
+    groups of 2-4). All in-sync members of a group receive the same average and mostly the same verdict; one that
+    decides otherwise is out of step with its group and downloads the state its group converges on, as after a
+    split.
     """
 
     def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False,
@@ -485,7 +486,7 @@ class OuterLoop:
         return self._end_overlapped_round(alone)
 
     def references(self, own: Sequence[torch.Tensor]) -> Tuple[List[float], float]:
-        """Per anchor tensor, the largest norm of an honest update this peer knows, and how many times it an average
+        """Per anchor tensor, the largest norm of an honest update this peer knows, and how many times that an average
         may be: its own pseudo-gradient ``own`` and the last average it applied (``OUTER_MAX_RATIO``); before its
         first applied round (a newcomer, whose own progress may be a few local steps), the outer momentum instead of
         the latter (downloaded with the state: a sum of the swarm's recent averages, between one of them and

@@ -190,8 +190,9 @@ def _clip_once(parts: Sequence[torch.Tensor], weights: Sequence[float], *, tau_f
     tau = tau_factor * float(median(from_start[:, None]))
     if tau == 0:  # most senders sit exactly on the start, and clipping to radius 0 never moves it
         return scaled(centre, exponent).view(shape), [None if ok else math.inf for ok in finite]
-    outside = (from_start > tau).double()  # beyond the radius from the start: counts at most the median weight
-    weights64 = weights64.clamp(max=median_weight * (WEIGHT_CAP - (WEIGHT_CAP - 1) * outside))
+    # up to WEIGHT_CAP x the median weight; up to the median itself beyond the radius from the start
+    caps = torch.where(from_start > tau, 1.0, WEIGHT_CAP).double() * median_weight
+    weights64 = torch.minimum(weights64, caps)
     shares = (weights64 / weights64.sum()).float()
     for _ in range(iterations):
         differences = inputs - centre
