@@ -26,6 +26,9 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # the loss falls by ~0.7 nats in the first 3 epochs on either peer kind (the tests want 0.2)
 PAIR_EPOCHS, FP16_EPOCHS = 3, 3
 DILOCO_EPOCHS = 4  # outer rounds of the lone DiLoCo trainers
+# a pair's epoch must outlast the 3 s matchmaking window: 256 samples take a few seconds on 2 CPU cores, but on an
+# H100 each trainer makes ~400 samples/s, and with 256 one trainer ran its 3 epochs before it saw the other
+PAIR_TARGET_BATCH = 4096 if torch.cuda.is_available() else 256
 
 
 def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs: int, target_batch: int,
@@ -49,10 +52,9 @@ def peers(tmp_path_factory) -> dict[str, PeerProcess]:
         started["fp16"] = start_peer("fp16", trainer_argv("fp16", "fp16", root, [], FP16_EPOCHS, 64,
                                                            "--model_dtype", "float16"), root, ENV)
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
-        # epochs of 256 samples last a few seconds: long enough for the 3 s matchmaking window
         for name, kind in (("a", ["--model_dtype", "bfloat16"]), ("b", ["--offload_gradients", "false"])):
-            started[name] = start_peer(name, trainer_argv("pair", name, root, initial, PAIR_EPOCHS, 256, *kind),
-                                       root, ENV)
+            argv = trainer_argv("pair", name, root, initial, PAIR_EPOCHS, PAIR_TARGET_BATCH, *kind)
+            started[name] = start_peer(name, argv, root, ENV)
         for name in ("a", "b", "fp16"):
             started[name].wait(300)
         return started
