@@ -3,7 +3,8 @@
 It joins like ``run_trainer.py`` (same arguments, the project's model, LAMB and swarm optimizer), announces its
 state with the highest priority, so it is the first peer a newcomer asks, and serves its real state broken in one way
 (``--kind``): ``truncated`` (the last tensors missing, as when the connection closes mid-stream), ``reshaped``,
-``nan``, ``dtype`` (a float64 tensor), ``oversized`` (an extra 64 MB tensor), or ``honest`` (nothing broken; with
+``nan``, ``dtype`` (a float64 tensor), ``oversized`` (an extra 64 MB tensor), ``wrong`` (well formed, every float
+tensor x10: only the newcomer's loss check catches it), or ``honest`` (nothing broken; with
 other model or optimizer flags it is a misconfigured peer). It prints its ``--initial_peers`` line and then "serving",
 and runs until SIGTERM.
 
@@ -26,7 +27,7 @@ from lean_transformer.swarm.protocol.metrics import make_validators
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from tasks import get_task
 
-KINDS = ("truncated", "reshaped", "nan", "dtype", "oversized", "honest")
+KINDS = ("truncated", "reshaped", "nan", "dtype", "oversized", "wrong", "honest")
 
 
 def break_state(kind: str, metadata: dict, tensors: list) -> tuple[dict, list]:
@@ -42,6 +43,8 @@ def break_state(kind: str, metadata: dict, tensors: list) -> tuple[dict, list]:
     elif kind == "oversized":
         tensors.append(torch.zeros(2**24))
         metadata["num_tensors"] = len(tensors)
+    elif kind == "wrong":
+        tensors = [tensor * 10 if tensor.is_floating_point() else tensor for tensor in tensors]
     return metadata, tensors
 
 

@@ -1,7 +1,8 @@
 """No peer dies from the state another peer sends: downloads are validated before they touch the model.
 
-A broken state (``tests/bad_state_peer.py``: truncated as by a closed connection, reshaped, NaN, float64, oversized)
-served by the first peer a newcomer asks is rejected in one log line; the newcomer trains on. On 71fc88d the
+A broken state (``tests/bad_state_peer.py``: truncated as by a closed connection, reshaped, NaN, float64, oversized,
+or well formed and wrong, which only the newcomer's loss check catches) served by the first peer a newcomer asks is
+rejected in one log line; the newcomer trains on. On 71fc88d the
 truncated state killed the newcomer with hivemind's uncaught ``IndexError`` (the crash of ``make demo``'s aux peer).
 The server side is checked directly: a served state is a copy taken between two optimizer steps.
 """
@@ -23,7 +24,7 @@ TINY = dict(host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4, max_seq
             target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10, shutdown_timeout=20)
 ENV = {"OMP_NUM_THREADS": "1"}
 REASONS = {"truncated": "the stream was cut", "reshaped": "tensor 0 is torch.float32", "nan": "holds inf or nan",
-           "dtype": "tensor 0 is torch.float64", "oversized": "more than the"}
+           "dtype": "tensor 0 is torch.float64", "oversized": "more than the", "wrong": "loss on a local batch"}
 
 
 @pytest.mark.swarm

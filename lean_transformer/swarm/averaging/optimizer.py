@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence
 
 import hivemind
 import torch
@@ -32,6 +32,7 @@ from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, Oute
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
+from lean_transformer.swarm.averaging.state_check import StateCheck
 from lean_transformer.swarm.monitoring.events import emit
 
 if TYPE_CHECKING:
@@ -360,6 +361,20 @@ class SwarmOptimizer(hivemind.Optimizer):
             if self.outer_loop is not None:
                 self.restart_from_anchor()
                 self.steps_in_round = 0
+
+    def check_downloads(self, model: nn.Module, batch_loss: Callable[[], Callable[[], torch.Tensor]]) -> None:
+        """Score every state this peer downloads on a local batch before adopting it (:mod:`.state_check`): the
+        state's parameters against this peer's in gradient-averaging mode, its anchor against this peer's in DiLoCo
+        mode. ``batch_loss``: draws a new local batch and returns the model's loss function on it."""
+        check = StateCheck(model, self.state_averager.main_parameters, batch_loss)
+        count = len(check.parameters)
+        offset = 0 if self.outer_loop is None else count  # the anchor is the first of the extra tensors
+
+        def start() -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
+            check.begin(None if self.outer_loop is None else self.outer_loop.outer.anchor)
+            return lambda tensors: check.problem(tensors[offset:offset + count])
+
+        self.state_averager.download_check = start
 
     def restart_from_anchor(self) -> None:
         """In DiLoCo mode, after the outer state was replaced (downloaded from the swarm, or read from a checkpoint):

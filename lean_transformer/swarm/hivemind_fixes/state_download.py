@@ -42,7 +42,7 @@ import random
 import time
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
@@ -55,6 +55,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from lean_transformer.swarm.averaging.state_check import REFUSE_FOR
 from lean_transformer.swarm.monitoring.events import emit
 from lean_transformer.swarm.monitoring.transfer import TransferProgress
 
@@ -63,6 +64,7 @@ logger = get_logger(__name__)
 MIN_CHUNK_TIMEOUT = 10.0  # seconds to wait for the next part of a state, whatever the (short) request timeout
 UNLIST_TIMEOUT = 2.0  # seconds a leaving donor waits for the DHT to take it off the list
 PROGRESS_EVERY = 5.0  # seconds between two progress lines of a state download (none for a shorter download)
+MAX_CHECKED_DONORS = 3  # states one download scores with its check (each a whole download) before it keeps its own
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,13 @@ def rank_donors(priorities: dict, own: PeerID, donors: Sequence[str] = ()) -> li
 
 
 class ValidatedStateSharing:
-    """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in."""
+    """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in.
+
+    ``download_check`` (set by the swarm optimizer, :mod:`lean_transformer.swarm.averaging.state_check`): called once
+    per download, it returns a function of a fitting state's tensors that says why this peer should not adopt it
+    (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried."""
+
+    download_check: Optional[Callable[[], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
 
     def _declare_as_donor(self, sharing: bool) -> MPFuture:
         """Store this peer's entry in the DHT's list of donors (``None`` takes it off), valid for two periods."""
@@ -194,17 +202,41 @@ class ValidatedStateSharing:
                                min_epoch=self.local_epoch)
 
     def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (), **_unused) -> None:
-        """Load the best state that a peer serves and that fits this peer (see the module's docstring); keep the
-        current state if none does within ``timeout`` seconds (default: ``request_timeout`` per part). ``donors``
-        (peer IDs) are tried first: e.g. DiLoCo's groupmates whose outer state the group converged on."""
+        """Load the best state that a peer serves, that fits this peer (see the module's docstring) and that passes
+        :attr:`download_check`; keep the current state if none does within ``timeout`` seconds (default:
+        ``request_timeout`` per part). ``donors`` (peer IDs) are tried first: e.g. DiLoCo's groupmates whose outer
+        state the group converged on."""
         layout = self._local_layout()
-        future = MPFuture()
-        self._outer_pipe.send(("_download_fitting_state", [], dict(layout=layout, timeout=timeout, future=future,
-                                                                   donors=tuple(map(str, donors)))))
-        loaded = future.result(timeout=None if timeout is None else timeout + MIN_CHUNK_TIMEOUT)
-        if loaded is None:
-            return
-        metadata, tensors = loaded
+        deadline = None if timeout is None else time.monotonic() + timeout
+        check = None if self.download_check is None else self.download_check()
+        now = time.monotonic()
+        self._refused = {peer: until for peer, until in getattr(self, "_refused", {}).items() if until > now}
+        refused = 0
+        for attempt in range(MAX_CHECKED_DONORS if check is not None else 1):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            future = MPFuture()
+            self._outer_pipe.send(("_download_fitting_state", [], dict(
+                layout=layout, timeout=remaining, future=future, donors=tuple(map(str, donors)),
+                skip=tuple(self._refused), first=attempt == 0)))
+            loaded = future.result(timeout=None if remaining is None else remaining + MIN_CHUNK_TIMEOUT)
+            if loaded is None:
+                return
+            metadata, tensors, source, seconds = loaded
+            problem = None if check is None else check(tensors)
+            if problem is None:
+                logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {source} in {seconds:.3f} s")
+                emit("state_downloaded", epoch=metadata["epoch"], source=source, seconds=seconds)
+                self._adopt(metadata, tensors)
+                return
+            logger.warning(f"Rejected the state of {source}: {problem}; trying the next peer")
+            emit("state_rejected", source=source, reason=problem)
+            self._refused[source] = time.monotonic() + REFUSE_FOR
+            refused += 1
+        logger.warning(f"Kept this peer's own state: {refused} downloaded state(s) failed its check")
+
+    def _adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         parameters = [param for group in self.optimizer.param_groups for param in group["params"]]
         parameters_and_extras = list(chain(parameters, self.extra_tensors))
         with torch.no_grad(), self.lock_averaged_tensors:
@@ -219,19 +251,22 @@ class ValidatedStateSharing:
         self._update_scheduler()
 
     async def _download_fitting_state(self, layout: StateLayout, future: MPFuture, timeout: Optional[float] = None,
-                                      donors: Sequence[str] = ()) -> None:
+                                      donors: Sequence[str] = (), skip: Sequence[str] = (), first: bool = True
+                                      ) -> None:
         """Executed in the averager's process: try the peers that share their state, ``donors`` first, then best
-        first, until one serves a state that fits ``layout``; resolve ``future`` with (metadata, tensors) or None."""
+        first, none of ``skip``, until one serves a state that fits ``layout``; resolve ``future`` with (metadata,
+        tensors, its peer ID, seconds) or None. ``first``: the first try of this download (it says how many share)."""
         chunk_timeout = max(MIN_CHUNK_TIMEOUT, self.next_chunk_timeout or self.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             found = self.dht.get(key, latest=True)
-            ranked = rank_donors(found.value if found is not None and isinstance(found.value, dict) else {},
-                                 self.peer_id, donors)
+            ranked = [peer for peer in rank_donors(found.value if found is not None and isinstance(found.value, dict)
+                                                   else {}, self.peer_id, donors) if str(peer) not in skip]
             if not ranked:
-                logger.info("No peer shares its state: this peer keeps its own")
-            else:
+                logger.info("No peer shares its state" + (" (other than those refused)" if skip else "") +
+                            ": this peer keeps its own")
+            elif first:
                 bound = "" if timeout is None else f", at most {timeout:g} s"
                 logger.info(f"Downloading the swarm's state: {len(ranked)} peer(s) share one (best first{bound})")
             for peer in ranked:
@@ -254,10 +289,7 @@ class ValidatedStateSharing:
                     logger.warning(f"Rejected the state of {peer}: {problem}; trying the next peer")
                     emit("state_rejected", source=str(peer), reason=problem)
                     continue
-                logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {peer} in "
-                            f"{time.monotonic() - started:.3f} s")
-                emit("state_downloaded", epoch=metadata["epoch"], source=str(peer), seconds=time.monotonic() - started)
-                future.set_result((metadata, tensors))
+                future.set_result((metadata, tensors, str(peer), time.monotonic() - started))
                 return
         finally:
             if not future.done():

@@ -14,7 +14,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
 
 import hivemind
 import torch
@@ -120,6 +120,8 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         optimizer = peer.start_optimizer(SwarmOptimizer, model, task, collaboration, training,
                                          host_gradients=host_gradients, waiting=progress.waiting)
         shutdown.on_overdue = optimizer.cancel_rounds_in_flight
+        optimizer.check_downloads(model, local_batch_loss(task, model, optimizer, device, training,
+                                                          derive_peer_seed(peer.dht.peer_id, training.seed + 1)))
         join_swarm(model, optimizer, checkpoint, peer.dht, network.client_mode, events_path)
         finished = training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network,
                                  collaboration, training, peer.agreement, progress, block_scaling, events_path,
@@ -152,8 +154,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
     peer's event stream, where its averagers report their rounds (counted in its metrics records). ``revocations``
     (authorized swarms): raises IdentityRevokedError once the authority revoked this peer."""
     batches = task.batches(seed=derive_peer_seed(dht.peer_id, training.seed))
-    amp_dtype = torch.float16 if training.fp16 else torch.bfloat16
-    autocast = torch.autocast(device.type, dtype=amp_dtype) if training.fp16 or training.bf16 else nullcontext()
+    autocast = mixed_precision(training, device)
     # host gradients (see offload_gradients) are unscaled on the host, hivemind's GradScaler only unscales .grad
     host_grads = optimizer.host_grads
     float16 = training.fp16 or next(model.parameters()).dtype == torch.float16
@@ -266,6 +267,36 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
     with shutdown.critical("final backup"):
         backups.save(model, optimizer, wait_for_averaging=finished)  # the final state includes the last averaging
     return finished
+
+
+def mixed_precision(training: TrainingSettings, device: torch.device) -> ContextManager:
+    """The autocast of ``--fp16`` / ``--bf16`` (none without them)."""
+    if not (training.fp16 or training.bf16):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.float16 if training.fp16 else torch.bfloat16)
+
+
+def local_batch_loss(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOptimizer, device: torch.device,
+                     training: TrainingSettings, seed: int) -> Callable[[], Callable[[], torch.Tensor]]:
+    """What a downloaded state is scored with (:meth:`SwarmOptimizer.check_downloads`): each call draws a new
+    micro-batch of this peer's data and returns the model's loss function on it. The batches come from a stream of
+    their own (``seed``), so the training stream is the same with and without downloads."""
+    batches = None
+
+    def draw() -> Callable[[], torch.Tensor]:
+        nonlocal batches
+        if batches is None:
+            batches = task.batches(seed=seed)
+        batch = batches.next_batch(training.per_device_batch_size, task.sequence_length(optimizer.local_epoch))
+        batch = {key: value.to(device) for key, value in batch.items()}
+
+        def loss() -> torch.Tensor:
+            with mixed_precision(training, device):
+                return model(**batch, return_logits=False).loss
+
+        return loss
+
+    return draw
 
 
 def short_epoch_warning(target_batch_size: int, matchmaking_time: float, samples_per_second: float,

@@ -1,0 +1,90 @@
+"""A downloaded state's loss on a local batch against this peer's own, before the peer adopts it (issue 24).
+
+Why: a newcomer, and a peer that fell out of sync, replace their whole state with a donor's. The download's checks
+(:mod:`lean_transformer.swarm.hivemind_fixes.state_download`) catch a state of the wrong layout or with non-finite
+values, but a well-formed wrong state passes them, and a peer that adopts it is ruined: in ``benchmarks/byzantine.py``
+(gradient averaging, 1 liar of 4) the liar's own state went uphill (loss 5.6 -> 6.5), and each run in which an honest
+trainer downloaded it ended 8-37% worse than the honest-only swarm, while runs without such a download ended within
+1%. Robust aggregation cannot help there: a download is one peer's word, with no group to outvote it.
+
+The rule: with the candidate's parameters in the model, the loss on one local batch (this peer's data, drawn for
+this download and unknown to the donor) must not exceed this peer's own by more than :data:`MARGIN` of it. "Own" is
+what the peer would otherwise train from: its parameters in gradient-averaging mode, its anchor in DiLoCo mode (and
+the candidate's anchor is what is scored there, since a newcomer restarts from it). Honest donors are at most a few
+epochs apart and score within a few percent of each other on the same batch, or better than a newcomer's untrained
+model; the liar states above scored 15-100% worse. A peer whose own loss is not finite accepts any finite score. A
+refused donor is skipped by this peer's downloads for :data:`REFUSE_FOR` seconds and the next one is tried
+(``state_rejected`` event), so a peer that keeps falling out of sync does not fetch the same lie every epoch.
+
+What it costs: two forward passes of one micro-batch (own, candidate), plus one per further candidate, under
+``torch.no_grad``, and a host copy of the model's weights while they run. The candidate's weights are copied into the
+model's own tensors and the model's are copied back bit for bit, so it needs no GPU memory beyond an evaluation
+forward pass. What it does not catch: a state crafted to score well on any batch this peer might draw but wrong
+elsewhere (a targeted backdoor), or a donor slightly worse than :data:`MARGIN` allows (``docs/security.md``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+MARGIN = 0.1  # a candidate may score at most this fraction of the own loss worse on the same local batch
+REFUSE_FOR = 600.0  # seconds a refused donor is skipped by this peer's downloads (as long as an exclusion)
+
+
+class StateCheck:
+    """Scores candidate parameters on a local batch against this peer's own (see the module's docstring).
+
+    ``model``: the trainer's model; ``parameters``: its parameters in the order of the swarm state's parameter tensors
+    (the optimizer's parameter groups); ``loss``: a new local batch's loss function, called once per download, whose
+    result (a closure) returns the model's loss on that batch as it is when called."""
+
+    def __init__(self, model: nn.Module, parameters: Sequence[torch.Tensor],
+                 loss: Callable[[], Callable[[], torch.Tensor]], margin: float = MARGIN):
+        if not margin >= 0:
+            raise ValueError(f"the state check's margin must be >= 0, got {margin}")
+        self.model, self.parameters, self.loss, self.margin = model, list(parameters), loss, margin
+        self._own: Optional[Sequence[torch.Tensor]] = None
+        self._batch_loss: Optional[Callable[[], torch.Tensor]] = None
+        self._own_loss = math.nan
+
+    def begin(self, own: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Start a download: its candidates are scored against ``own`` (default: the model's parameters as they are
+        then) on a new local batch, drawn when the first candidate arrives."""
+        self._own, self._batch_loss = own, None
+
+    @torch.no_grad()
+    def problem(self, candidate: Sequence[torch.Tensor]) -> Optional[str]:
+        """Why this peer should not adopt ``candidate`` (parameter tensors in :attr:`parameters` order); None if it
+        scores no worse than the own state plus the margin, or if the own score is not finite."""
+        if self._batch_loss is None:
+            self._batch_loss = self.loss()
+            self._own_loss = self._score(self._own)
+        if len(candidate) != len(self.parameters):
+            raise ValueError(f"{len(candidate)} candidate tensors for {len(self.parameters)} parameters")
+        score, own = self._score(candidate), self._own_loss
+        if not math.isfinite(score):
+            return f"its loss on a local batch is {score}"
+        if math.isfinite(own) and score > own + self.margin * abs(own):
+            return (f"its loss on a local batch is {score:.4f} against {own:.4f} for this peer's own state "
+                    f"(more than {self.margin:.0%} worse)")
+        return None
+
+    @torch.no_grad()
+    def _score(self, values: Optional[Sequence[torch.Tensor]]) -> float:
+        """The local batch's loss with ``values`` in the model (None: as it is); the model is left as it was."""
+        saved = None if values is None else [param.detach().to("cpu", copy=True) for param in self.parameters]
+        training = self.model.training
+        try:
+            if values is not None:
+                for param, value in zip(self.parameters, values):
+                    param.copy_(value)
+            self.model.eval()  # no dropout: both states are scored on the same function of the batch
+            return float(self._batch_loss())
+        finally:
+            self.model.train(training)
+            if saved is not None:
+                for param, value in zip(self.parameters, saved):
+                    param.copy_(value)

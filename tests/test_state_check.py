@@ -1,0 +1,101 @@
+"""The loss check of downloaded states (``swarm/averaging/state_check.py``): a candidate that scores worse than this
+peer's own state by more than the margin on the same local batch is refused; the model is left exactly as it was."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lean_transformer import LeanGPTForCausalLM
+from lean_transformer.swarm.averaging.state_check import MARGIN, StateCheck
+
+
+def snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [param.detach().clone() for param in model.parameters()]
+
+
+def assert_unchanged(model: nn.Module, before: list[torch.Tensor]) -> None:
+    for param, saved in zip(model.parameters(), before):
+        assert torch.equal(param, saved)
+
+
+def patterned_batch() -> torch.Tensor:
+    """Random tokens, each repeated once: a pattern a model learns in a few steps."""
+    return torch.randint(61, (4, 8)).repeat_interleave(2, dim=1)
+
+
+@pytest.fixture
+def gpt(gpt_config) -> tuple[LeanGPTForCausalLM, StateCheck]:
+    model = LeanGPTForCausalLM(gpt_config(hidden_dropout_prob=0.1))  # dropout: the check scores in eval mode
+    batches = []
+
+    def batch_loss():
+        batch = patterned_batch()
+        batches.append(batch)
+        return lambda: model(input_ids=batch, labels=batch, return_logits=False).loss
+
+    check = StateCheck(model, list(model.parameters()), batch_loss)
+    check.batches = batches
+    return model, check
+
+
+def test_the_own_state_and_a_trained_one_pass_a_scaled_one_fails_and_the_model_is_untouched(gpt):
+    model, check = gpt
+    before = snapshot(model)
+    check.begin()
+    assert check.problem(before) is None  # the same state scores the same
+    assert_unchanged(model, before)
+    problem = check.problem([value * 10 for value in before])
+    assert problem is not None and "loss on a local batch" in problem and "worse" in problem, problem
+    assert_unchanged(model, before)
+    assert model.training  # put back in training mode after scoring in eval mode
+    assert len(check.batches) == 1  # one batch for the whole download: the own score and every candidate's
+
+    # a state trained on this peer's data distribution scores better than the untrained model
+    trained = LeanGPTForCausalLM(model.config)
+    trained.load_state_dict(model.state_dict())
+    optimizer = torch.optim.Adam(trained.parameters(), lr=1e-2)
+    for _ in range(30):
+        batch = patterned_batch()
+        optimizer.zero_grad()
+        trained(input_ids=batch, labels=batch, return_logits=False).loss.backward()
+        optimizer.step()
+    check.begin()
+    assert check.problem(snapshot(trained)) is None
+    assert_unchanged(model, before)
+
+
+def test_non_finite_candidates_fail_and_a_broken_own_state_accepts_any_finite_one(gpt):
+    model, check = gpt
+    before = snapshot(model)
+    check.begin()
+    nan = [value.clone() for value in before]
+    nan[0].view(-1)[0] = math.nan
+    assert "nan" in check.problem(nan)
+    broken = [torch.full_like(value, math.inf) for value in before]
+    check.begin(own=broken)  # e.g. a peer whose parameters turned non-finite
+    assert check.problem([value * 10 for value in before]) is None
+    assert_unchanged(model, before)
+
+
+def test_the_margin_is_relative_to_the_own_loss():
+    """A linear model and a squared loss: the candidate w gives loss w^2 on input 1, target 0."""
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(2.0)  # own loss 4
+    batch_loss = lambda: (lambda: model(torch.ones(1, 1)).pow(2).sum())  # noqa: E731
+    check = StateCheck(model, [model.weight], batch_loss)
+    check.begin()
+    inside = math.sqrt(4 * (1 + MARGIN)) - 1e-3
+    outside = math.sqrt(4 * (1 + MARGIN)) + 1e-3
+    assert check.problem([torch.full((1, 1), inside)]) is None
+    assert check.problem([torch.full((1, 1), outside)]) is not None
+    check.begin(own=[torch.full((1, 1), -2.0)])  # scored against another own state than the model's: same loss
+    assert check.problem([torch.full((1, 1), inside)]) is None
+    assert model.weight.item() == 2.0
+    with pytest.raises(ValueError, match="margin"):
+        StateCheck(model, [model.weight], batch_loss, margin=-0.1)
+    with pytest.raises(ValueError, match="2 candidate tensors for 1"):
+        check.problem([torch.zeros(1, 1), torch.zeros(1, 1)])
