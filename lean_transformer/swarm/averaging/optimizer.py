@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import hivemind
 import torch
@@ -32,7 +32,7 @@ from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, Oute
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
-from lean_transformer.swarm.averaging.state_check import StateCheck
+from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck
 from lean_transformer.swarm.monitoring.events import emit
 
 if TYPE_CHECKING:
@@ -66,6 +66,15 @@ class ParametersOnly(AdaptiveCompressionBase):
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
         floats = info.descriptor.dtype in (torch.float32, torch.float16)
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
+
+
+class TrustedProgress(IgnoresRefusedDonors, ProgressTracker):
+    """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`)."""
+
+
+class TrustedRoundProgress(IgnoresRefusedDonors, RoundProgress):
+    """DiLoCo's progress tracker (:class:`.diloco.RoundProgress`), blind to the donors whose states this peer
+    refused."""
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -102,7 +111,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
-        self._progress_tracker_class = ProgressTracker if diloco is None else RoundProgress
+        self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
         if diloco is None:
             averager_class = gradient_averager_class(gate is not None, host_gradients)
@@ -114,6 +123,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                                   momentum=diloco.outer_momentum)
             kwargs.update(use_local_updates=True, extra_tensors=outer.state_tensors(), average_state_every=NEVER)
         super().__init__(params=params, averager_opts=averager_opts, **kwargs)
+        self.tracker.refused = self.state_averager.refused_donors
         if diloco is None:
             if host_gradients:
                 self.host_grads = self.grad_averager.host_grads
@@ -357,12 +367,16 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         with self.waiting():
+            refused = self.state_averager.refused_donors()
             super().load_state_from_peers(**kwargs)
+            if self.state_averager.refused_donors() - refused:
+                self.tracker.recount()  # the swarm's epoch without them: else this peer is out of sync at once
             if self.outer_loop is not None:
                 self.restart_from_anchor()
                 self.steps_in_round = 0
 
-    def check_downloads(self, model: nn.Module, batch_loss: Callable[[], Callable[[], torch.Tensor]]) -> None:
+    def check_downloads(self, model: nn.Module, batch_loss: Callable[[], Callable[[], Union[torch.Tensor, float]]]
+                        ) -> None:
         """Score every state this peer downloads on a local batch before adopting it (:mod:`.state_check`): the
         state's parameters against this peer's in gradient-averaging mode, its anchor against this peer's in DiLoCo
         mode. ``batch_loss``: draws a new local batch and returns the model's loss function on it."""

@@ -16,7 +16,14 @@ accepts any finite score. Why 5% and not more: the whole of the tiny model's tra
 its loss (5.6 -> 4.7), and with a 10% margin a newcomer that had joined from a liar's early state (5.6) then took its
 epoch-4 state too (6.26). A refused donor is skipped by this peer's downloads for :data:`REFUSE_FOR` seconds and the
 next one is tried (``state_rejected`` event), so a peer that keeps falling out of sync does not fetch the same lie
-every epoch.
+every epoch. For as long, the refused donor's progress records are left out of this peer's view of the swarm's
+progress (:class:`IgnoresRefusedDonors`): hivemind takes the swarm's epoch as the highest any peer reports, so a liar
+that steps alone (or says it does) sets an epoch no honest donor can bring this peer to, and this peer would find
+itself out of sync and download again at every step (seen in ``byzantine.py``'s gradient sign-flip cell: the liar
+alone at epoch 75, the honest trainers at 2 downloading each other's states several times a second).
+
+The aux peer checks the states it checkpoints the same way, against its last snapshot, on its first held-out batch
+(``--eval_batches``; public, so a liar could fit its state to it: a weaker check than a trainer's).
 
 What it costs: two forward passes of one micro-batch (own, candidate), plus one per further candidate, under
 ``torch.no_grad``, and a host copy of the model's weights while they run. The candidate's weights are copied into the
@@ -27,9 +34,10 @@ elsewhere (a targeted backdoor), or a donor slightly worse than :data:`MARGIN` a
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
+from hivemind.p2p import PeerID
 from torch import nn
 
 MARGIN = 0.05  # a candidate may score at most this fraction of the own loss worse on the same local batch
@@ -44,12 +52,12 @@ class StateCheck:
     result (a closure) returns the model's loss on that batch as it is when called."""
 
     def __init__(self, model: nn.Module, parameters: Sequence[torch.Tensor],
-                 loss: Callable[[], Callable[[], torch.Tensor]], margin: float = MARGIN):
+                 loss: Callable[[], Callable[[], Union[torch.Tensor, float]]], margin: float = MARGIN):
         if not margin >= 0:
             raise ValueError(f"the state check's margin must be >= 0, got {margin}")
         self.model, self.parameters, self.loss, self.margin = model, list(parameters), loss, margin
         self._own: Optional[Sequence[torch.Tensor]] = None
-        self._batch_loss: Optional[Callable[[], torch.Tensor]] = None
+        self._batch_loss: Optional[Callable[[], Union[torch.Tensor, float]]] = None
         self._own_loss = math.nan
 
     def begin(self, own: Optional[Sequence[torch.Tensor]] = None) -> None:
@@ -90,3 +98,36 @@ class StateCheck:
             if saved is not None:
                 for param, value in zip(self.parameters, saved):
                     param.copy_(value)
+
+
+class IgnoresRefusedDonors:
+    """Mixed in front of hivemind's ``ProgressTracker``: the progress records of the peers in ``refused()`` (peer IDs:
+    donors whose states this peer's check refused, see the module's docstring) count neither toward the swarm's
+    epoch nor its samples."""
+
+    refused: Callable[[], Collection[str]] = staticmethod(lambda: ())  # set by the swarm optimizer
+
+    def recount(self) -> None:
+        """Recount the swarm's progress from the last records read, without the donors refused since (a fetch
+        every few seconds would otherwise leave them in until then)."""
+        metadata = getattr(self, "_last_metadata", None)
+        if metadata is not None:
+            with self.lock_global_progress:
+                self.global_progress = self._parse_swarm_progress_data(metadata)
+
+    def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+        self._last_metadata = metadata
+        refused = self.refused()
+        if refused and isinstance(metadata, dict):
+            metadata = {key: entry for key, entry in metadata.items() if _reporter(entry) not in refused}
+        return super()._parse_swarm_progress_data(metadata)
+
+
+def _reporter(entry: Any) -> Optional[str]:
+    """The peer ID (text) of a progress record's reporter; None if the record does not say."""
+    value = getattr(entry, "value", None)
+    peer_id = value.get("peer_id") if isinstance(value, dict) else None
+    try:
+        return str(PeerID(peer_id)) if isinstance(peer_id, bytes) else None
+    except Exception:  # malformed bytes: hivemind's own parsing decides about the record
+        return None

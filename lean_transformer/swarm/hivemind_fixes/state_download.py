@@ -236,6 +236,11 @@ class ValidatedStateSharing:
             refused += 1
         logger.warning(f"Kept this peer's own state: {refused} downloaded state(s) failed its check")
 
+    def refused_donors(self) -> set[str]:
+        """The peers (IDs) whose states this peer's check refused within the last ``REFUSE_FOR`` seconds."""
+        now, refused = time.monotonic(), dict(getattr(self, "_refused", {}))  # a copy: the tracker's thread reads it
+        return {peer for peer, until in refused.items() if until > now}
+
     def _adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         parameters = [param for group in self.optimizer.param_groups for param in group["params"]]
         parameters_and_extras = list(chain(parameters, self.extra_tensors))

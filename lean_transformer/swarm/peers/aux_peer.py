@@ -10,6 +10,7 @@ held-out data (its validation loss is logged beside the training loss), can seed
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -297,6 +298,8 @@ def _run_aux_peer(task: TrainingTask, network: NetworkSettings, collaboration: C
         optimizer = peer.start_optimizer(AuxiliaryOptimizer, model, task, collaboration, training,
                                          auxiliary=not network.client_mode)
         optimizer.tracker.status_loglevel = logging.DEBUG  # its progress lines would repeat every half second
+        if validation_batches:  # a state scoring worse than the last snapshot on a held-out batch is not saved
+            optimizer.check_downloads(model, lambda: functools.partial(evaluate, model, validation_batches[:1]))
         if checkpoint is not None:
             epoch = load_training_state(checkpoint, model, optimizer)
             optimizer.share_snapshot()
