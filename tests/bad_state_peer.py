@@ -4,8 +4,8 @@ It joins like ``run_trainer.py`` (same arguments, the project's model, LAMB and 
 state with the highest priority, so it is the first peer a newcomer asks, and serves its real state broken in one way
 (``--kind``): ``truncated`` (the last tensors missing, as when the connection closes mid-stream), ``reshaped``,
 ``nan``, ``dtype`` (a float64 tensor), ``oversized`` (an extra 64 MB tensor), ``wrong`` (well formed, every float
-tensor x10: only the newcomer's loss check catches it), or ``honest`` (nothing broken; with
-other model or optimizer flags it is a misconfigured peer). It prints its ``--initial_peers`` line and then "serving",
+tensor x10, at epoch 50 in its state and its progress record: only the newcomer's loss check catches it), or
+``honest`` (nothing broken; with other model or optimizer flags it is a misconfigured peer). It prints its ``--initial_peers`` line and then "serving",
 and runs until SIGTERM.
 
 Usage: python tests/bad_state_peer.py --kind KIND [run_trainer.py arguments]
@@ -27,6 +27,7 @@ from lean_transformer.swarm.protocol.metrics import make_validators
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from tasks import get_task
 
+WRONG_EPOCH = 50
 KINDS = ("truncated", "reshaped", "nan", "dtype", "oversized", "wrong", "honest")
 
 
@@ -70,6 +71,9 @@ def main() -> None:
     optimizer = SwarmOptimizer.from_settings(dht, task.build_model(), task, network, collaboration, training,
                                              private_key)
     optimizer.state_averager.state_sharing_priority = 10**6  # newcomers ask this peer first
+    if options.kind == "wrong":  # it also says it is far ahead: a newcomer that refused it must not stay out of sync
+        optimizer.state_averager.local_epoch = WRONG_EPOCH
+        optimizer.tracker.report_local_progress(WRONG_EPOCH, 0)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(initial_peers_line(dht), flush=True)

@@ -1,15 +1,19 @@
 """The loss check of downloaded states (``swarm/averaging/state_check.py``): a candidate that scores worse than this
-peer's own state by more than the margin on the same local batch is refused; the model is left exactly as it was."""
+peer's own state by more than the margin on the same local batch is refused; the model is left exactly as it was;
+a refused donor's progress records are left out of the swarm's progress."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import ValueWithExpiration
 from torch import nn
 
 from lean_transformer import LeanGPTForCausalLM
-from lean_transformer.swarm.averaging.state_check import MARGIN, StateCheck
+from lean_transformer.swarm.averaging.state_check import MARGIN, IgnoresRefusedDonors, StateCheck
 
 
 def snapshot(model: nn.Module) -> list[torch.Tensor]:
@@ -99,3 +103,32 @@ def test_the_margin_is_relative_to_the_own_loss():
         StateCheck(model, [model.weight], batch_loss, margin=-0.1)
     with pytest.raises(ValueError, match="2 candidate tensors for 1"):
         check.problem([torch.zeros(1, 1), torch.zeros(1, 1)])
+
+
+class Counted:
+    """Stands in for hivemind's ProgressTracker: its count is the records it was given."""
+
+    def __init__(self):
+        self.lock_global_progress = threading.Lock()
+        self.global_progress = None
+
+    def _parse_swarm_progress_data(self, metadata):
+        return sorted(metadata)
+
+
+class Tracker(IgnoresRefusedDonors, Counted):
+    pass
+
+
+def test_the_progress_of_refused_donors_is_left_out_and_recounted_at_once():
+    peers = [PeerID.from_base58(name) for name in (
+        "QmNjVqTsjTF64F8WYFk4n6DWN8iFYCUYPWxN8uXQi1iXDZ", "QmTQcHT1GAAwJqdBKRVAWETfRmf6tWbbcQFPx8ifvFqq9J")]
+    record = lambda peer_id: ValueWithExpiration(value=dict(peer_id=peer_id, epoch=1), expiration_time=0)  # noqa
+    metadata = {"honest": record(peers[0].to_bytes()), "liar": record(peers[1].to_bytes()),
+                "malformed": record(b"not a peer id"), "no id": ValueWithExpiration(None, 0)}
+    tracker, refused = Tracker(), set()
+    tracker.refused = lambda: refused
+    assert tracker._parse_swarm_progress_data(metadata) == ["honest", "liar", "malformed", "no id"]
+    refused.add(str(peers[1]))
+    tracker.recount()  # from the records of the last fetch
+    assert tracker.global_progress == ["honest", "malformed", "no id"]
