@@ -73,7 +73,7 @@ def main() -> None:
     optimizer.state_averager.state_sharing_priority = 10**6  # newcomers ask this peer first
     if options.kind == "wrong":  # it also says it is far ahead: a newcomer that refused it must not stay out of sync
         optimizer.state_averager.local_epoch = WRONG_EPOCH
-        optimizer.tracker.report_local_progress(WRONG_EPOCH, 0)
+        optimizer.tracker.report_local_progress(WRONG_EPOCH, 1)  # hivemind reports a peer with samples only
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(initial_peers_line(dht), flush=True)
