@@ -26,8 +26,10 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
 Here a donor's entry outlives its next re-declaration by one period, and a donor that leaves takes it off; the
 server takes its snapshot under the optimizer's lock and sends copies with their count; the receiver tries peers in
 hivemind's order, each with fresh metadata, and checks every state against its own layout (count, shapes, dtypes,
-optimizer structure, finite values, epoch) before it touches the model or optimizer. A bad state is logged in one
-line and the next peer is tried; no peer with a fitting state leaves the receiver where it was, within the
+optimizer structure, finite values, epoch) before it touches the model or optimizer, then with the trainer's own
+check of what the state's parameters are worth (``download_check``, see
+:mod:`lean_transformer.swarm.averaging.state_check`; hivemind has none). A bad state is logged in one line and the
+next peer is tried; no peer with a fitting state leaves the receiver where it was, within the
 download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN, wrongly
 typed, oversized and foreign-structured states, and a peer that steps while it serves) and
 ``tests/test_state_declaration.py`` (the gap and the leaving donor, against hivemind's own averager). Drop when
