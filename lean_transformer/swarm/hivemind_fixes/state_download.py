@@ -211,8 +211,7 @@ class ValidatedStateSharing:
         layout = self._local_layout()
         deadline = None if timeout is None else time.monotonic() + timeout
         check = None if self.download_check is None else self.download_check()
-        now = time.monotonic()
-        self._refused = {peer: until for peer, until in getattr(self, "_refused", {}).items() if until > now}
+        self._refused = getattr(self, "_refused", {})  # peer ID -> until when its states are refused
         refused = 0
         for attempt in range(MAX_CHECKED_DONORS if check is not None else 1):
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -221,7 +220,7 @@ class ValidatedStateSharing:
             future = MPFuture()
             self._outer_pipe.send(("_download_fitting_state", [], dict(
                 layout=layout, timeout=remaining, future=future, donors=tuple(map(str, donors)),
-                skip=tuple(self._refused), first=attempt == 0)))
+                skip=tuple(self.refused_donors()), first=attempt == 0)))
             loaded = future.result(timeout=None if remaining is None else remaining + MIN_CHUNK_TIMEOUT)
             if loaded is None:
                 return
