@@ -345,7 +345,7 @@ def test_a_reducer_that_dies_in_the_round_leaves_no_peer_with_a_partial_average(
     assert results["a"] == results["b"] == dict(group_sizes=[None], anchor_unchanged=True,
                                                 anchor_sha256=results["a"]["anchor_sha256"]), results
     for name in ("a", "b"):
-        assert "were not averaged (a peer of the group failed during the round)" in outputs[name][2]
+        assert "were not averaged (a reducer failed during the round" in outputs[name][2]
     report("a group of 3 whose third peer crashed after sending its parts, before answering as a reducer: the round "
            "failed on both survivors, anchors equal and unchanged (hivemind alone keeps each one's own values there)")
 
@@ -571,3 +571,14 @@ def test_a_lone_peer_ends_a_round_on_its_samples():
             assert tracker.ready_to_update_epoch is (type(tracker) is RoundProgress), type(tracker).__name__
     finally:
         dht.shutdown()
+
+
+def test_a_peer_checks_answers_only_with_a_contribution_near_the_median():
+    from lean_transformer.swarm.averaging.diloco import CHECKING_SHARE, checks_answers
+    assert checks_answers(8, [8, 8, 8, 8])
+    assert not checks_answers(1, [1, 8, 8, 8])  # joined mid-round: 1 local step against 8
+    assert checks_answers(CHECKING_SHARE * 8, [4, 8, 8, 8]) and not checks_answers(3.99, [3.99, 8, 8, 8])
+    assert checks_answers(8, [8, 8, 8, 1e12])  # one inflated claim barely moves the median
+    assert checks_answers(8, [8, None, "8", float("nan"), True, -5, 8])  # what is not a count is ignored
+    assert not checks_answers(0.0, [8, 8]) and not checks_answers(float("nan"), [8, 8])  # a cancelled round: weight 0
+    assert not checks_answers(8, [None, None])

@@ -1,8 +1,9 @@
-"""A swarm with a reducer that lies (issue 24): three honest trainers and one (tests/lying_peer.py
-``--attack reducer_scale``) that trains and sends honestly but answers every other sender of its part of each
-gradient all-reduce with the average x1000. Real processes on 127.0.0.1, tiny LeanGPT on CPU (``run_swarm`` of
-tests/test_robust_swarm.py), the default ``--aggregation centered_clip``: the honest trainers reject its answers
-(keeping their own values for its part), strike it, and exclude it after 3 strikes within 10 rounds
+"""A swarm with a reducer that lies (issue 24): three honest trainers and one (tests/lying_peer.py) that trains and
+sends honestly but answers every other sender of its part of each all-reduce with a wrong average: x1000 in gradient
+averaging, sign-flipped (the honest magnitude, which no norm bound catches) in DiLoCo mode. Real processes on
+127.0.0.1, tiny LeanGPT on CPU (``run_swarm`` of tests/test_robust_swarm.py), the default ``--aggregation
+centered_clip``: the honest trainers reject its answers (gradients: keeping their own values for its part; DiLoCo:
+not applying the round), strike it, and exclude it after 3 strikes within 10 rounds
 (lean_transformer/swarm/averaging/answer_check.py, exclusion.py); they train as an honest swarm does, and none of
 them rejects an honest reducer's answer or excludes an honest peer. The mean, which checks nothing, under the same
 attack: benchmarks/byzantine.py.
@@ -13,7 +14,7 @@ import pytest
 
 from lean_transformer.swarm.monitoring.events import read_events
 from swarm_utils import untrained_loss
-from test_robust_swarm import EPOCHS, HONEST, attacked_rounds, run_swarm
+from test_robust_swarm import DILOCO_FALL, EPOCHS, HONEST, attacked_rounds, run_swarm
 
 pytestmark = pytest.mark.swarm
 
@@ -37,3 +38,31 @@ def test_honest_trainers_exclude_a_reducer_that_scales_its_answers_and_train_on(
     for name, by_epoch in losses.items():
         report(f"reducer x1000, centered_clip, {name}: loss {untrained:.3f} (untrained) -> {by_epoch[epochs]:.3f}")
         assert by_epoch[epochs] < untrained - 0.6, (name, by_epoch)  # as test_robust_swarm's honest swarm trains
+
+
+def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloco_mode(tmp_path, report):
+    """DiLoCo mode (--local_steps 2): the liar answers every outer all-reduce with its part's average x -1. The
+    honest trainers whose pseudo-gradient weighs at least half the group's median check the answers
+    (diloco.checks_answers): a flipped share anti-correlates with their own values, so they do not apply that round
+    (retried without the liar once it is excluded), and they strike and exclude the liar. Before the check the
+    benchmark's honest trainers ended 1.02-1.47x the honest swarm's loss (benchmarks/byzantine.py)."""
+    epochs = EPOCHS + 2
+    losses = run_swarm(tmp_path, "centered_clip", "reducer_flip", epochs, liar_joins_late=True,
+                       extra=["--local_steps", "2"])
+    liar = next(event["peer"] for event in read_events(tmp_path / "liar.events.jsonl") if event.get("peer"))
+    report(f"DiLoCo, outer rounds of 4 peers (the liar's): {attacked_rounds(tmp_path, 'outer')}")
+    for index in range(HONEST):
+        stream = tmp_path / f"honest{index}.events.jsonl"
+        rejected = read_events(stream, "answer_rejected")
+        excluded = read_events(stream, "peer_excluded")
+        report(f"honest{index}: {sum(event['source'] == liar for event in rejected)} of the liar's outer shares "
+               f"rejected, {sum(event['source'] != liar for event in rejected)} of honest reducers'; excluded "
+               f"{[event['source'][-8:] for event in excluded]}")
+        assert [event["source"] for event in excluded] == [liar], (index, excluded)
+        assert {event["source"] for event in rejected} == {liar}, (index, rejected)
+        assert all("does not correlate" in event["reason"] for event in rejected), rejected
+    untrained = untrained_loss(losses)
+    for name, by_epoch in losses.items():
+        report(f"DiLoCo, reducer x -1, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "
+               f"{by_epoch[epochs]:.3f}")
+        assert by_epoch[epochs] < untrained - DILOCO_FALL, (name, by_epoch)

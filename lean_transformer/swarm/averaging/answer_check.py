@@ -32,10 +32,15 @@ compare with, no concentration). On a failure the receiver keeps its own values 
 reducer moves it by nothing, as a reducer that fails), emits ``answer_rejected`` (``source``: the reducer's peer ID,
 ``reason``, ``size``) and counts a strike against the reducer (:mod:`.exclusion`). An excluded reducer's answers
 are replaced the same way, unchecked; so are the answers held from a reducer that fails half-way (unchecked, they are
-not used). Gradient averaging only: DiLoCo's same-result all-reduce, where a rejected share would fail the round for
-the whole group, is not checked (see ``diloco._CenteredClipSameResultRunner``: false rejections by a peer that joined
-mid-round failed every round and excluded honest peers); there each peer checks the group's whole average before its
-outer step instead (``diloco.implausible_average``).
+not used).
+
+In DiLoCo's same-result all-reduce a share replaced by the own values would leave this peer's anchor apart from its
+group's. There a rejected share fails the round for this peer, retried within the round's deadline (the others of
+the group decide for themselves: a lie told to all of them fails it for all the honest ones, which keep one anchor),
+and an excluded reducer's answers are checked, not replaced (``ChecksAnswers``). Only a peer whose pseudo-gradient
+weighs at least half the group's median checks (``diloco.checks_answers``): one that joined mid-round, with a few
+local steps against the others' many, saw honest averages uncorrelated with its own (cosine -0.08) and, when it
+checked, struck honest reducers until it excluded them.
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
@@ -133,6 +138,7 @@ class CheckedParts(TensorPartContainer):
     learned: Dict[Hashable, float]  # the same, updated with this round's accepted values (kept by the averager)
     sums: Dict[Hashable, List[float]]  # this round's sums of squares and counts per tensor
     unchecked: bool = False
+    replace_excluded: bool = True  # an excluded reducer's answers: replaced unchecked (else checked as any other)
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         if peer_index == self.own_index:
@@ -153,7 +159,7 @@ class CheckedParts(TensorPartContainer):
             self.unchecked = False
 
     def _release(self, peer_index: int) -> None:
-        if self.is_excluded(peer_index):
+        if self.replace_excluded and self.is_excluded(peer_index):
             return self._replace_held(peer_index)
         answers = self.held[peer_index]
         owns = [part for part, _ in self._input_parts_by_peer[peer_index]]
@@ -194,12 +200,19 @@ class ChecksAnswers:
     """Mixed in front of hivemind's ``AllReduceRunner`` class (gradient averaging) whose
     ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) is set by the classes after it: every groupmate's
     answers are checked (:class:`CheckedParts`) before hivemind's container takes them. ``answer_norms``: the
-    averager's dict of each tensor's last accepted RMS (read as this round's reference, updated with its answers)."""
+    averager's dict of each tensor's last accepted RMS (read as this round's reference, updated with its answers).
+    ``replace_excluded=False`` (DiLoCo): an excluded reducer's answers are checked as any other's, not replaced: a
+    peer excluded in the middle of a round (its last strike) would otherwise fail the round for the peers that
+    excluded it before its answers arrived and not for the others, and their anchors would part (seen in
+    tests/test_robust_swarm.py's DiLoCo swarm: the parted peer's pseudo-gradients then ended far out, and the
+    others excluded it)."""
 
-    def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None, **kwargs: Any):
+    def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None,
+                 replace_excluded: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
         container = self.tensor_part_container
         container.__class__ = CheckedParts
+        container.replace_excluded = replace_excluded
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
         learned = {} if answer_norms is None else answer_norms
         container.reference, container.learned, container.sums = dict(learned), learned, {}

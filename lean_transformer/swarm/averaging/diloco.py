@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -55,6 +56,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
+from lean_transformer.swarm.averaging.answer_check import ChecksAnswers
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
@@ -223,13 +225,36 @@ class _SameResultRunner(AllReduceRunner):
 
 
 class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
-    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`). The
-    reducers' answers are not checked here (:mod:`lean_transformer.swarm.averaging.answer_check` in gradient
-    averaging): a peer that joined mid-round sends a pseudo-gradient of a few local steps against the others' many,
-    and in tests/test_diloco_faults.py (CI) such a peer rejected 6 honest answers (5.5-7.5x its own norm, cosine
-    -0.08 before it had an accepted average to compare with); each rejection failed the round for the whole group and
-    its strikes excluded both honest peers. The group's whole average is checked instead, before the outer step
-    (:func:`implausible_average`)."""
+    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`), for a
+    peer that does not check its reducers' answers (see :func:`checks_answers`)."""
+
+
+class _CheckedSameResultRunner(ChecksAnswers, _CenteredClipSameResultRunner):
+    """The same, with each reducer's answers checked against this peer's own pseudo-gradient
+    (:mod:`lean_transformer.swarm.averaging.answer_check`): a share that fails the check is not applied, so the round
+    fails for this peer (a missed round, retried within its deadline), and its reducer earns a strike."""
+
+
+CHECKING_SHARE = 0.5  # a peer checks its reducers' answers if its weight is at least this x the group's median
+
+
+def checks_answers(own_weight: float, weights: Sequence[Any]) -> bool:
+    """Whether a peer whose pseudo-gradient weighs ``own_weight`` (its samples) checks its reducers' answers, in a
+    group whose members claimed ``weights`` (all-gathered, its own included; a peer's message: anything): only a
+    contribution of at least ``CHECKING_SHARE`` x the median claimed weight, a median that one inflated claim cannot
+    move far.
+
+    The check asks that an average correlate with the receiver's own values. A peer that joined mid-round sends a
+    pseudo-gradient of a few local steps against the others' many; the honest average need not correlate with it
+    (cosine -0.08 in tests/test_diloco_faults.py), and when every answer was checked such peers rejected honest
+    answers and struck honest reducers until they were excluded. Such a peer applies the round unchecked: the
+    group's whole average is still checked before the outer step (:func:`implausible_average`), and the other
+    members check the same answers."""
+    claimed = sorted(float(weight) for weight in weights if isinstance(weight, (int, float))
+                     and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0)
+    if not (math.isfinite(own_weight) and own_weight > 0) or not claimed:
+        return False
+    return own_weight >= CHECKING_SHARE * statistics.median(claimed)
 
 
 class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, AnswersBeforeLeaving,
@@ -253,6 +278,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         check_aggregation(aggregation)
         # set before hivemind starts the averager's process
         self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
+        self.answer_norms = {}  # the answer check's reference: each tensor's last accepted RMS (answer_check)
         super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -261,6 +287,9 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
             return await self._run_sparse_allreduce(tensors, group_info, group_id, **kwargs)
         if self.aggregation == "mean":
             runner_class, robust = _SameResultRunner, {}
+        elif checks_answers(kwargs.get("weight", 1.0), self._claimed_samples(group_info)):
+            runner_class, robust = _CheckedSameResultRunner, dict(exclusions=self.exclusions, replace_excluded=False,
+                                                                  answer_norms=self.answer_norms)
         else:
             runner_class, robust = _CenteredClipSameResultRunner, dict(exclusions=self.exclusions)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
@@ -275,11 +304,19 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         container = runner.tensor_part_container
         if container.failed_size:
             raise AllreduceException(f"{container.failed_size} of {container.total_size} values were not averaged "
-                                     f"(a peer of the group failed during the round)")
+                                     f"(a reducer failed during the round, or its answers failed the check)")
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
         self.last_updated = get_dht_time()
         self._state_updated.set()
+
+    def _claimed_samples(self, group_info: Any) -> List[Any]:
+        """The samples each member gathered with its round (:meth:`PseudoGradientAverager.start`), as sent."""
+        claimed = []
+        for data in group_info.gathered:
+            gathered = self.serializer.loads(self.serializer.loads(data)[2])
+            claimed.append(gathered.get("samples") if isinstance(gathered, dict) else None)
+        return claimed
 
     async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight, **_) -> None:
         modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]
@@ -351,7 +388,8 @@ class PseudoGradientAverager:
         with self.averager.get_tensors() as buffers:
             for buffer, delta in zip(buffers, pseudo_gradients):
                 buffer.copy_(delta)
-        return self.averager.step(weight=float(samples), gather=dict(tag=tag), timeout=self.timeout, wait=False)
+        return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples), timeout=self.timeout,
+                                  wait=False)
 
     def finish(self, control: Any) -> Optional[tuple]:
         try:
@@ -449,9 +487,9 @@ class OuterLoop:
 
     ``check_averages`` (``--aggregation centered_clip``): a group's average that :func:`implausible_average` finds
     implausible (over :meth:`references`) is not applied (an ``average_rejected`` event; the round counts as
-    missed). It catches what CenteredClip cannot: a reducer that lies about its part (its answers are not checked
-    in DiLoCo, see ``_CenteredClipSameResultRunner``), and a group whose liars are the majority (3 of 16 peers,
-    groups of 2-4). All in-sync members of a group receive the same average and mostly the same verdict; one that
+    missed). It catches what CenteredClip and the answer check cannot: a reducer's lie to a peer that does not check
+    answers (:func:`checks_answers`), or in the sparse all-reduce, and a group whose liars are the majority (3 of 16
+    peers, groups of 2-4). All in-sync members of a group receive the same average and mostly the same verdict; one that
     decides otherwise is out of step with its group and downloads the state its group converges on, as after a
     split.
     """

@@ -18,8 +18,8 @@ hivemind 1.1.12 has no robust aggregation (its CenteredClip, PR #379, was never 
   exactly the bytes the mean does, and only the reducers compute differently;
 - :class:`Aggregated`: mixed in front of a hivemind averager, its ``aggregation`` option picks the runner.
 
-Under "centered_clip" the gradient averagers' runners also check what the other reducers answer
-(:mod:`.answer_check`: a reducer that lies; not DiLoCo's, see ``diloco._CenteredClipSameResultRunner``), and in both
+Under "centered_clip" the runners also check what the other reducers answer (:mod:`.answer_check`: a reducer that
+lies; in DiLoCo's dense all-reduce, see ``diloco.checks_answers``), and in both
 modes a sender whose part ends over ``FAR_OUT`` (10) x tau from the result earns a strike, as does a reducer
 whose answers fail the check; peers caught repeatedly are excluded for a while (:mod:`.exclusion`). An honest part
 ends within about one tau (no honest sender earned a strike in the swarm tests' rounds); x -1000 ends 25-40 tau out.
