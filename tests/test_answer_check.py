@@ -5,13 +5,18 @@ aux peer's table."""
 from __future__ import annotations
 
 import asyncio
+from typing import AsyncIterator
 
 import pytest
 import torch
 from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import averaging_pb2, runtime_pb2
 
 from lean_transformer.swarm.averaging.answer_check import (MAX_RATIO, MIN_CHECKED, PART_MAX_RATIO,
-                                                           PART_MIN_CHECKED, CheckedParts, share_problem)
+                                                           PART_MIN_CHECKED, CheckedParts, share_problem,
+                                                           sparse_share_problem)
 from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions
 from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip
 from lean_transformer.swarm.monitoring.events import close_events, emit, open_events, read_events
@@ -345,3 +350,108 @@ def test_records_carry_exclusions_and_the_table_marks_a_peer_most_others_exclude
     marked = {row.peer_id for row in table.rows() if row.excluded}
     assert marked == {peer_id("d")} and len(excluded_keys(records)) == 1
     assert summary(table.rows()).endswith(f"1 excluded (...{peer_id('d')[-8:]})")
+
+
+def top_k(vector: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    indices = vector.abs().topk(k).indices.sort().values
+    return indices.to(torch.int32), vector[indices].to(torch.float16)
+
+
+def sparse_mean(parts: list[tuple[torch.Tensor, torch.Tensor]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    total = torch.zeros(size)
+    for indices, values in parts:
+        total[indices.long()] += values.float() / len(parts)
+    union = torch.unique(torch.cat([indices.long() for indices, _ in parts]))
+    return union.to(torch.int32), total[union].to(torch.float16)
+
+
+@pytest.mark.parametrize("senders", [4, 16])
+def test_sparse_answers_honest_pass_and_lies_fail(senders):
+    """DiLoCo's top-k shares: the honest sparse mean passes for every sender; a flipped, zeroed or x1000 answer
+    fails for every sender, noise x1000 too; an answer without the sender's entries fails."""
+    k = SIZE // 4
+    parts = [top_k(vector, k) for vector in gradients(senders, signal=0.5, seed=senders)]
+    union, average = sparse_mean(parts, SIZE)
+    assert all(sparse_share_problem(part, (union, average)) is None for part in parts)
+    generator = torch.Generator().manual_seed(0)
+    noise = 1000 * average.float().norm() * torch.randn(len(average), generator=generator) / len(average) ** 0.5
+    lies = {"flip": -average, "zeros": torch.zeros_like(average), "x1000": average.float() * 1000,
+            "noise": (average.float() + noise)}
+    for name, lie in lies.items():
+        for part in parts:
+            assert sparse_share_problem(part, (union, lie.to(torch.float16))) is not None, (name, senders)
+    elsewhere = torch.arange(SIZE, SIZE + len(average), dtype=torch.int32)  # entries none of the senders sent
+    assert "does not correlate" in sparse_share_problem(parts[0], (elsewhere, average))
+    assert sparse_share_problem(top_k(gradients(1, 0.5)[0], MIN_CHECKED - 1), (union, -average)) is None  # too few
+
+
+class ReducerServicer(ServicerBase):
+    """Serves one sparse all-reduce ``runner``'s range; with ``lies``, its answers' values sign-flipped."""
+
+    runner = None
+    lies = False
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        index = 0
+        async for answer in self.runner.rpc_aggregate_part(stream, context):
+            if self.lies and index == 1:  # the second message carries the values
+                flipped = -deserialize_torch_tensor(answer.tensor_part)
+                answer = averaging_pb2.AveragingData(
+                    tensor_part=serialize_torch_tensor(flipped, runtime_pb2.CompressionType.NONE))
+            index += 1
+            yield answer
+
+
+def test_the_sparse_all_reduce_fails_the_round_for_a_peer_that_catches_a_lying_reducer(tmp_path):
+    """Two real P2P peers run DiLoCo's sparse all-reduce, each reducing half of the vector. Honest: both get the same
+    average. When the second one answers its half sign-flipped, the first (``check_answers``) rejects it: an
+    ``answer_rejected`` event and a strike against it, and the round fails for the first peer only; the second
+    peer's own round completes (its answers had been given)."""
+    from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+    from hivemind.p2p import P2P
+
+    from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce
+
+    size = 2 * SIZE
+    vectors = gradients(2, signal=0.5, seed=5, size=size)
+    parts = [top_k(vector, size // 2) for vector in vectors]
+    exclusions = Exclusions(strikes=3, window=10)
+
+    async def round_of_two(lies: bool) -> list:
+        first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        peers = [first, await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                         initial_peers=await first.get_visible_maddrs())]
+        try:
+            servicers = [ReducerServicer(), ReducerServicer()]
+            servicers[1].lies = lies
+            ordered = [peer.peer_id for peer in peers]
+            runners = []
+            for index, (p2p, servicer) in enumerate(zip(peers, servicers)):
+                await servicer.add_p2p_handlers(p2p)
+                servicer.runner = SparseAllReduce(
+                    p2p=p2p, servicer_type=ReducerServicer, prefix=None, group_id=b"group", ordered_peer_ids=ordered,
+                    modes=[AveragingMode.NODE] * 2, peer_fractions=[1.0, 1.0], total_size=size, weight=1.0,
+                    timeout=10.0, aggregation="centered_clip", exclusions=exclusions if index == 0 else None,
+                    check_answers=index == 0)
+                runners.append(servicer.runner)
+            return [ordered[1].to_base58(), *await asyncio.gather(
+                *(runner.run(indices.long(), values) for runner, (indices, values) in zip(runners, parts)),
+                return_exceptions=True)]
+        finally:
+            for p2p in peers:
+                await p2p.shutdown()
+
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        _, first, second = asyncio.run(round_of_two(lies=False))
+        assert isinstance(first, torch.Tensor) and torch.equal(first, second)
+        assert read_events(tmp_path / "events.jsonl", "answer_rejected") == []
+        liar, first, second = asyncio.run(round_of_two(lies=True))
+    finally:
+        close_events()
+    assert isinstance(first, AllreduceException) and "answers failed the check" in str(first), first
+    assert isinstance(second, torch.Tensor)
+    rejected = read_events(tmp_path / "events.jsonl", "answer_rejected")
+    assert [event["source"] for event in rejected] == [liar], rejected
+    assert "does not correlate" in rejected[0]["reason"]

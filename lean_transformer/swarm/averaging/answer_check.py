@@ -34,6 +34,9 @@ reducer moves it by nothing, as a reducer that fails), emits ``answer_rejected``
 are replaced the same way, unchecked; so are the answers held from a reducer that fails half-way (unchecked, they are
 not used).
 
+DiLoCo's sparse all-reduce (:mod:`.sparse_allreduce`) checks each reducer's sparse answer by the same rule
+(:func:`sparse_share_problem`, over the entries sent and answered), with no reference from earlier rounds.
+
 In DiLoCo's same-result all-reduce a share replaced by the own values would leave this peer's anchor apart from its
 group's. There a rejected share fails the round for this peer, retried within the round's deadline (the others of
 the group decide for themselves: a lie told to all of them fails it for all the honest ones, which keep one anchor),
@@ -103,6 +106,23 @@ def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0) 
         cosine = (xx + xd) / (x_norm * max(math.sqrt(max(xx + 2 * xd + dd, 0.0)), 1e-300))
         return f"the average does not correlate with the own values (cosine {cosine:.3g})"
     return None
+
+
+@torch.no_grad()
+def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor]
+                         ) -> Optional[str]:
+    """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce: ``own`` and ``answer`` are
+    (sorted indices, values) in its range, this peer's top-k entries and the sparse average the reducer claims. The
+    inner products run over the entries only (float64); the share's size is the count of own entries."""
+    own_indices, own_values = own[0].long(), own[1].double()
+    answer_indices, answer_values = answer[0].long(), answer[1].double()
+    xx, vv = float(own_values @ own_values), float(answer_values @ answer_values)
+    xv = 0.0
+    if len(answer_indices) and len(own_indices):
+        positions = torch.searchsorted(answer_indices, own_indices).clamp(max=len(answer_indices) - 1)
+        matched = answer_indices[positions] == own_indices
+        xv = float(own_values[matched] @ answer_values[positions[matched]])
+    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, len(own_indices))
 
 
 def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],

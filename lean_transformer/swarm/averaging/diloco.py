@@ -283,11 +283,13 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        checked = self.aggregation != "mean" and checks_answers(kwargs.get("weight", 1.0),
+                                                                self._claimed_samples(group_info))
         if self.topk_fraction is not None:
-            return await self._run_sparse_allreduce(tensors, group_info, group_id, **kwargs)
+            return await self._run_sparse_allreduce(tensors, group_info, group_id, check_answers=checked, **kwargs)
         if self.aggregation == "mean":
             runner_class, robust = _SameResultRunner, {}
-        elif checks_answers(kwargs.get("weight", 1.0), self._claimed_samples(group_info)):
+        elif checked:
             runner_class, robust = _CheckedSameResultRunner, dict(exclusions=self.exclusions, replace_excluded=False,
                                                                   answer_norms=self.answer_norms)
         else:
@@ -318,12 +320,14 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
             claimed.append(gathered.get("samples") if isinstance(gathered, dict) else None)
         return claimed
 
-    async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight, **_) -> None:
+    async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight,
+                                    check_answers: bool, **_) -> None:
         modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]
         runner = SparseAllReduce(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
                                  ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
                                  total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
-                                 aggregation=self.aggregation, exclusions=self.exclusions)
+                                 aggregation=self.aggregation, exclusions=self.exclusions,
+                                 check_answers=check_answers)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
             await runner.run(None, None)

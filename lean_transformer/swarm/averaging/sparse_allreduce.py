@@ -23,6 +23,12 @@ sent indices only (elsewhere every input is 0, so the result is too, and the dis
 senders x k columns, not the range. An honest top-k part is as far from the others as they are from each other
 (different supports, alike sizes): not clipped, the result is the mean; a part scaled x1000 is clipped to tau.
 
+``check_answers`` (CenteredClip, a peer whose contribution is near the group's median, see
+``diloco.checks_answers``): once every answer has arrived (and this peer has answered its senders), each reducer's
+answer is checked against this peer's own entries in its range (:func:`..answer_check.sparse_share_problem`); one that
+fails emits ``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense
+all-reduce (:mod:`.answer_check`).
+
 A round with any reducer or sender missing fails as a whole (a missed round: hivemind retries it within its deadline),
 and the error feedback changes only when a round succeeded (``commit``).
 """
@@ -39,9 +45,11 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
+from lean_transformer.swarm.averaging.answer_check import sparse_share_problem
 from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
+from lean_transformer.swarm.monitoring.events import emit
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
@@ -84,6 +92,12 @@ class TopKErrorFeedback:
     def commit(self) -> None:
         if self._pending is not None:
             self.error, self._pending = self._pending, None
+
+
+def _entries_in(indices: torch.Tensor, values: torch.Tensor, start: int, end: int) -> Sparse:
+    """The entries of (sorted flat ``indices``, ``values``) in [start, end), indices relative to ``start``."""
+    first, last = torch.searchsorted(indices, torch.tensor([start, end])).tolist()
+    return (indices[first:last] - start).to(torch.int32), values[first:last]
 
 
 def part_bounds(peer_fractions: Sequence[float], total_size: int) -> List[int]:
@@ -160,9 +174,9 @@ class SparseAllReduce:
     def __init__(self, *, p2p: P2P, servicer_type: type[ServicerBase], prefix: Optional[str], group_id: bytes,
                  ordered_peer_ids: Sequence[PeerID], modes: Sequence[AveragingMode], peer_fractions: Sequence[float],
                  total_size: int, weight: float, timeout: float, aggregation: str = "mean",
-                 exclusions: Optional[Exclusions] = None):
+                 exclusions: Optional[Exclusions] = None, check_answers: bool = False):
         self.aggregation = check_aggregation(aggregation)
-        self.exclusions = exclusions
+        self.exclusions, self.check_answers = exclusions, check_answers
         if exclusions is not None:
             exclusions.begin_round()
         self._parts: List[Tuple[float, torch.Tensor, torch.Tensor]] = []  # centered_clip: (weight, indices, values)
@@ -197,6 +211,8 @@ class SparseAllReduce:
             raise AllreduceException(f"the sparse all-reduce did not finish within {self.timeout} s") from None
         finally:
             self._fail(AllreduceException("the local round ended before every sender arrived"))
+        if self.check_answers:
+            self._check(indices, values, averages)
         dense = torch.zeros(self.total_size)
         for (start, _), (part_indices, part_values) in zip(self.ranges.values(), averages):
             dense[start + part_indices.long()] = part_values.float()
@@ -205,8 +221,7 @@ class SparseAllReduce:
     async def _exchange(self, peer: PeerID, start: int, end: int, indices: torch.Tensor, values: torch.Tensor
                         ) -> Sparse:
         """Send ``peer`` the entries of its range, get back its sparse average."""
-        first, last = torch.searchsorted(indices, torch.tensor([start, end])).tolist()
-        part = ((indices[first:last] - start).to(torch.int32), values[first:last])
+        part = _entries_in(indices, values, start, end)
         if peer == self.peer_id:
             try:
                 self._accumulate(peer, self.weight, *part)
@@ -230,6 +245,21 @@ class SparseAllReduce:
             return read_sparse_part(answers[0].tensor_part, answers[1].tensor_part, end - start)
         except ValueError as error:
             raise AllreduceException(f"reducer {peer} sent a bad average: {error}") from None
+
+    def _check(self, indices: torch.Tensor, values: torch.Tensor, averages: Sequence[Sparse]) -> None:
+        """Check every other reducer's answer against this peer's entries in its range (see the module docstring)."""
+        problems = []
+        for (peer, (start, end)), average in zip(self.ranges.items(), averages):
+            reason = None if peer == self.peer_id else sparse_share_problem(
+                _entries_in(indices, values, start, end), average)
+            if reason is not None:
+                reducer = peer.to_base58()
+                emit("answer_rejected", source=reducer, reason=reason, size=end - start)
+                if self.exclusions is not None:
+                    self.exclusions.strike(reducer, f"its answers as a reducer: {reason}")
+                problems.append(f"reducer {reducer}: {reason}")
+        if problems:
+            raise AllreduceException(f"answers failed the check: {'; '.join(problems)}")
 
     def _accumulate(self, sender: PeerID, weight: float, indices: torch.Tensor, values: torch.Tensor) -> None:
         """Add a checked sparse part of this peer's range (``check_sparse_part``) from ``sender``."""
