@@ -342,6 +342,7 @@ def test_records_carry_exclusions_and_the_table_marks_a_peer_most_others_exclude
     records = {name.encode(): reporter.record(1, 1.0, samples=8, loss_sum=1.0, mini_steps=1)
                for name, reporter in reporters.items()}
     assert records[b"a"].excluded == (peer_id("d"),) and records[b"d"].excluded == (peer_id("a"),)
+    assert reporters["a"].excluded == {peer_id("d"): 4e9}  # what the trainer hands SwarmOptimizer.distrust
     assert LocalMetrics.model_validate(records[b"a"].model_dump()) == records[b"a"]
     older = LocalMetrics(epoch=1, samples_per_second=1.0, samples_accumulated=8, loss_sum=1.0, mini_steps=1)
     assert older.excluded is None  # records of older trainers still parse

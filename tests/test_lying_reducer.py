@@ -45,7 +45,8 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
     honest trainers whose pseudo-gradient weighs at least half the group's median check the answers
     (diloco.checks_answers): a flipped share anti-correlates with their own values, so they do not apply that round
     (retried without the liar once it is excluded), and they strike and exclude the liar. Before the check the
-    benchmark's honest trainers ended 1.02-1.47x the honest swarm's loss (benchmarks/byzantine.py)."""
+    benchmark's honest trainers ended 1.02-1.47x the honest swarm's loss (benchmarks/byzantine.py). Nor do they
+    take its state afterwards."""
     epochs = EPOCHS + 2
     losses = run_swarm(tmp_path, "centered_clip", "reducer_flip", epochs, liar_joins_late=True,
                        extra=["--local_steps", "2"])
@@ -61,6 +62,10 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
         assert [event["source"] for event in excluded] == [liar], (index, excluded)
         assert {event["source"] for event in rejected} == {liar}, (index, rejected)
         assert all("does not correlate" in event["reason"] for event in rejected), rejected
+        # nor does it take the liar's state once it excluded it (SwarmOptimizer.distrust): the liar's rounds went on
+        # alone meanwhile, to a higher epoch, and the honest trainers once downloaded it (benchmarks/byzantine.py)
+        downloads = read_events(stream, "state_downloaded")
+        assert not [event for event in downloads if event["source"] == liar and event["time"] > excluded[0]["time"]]
     untrained = untrained_loss(losses)
     for name, by_epoch in losses.items():
         report(f"DiLoCo, reducer x -1, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "

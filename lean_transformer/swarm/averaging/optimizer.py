@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import hivemind
@@ -374,6 +375,19 @@ class SwarmOptimizer(hivemind.Optimizer):
             if self.outer_loop is not None:
                 self.restart_from_anchor()
                 self.steps_in_round = 0
+
+    def distrust(self, excluded: Mapping[str, float]) -> None:
+        """Skip the states and ignore the progress of the peers this peer's averagers excluded (``excluded``: peer ID
+        -> Unix time the exclusion ends, as :class:`~lean_transformer.swarm.peers.reporting.MetricsReporter` reads
+        them from the ``peer_excluded`` events) until then. Seen in benchmarks/byzantine.py: three honest DiLoCo
+        trainers excluded a lying reducer, whose rounds had meanwhile gone on alone to epoch 3, then found themselves
+        out of sync and downloaded its state."""
+        now, before = time.time(), self.state_averager.refused_donors()
+        for peer_id, until in excluded.items():
+            if until > now:
+                self.state_averager.refuse_donor(peer_id, until - now)
+        if self.state_averager.refused_donors() - before:
+            self.tracker.recount()
 
     def check_downloads(self, model: nn.Module, batch_loss: Callable[[], Callable[[], Union[torch.Tensor, float]]]
                         ) -> None:

@@ -237,8 +237,16 @@ class ValidatedStateSharing:
             refused += 1
         logger.warning(f"Kept this peer's own state: {refused} downloaded state(s) failed its check")
 
+    def refuse_donor(self, peer_id: str, seconds: float) -> None:
+        """Skip ``peer_id``'s states (and, through the progress trackers, its progress) for ``seconds`` from now,
+        unless already for longer: a peer that this peer's averagers excluded for lying (:mod:`..averaging.exclusion`)
+        would otherwise still serve its state, and a liar stepping alone keeps the highest epoch."""
+        self._refused = getattr(self, "_refused", {})
+        self._refused[peer_id] = max(self._refused.get(peer_id, 0.0), time.monotonic() + seconds)
+
     def refused_donors(self) -> set[str]:
-        """The peers (IDs) whose states this peer's check refused within the last ``REFUSE_FOR`` seconds."""
+        """The peers (IDs) whose states this peer's check refused within the last ``REFUSE_FOR`` seconds, and those
+        refused by :meth:`refuse_donor`."""
         now, refused = time.monotonic(), dict(getattr(self, "_refused", {}))  # a copy: the tracker's thread reads it
         return {peer for peer, until in refused.items() if until > now}
 

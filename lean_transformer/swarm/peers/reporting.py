@@ -51,6 +51,11 @@ class MetricsReporter:
         self._history.append((epoch, samples, loss_sum, mini_steps, samples_per_second))
         return metrics
 
+    @property
+    def excluded(self) -> Dict[str, float]:
+        """The peers this peer's averagers exclude now, as of the last record: peer ID -> Unix time it ends."""
+        return dict(self._excluded)
+
     def _excluded_now(self, events: list) -> tuple:
         for event in events:
             if event["event"] == "peer_excluded" and isinstance(event.get("source"), str):

@@ -250,6 +250,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
                                       float(optimizer.tracker.performance_ema.samples_per_second),
                                       samples=work.samples, loss_sum=work.loss_sum, mini_steps=work.mini_steps)
             publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
+            optimizer.distrust(reporter.excluded)
             advice = None if collaboration.local_steps else short_epoch_warning(  # DiLoCo rounds are long by design
                 collaboration.target_batch_size, collaboration.matchmaking_time, metrics.samples_per_second,
                 optimizer.tracker.global_progress.num_peers)
