@@ -387,13 +387,19 @@ def test_sparse_answers_honest_pass_and_lies_fail(senders):
 
 
 class ReducerServicer(ServicerBase):
-    """Serves one sparse all-reduce ``runner``'s range; with ``lies``, its answers' values sign-flipped."""
+    """Serves one sparse all-reduce ``runner``'s range; with ``lies``, its answers' values sign-flipped; with no
+    runner (a peer counted into the group that never started its round), it holds every stream unanswered for
+    ``HOLD`` seconds, as hivemind's averager waits for a group it never registers."""
 
+    HOLD = 60.0
     runner = None
     lies = False
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if self.runner is None:
+            await asyncio.sleep(self.HOLD)
+            return
         index = 0
         async for answer in self.runner.rpc_aggregate_part(stream, context):
             if self.lies and index == 1:  # the second message carries the values

@@ -41,9 +41,9 @@ In DiLoCo's same-result all-reduce a share replaced by the own values would leav
 group's. There a rejected share fails the round for this peer, retried within the round's deadline (the others of
 the group decide for themselves: a lie told to all of them fails it for all the honest ones, which keep one anchor),
 and an excluded reducer's answers are checked, not replaced (``ChecksAnswers``). Only a peer whose pseudo-gradient
-weighs at least half the group's median checks (``diloco.checks_answers``): one that joined mid-round, with a few
-local steps against the others' many, saw honest averages uncorrelated with its own (cosine -0.08) and, when it
-checked, struck honest reducers until it excluded them.
+weighs at least a fifth of the group's median, in step with its group, checks (``diloco.checks_answers`` and
+``diloco._Averager._checks_answers``: peers that joined mid-round or were a round behind found honest averages
+uncorrelated or anticorrelated with their own, and struck honest reducers until they excluded them).
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of

@@ -40,8 +40,9 @@ import contextlib
 import logging
 import math
 import statistics
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -51,6 +52,7 @@ from hivemind.averaging.partition import BannedException
 from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
                                   serialize_torch_tensor)
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
@@ -235,7 +237,10 @@ class _CheckedSameResultRunner(ChecksAnswers, _CenteredClipSameResultRunner):
     fails for this peer (a missed round, retried within its deadline), and its reducer earns a strike."""
 
 
-CHECKING_SHARE = 0.5  # a peer checks its reducers' answers if its weight is at least this x the group's median
+# a peer checks its reducers' answers if its weight is at least this x the group's median: at 0.5, an honest trainer
+# with a quarter of the median's samples applied a lie that the others rejected, and the group's anchors parted
+# (benchmarks/byzantine.py, DiLoCo, a reducer flipping its answers)
+CHECKING_SHARE = 0.2
 
 
 def checks_answers(own_weight: float, weights: Sequence[Any]) -> bool:
@@ -279,12 +284,12 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         # set before hivemind starts the averager's process
         self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
         self.answer_norms = {}  # the answer check's reference: each tensor's last accepted RMS (answer_check)
+        self._streams_opened: dict = {}  # peer ID -> when it last opened a part stream here (sparse all-reduce)
         super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        checked = self.aggregation != "mean" and checks_answers(kwargs.get("weight", 1.0),
-                                                                self._claimed_samples(group_info))
+        checked = self.aggregation != "mean" and self._checks_answers(group_info, kwargs.get("weight", 1.0))
         if self.topk_fraction is not None:
             return await self._run_sparse_allreduce(tensors, group_info, group_id, check_answers=checked, **kwargs)
         if self.aggregation == "mean":
@@ -312,13 +317,27 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _claimed_samples(self, group_info: Any) -> List[Any]:
-        """The samples each member gathered with its round (:meth:`PseudoGradientAverager.start`), as sent."""
-        claimed = []
-        for data in group_info.gathered:
-            gathered = self.serializer.loads(self.serializer.loads(data)[2])
-            claimed.append(gathered.get("samples") if isinstance(gathered, dict) else None)
-        return claimed
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, noting when the sender opened the stream: hivemind reads its first message (the group ID)
+        before it hands the stream to the round, which over a slow link takes the first part's transfer time."""
+        self._streams_opened[context.remote_id] = time.monotonic()
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    def _checks_answers(self, group_info: Any, weight: float) -> bool:
+        """Whether this peer checks its reducers' answers in this round: by :func:`checks_answers` on the samples
+        the members gathered (:meth:`PseudoGradientAverager.start`), and only if its outer state is the one the
+        group converges on. A peer out of step measures its pseudo-gradient from another anchor: one that had not
+        applied a round found the group's next honest averages anticorrelated with its own (cosine -0.26 to -0.62,
+        tests/test_lying_reducer.py), rejected them round after round and struck honest reducers; applying the
+        round instead, it learns that it is behind and downloads the group's state (:meth:`OuterLoop._applied`)."""
+        gathered = [self.serializer.loads(self.serializer.loads(data)[2]) for data in group_info.gathered]
+        gathered = [data if isinstance(data, dict) else {} for data in gathered]
+        own = gathered[list(group_info.peer_ids).index(self.peer_id)].get("tag")
+        winner = converged_state({str(index): data.get("tag") for index, data in enumerate(gathered)})
+        in_step = winner is None or fingerprint_of(own) == winner
+        return in_step and checks_answers(weight, [data.get("samples") for data in gathered])
 
     async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight,
                                     check_answers: bool, **_) -> None:
@@ -327,7 +346,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
                                  ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
                                  total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
                                  aggregation=self.aggregation, exclusions=self.exclusions,
-                                 check_answers=check_answers)
+                                 check_answers=check_answers, opened=self._streams_opened)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
             await runner.run(None, None)

@@ -29,6 +29,11 @@ answer is checked against this peer's own entries in its range (:func:`..answer_
 fails emits ``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense
 all-reduce (:mod:`.answer_check`).
 
+A sender that sent nothing within :data:`ABSENT_AFTER` seconds of the group forming is not in the round (its round
+was cancelled after the leader had counted it in, or it stopped): a reducer then fails the round at once, and its
+senders with it, instead of holding the whole group until the all-reduce timeout. Seen in benchmarks/internet.py
+(6 DiLoCo trainers): a trainer cancelled its round as it downloaded a state, and a group of 6 waited 47 s.
+
 A round with any reducer or sender missing fails as a whole (a missed round: hivemind retries it within its deadline),
 and the error feedback changes only when a round succeeded (``commit``).
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +58,10 @@ from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_dra
 from lean_transformer.swarm.monitoring.events import emit
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
+# a sender that opened no stream to a reducer this long after its group formed is taken as absent: time for the
+# leader's word to reach every member, for a busy peer to start its round and compute its top-k (a few seconds for a
+# large model); the payloads' transfer, which depends on the links, comes after the stream is open
+ABSENT_AFTER = 20.0
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
@@ -174,7 +184,8 @@ class SparseAllReduce:
     def __init__(self, *, p2p: P2P, servicer_type: type[ServicerBase], prefix: Optional[str], group_id: bytes,
                  ordered_peer_ids: Sequence[PeerID], modes: Sequence[AveragingMode], peer_fractions: Sequence[float],
                  total_size: int, weight: float, timeout: float, aggregation: str = "mean",
-                 exclusions: Optional[Exclusions] = None, check_answers: bool = False):
+                 exclusions: Optional[Exclusions] = None, check_answers: bool = False,
+                 opened: Optional[Dict[PeerID, float]] = None, absent_after: float = ABSENT_AFTER):
         self.aggregation = check_aggregation(aggregation)
         self.exclusions, self.check_answers = exclusions, check_answers
         if exclusions is not None:
@@ -196,6 +207,13 @@ class SparseAllReduce:
         self._result.add_done_callback(lambda future: future.cancelled() or future.exception())  # retrieved
         if not self.senders or self.peer_id not in self.ranges:
             self._result.set_result(None)  # nothing to reduce here
+        # when each sender last opened a stream to this peer (time.monotonic(); the averager's record, which sees a
+        # stream open before its first message has arrived)
+        self.opened = {} if opened is None else opened
+        self._formed = time.monotonic()
+        if not self._result.done():
+            watchdog = asyncio.create_task(self._fail_if_absent(absent_after))
+            self._result.add_done_callback(lambda _: watchdog.cancel())
 
     async def run(self, indices: Optional[torch.Tensor], values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         try:
@@ -245,6 +263,14 @@ class SparseAllReduce:
             return read_sparse_part(answers[0].tensor_part, answers[1].tensor_part, end - start)
         except ValueError as error:
             raise AllreduceException(f"reducer {peer} sent a bad average: {error}") from None
+
+    async def _fail_if_absent(self, after: float) -> None:
+        await asyncio.sleep(after)
+        absent = sorted(peer.to_base58() for peer in self.senders - self._arrived
+                        if peer != self.peer_id and self.opened.get(peer, -math.inf) < self._formed - after)
+        if absent:
+            self._fail(AllreduceException(f"{len(absent)} sender(s) sent nothing within {after:g} s of the group "
+                                          f"forming, not in this round: {', '.join(absent)}"))
 
     def _check(self, indices: torch.Tensor, values: torch.Tensor, averages: Sequence[Sparse]) -> None:
         """Check every other reducer's answer against this peer's entries in its range (see the module docstring)."""
@@ -302,6 +328,7 @@ class SparseAllReduce:
 
     async def _answer(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender: PeerID
                       ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        self.opened[sender] = time.monotonic()
         try:
             head = await asyncio.wait_for(anext(stream), self.timeout)
             if head.group_id != self.group_id:
