@@ -244,7 +244,10 @@ class ChecksAnswers:
     def _excluded(self, peer_index: int) -> bool:
         return self.exclusions is not None and self.exclusions.is_excluded(self._reducer(peer_index))
 
+    rejected = False  # an answer failed the check in this round
+
     def _rejected(self, peer_index: int, reason: str) -> None:
+        self.rejected = True
         size = sum(part.numel() for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index])
         emit("answer_rejected", source=self._reducer(peer_index), reason=reason, size=size)
         if self.exclusions is not None:

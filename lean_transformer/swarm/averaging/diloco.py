@@ -59,7 +59,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.averaging.answer_check import ChecksAnswers
-from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
+from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
@@ -276,7 +276,12 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
     pseudo-gradient again, not a half-averaged one. The price: one more copy of the pseudo-gradients in host memory
     during the round. Reproduced by ``tests/test_diloco.py`` (a reducer that dies in the round).
     ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean, and senders
-    clipped far out repeatedly are excluded (``exclusions``, :mod:`lean_transformer.swarm.averaging.exclusion`)."""
+    clipped far out repeatedly are excluded (``exclusions``, :mod:`lean_transformer.swarm.averaging.exclusion`).
+
+    A round in which a reducer's answer failed this peer's check (:meth:`_checks_answers`) is not retried: the
+    round ends missed and the peer moves on to its next one, as the liar does. Retried until the step's deadline,
+    the honest peers stayed at their epoch while the liar, which applies its own rounds, ran ahead 3 epochs; the
+    honest trainers then found themselves out of sync and downloaded its state (benchmarks/byzantine.py)."""
 
     def __init__(self, *args: Any, topk_fraction: Optional[float] = None, aggregation: str = "mean",
                  exclusions: Optional[Exclusions] = None, **kwargs: Any):
@@ -310,6 +315,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         averaged = [tensor async for tensor in runner]
         container = runner.tensor_part_container
         if container.failed_size:
+            if getattr(runner, "rejected", False):
+                end_step_without_retry()
             raise AllreduceException(f"{container.failed_size} of {container.total_size} values were not averaged "
                                      f"(a reducer failed during the round, or its answers failed the check)")
         for tensor, average in zip(tensors, averaged):
@@ -355,7 +362,12 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
             self.topk = TopKErrorFeedback([tensor.shape for tensor in tensors], self.topk_fraction)
         loop = asyncio.get_running_loop()
         indices, values = await loop.run_in_executor(None, self.topk.compress, tensors)
-        average = await runner.run(indices, values)
+        try:
+            average = await runner.run(indices, values)
+        except AllreduceException:
+            if runner.rejected:
+                end_step_without_retry()
+            raise
         self.topk.commit()
         offset = 0
         for tensor in tensors:

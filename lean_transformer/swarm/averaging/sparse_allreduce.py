@@ -188,6 +188,7 @@ class SparseAllReduce:
                  opened: Optional[Dict[PeerID, float]] = None, absent_after: float = ABSENT_AFTER):
         self.aggregation = check_aggregation(aggregation)
         self.exclusions, self.check_answers = exclusions, check_answers
+        self.rejected = False  # an answer failed the check (check_answers)
         if exclusions is not None:
             exclusions.begin_round()
         self._parts: List[Tuple[float, torch.Tensor, torch.Tensor]] = []  # centered_clip: (weight, indices, values)
@@ -285,6 +286,7 @@ class SparseAllReduce:
                     self.exclusions.strike(reducer, f"its answers as a reducer: {reason}")
                 problems.append(f"reducer {reducer}: {reason}")
         if problems:
+            self.rejected = True
             raise AllreduceException(f"answers failed the check: {'; '.join(problems)}")
 
     def _accumulate(self, sender: PeerID, weight: float, indices: torch.Tensor, values: torch.Tensor) -> None:

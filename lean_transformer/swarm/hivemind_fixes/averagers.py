@@ -55,6 +55,16 @@ async def _cancelled_once_signalled(step: StepControl) -> None:
     MPFuture.cancel(step)
 
 
+def end_step_without_retry() -> None:
+    """In the averager's process, inside an all-reduce: hivemind's ``_step`` will not retry the current step when
+    this round fails (it retries a failed round until the step's deadline). For a round whose failure a retry
+    cannot mend (see ``diloco._Averager``). hivemind 1.1.12 offers no public way: this sets the step's private
+    ``_allow_retries``, which its retry loop reads through ``StepControl.allow_retries``."""
+    step = _current_step.get()
+    if step is not None:
+        step._allow_retries = False
+
+
 class CancelSafe:
     """Mixed in front of a hivemind averager (its methods below run in the averager's process): from its first
     round on, the tasks of its event loop stay referenced until they finish, and a round cancelled before its
