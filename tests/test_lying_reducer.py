@@ -44,7 +44,7 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
     """DiLoCo mode (--local_steps 2): the liar answers every outer all-reduce with its part's average x -1. The
     honest trainers whose pseudo-gradient weighs at least a fifth of the group's median check the answers
     (diloco.checks_answers): a flipped share anti-correlates with their own values, so they do not apply that round
-    (retried, without the liar once it is excluded), and they strike and exclude the liar. Before the check the
+    (nor retry it: they move on to the next one), and they strike and exclude the liar. Before the check the
     benchmark's honest trainers ended 1.02-1.47x the honest swarm's loss (benchmarks/byzantine.py). Nor do they
     take its state afterwards."""
     epochs = EPOCHS + 2

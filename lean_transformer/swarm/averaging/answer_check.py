@@ -38,7 +38,7 @@ DiLoCo's sparse all-reduce (:mod:`.sparse_allreduce`) checks each reducer's spar
 (:func:`sparse_share_problem`, over the entries sent and answered), with no reference from earlier rounds.
 
 In DiLoCo's same-result all-reduce a share replaced by the own values would leave this peer's anchor apart from its
-group's. There a rejected share fails the round for this peer, retried within the round's deadline (the others of
+group's. There a rejected share fails the round for this peer, without a retry (``diloco._Averager``; the others of
 the group decide for themselves: a lie told to all of them fails it for all the honest ones, which keep one anchor),
 and an excluded reducer's answers are checked, not replaced (``ChecksAnswers``). Only a peer whose pseudo-gradient
 weighs at least a fifth of the group's median, in step with its group, checks (``diloco.checks_answers`` and

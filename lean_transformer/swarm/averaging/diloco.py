@@ -234,7 +234,7 @@ class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
 class _CheckedSameResultRunner(ChecksAnswers, _CenteredClipSameResultRunner):
     """The same, with each reducer's answers checked against this peer's own pseudo-gradient
     (:mod:`lean_transformer.swarm.averaging.answer_check`): a share that fails the check is not applied, so the round
-    fails for this peer (a missed round, retried within its deadline), and its reducer earns a strike."""
+    fails for this peer (a missed round, not retried: see :class:`_Averager`), and its reducer earns a strike."""
 
 
 # a peer checks its reducers' answers if its weight is at least this x the group's median: at 0.5, an honest trainer
