@@ -10,6 +10,9 @@ attack: benchmarks/byzantine.py.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable, List, Tuple
+
 import pytest
 
 from lean_transformer.swarm.monitoring.events import read_events
@@ -19,18 +22,27 @@ from test_robust_swarm import DILOCO_FALL, EPOCHS, HONEST, attacked_rounds, run_
 pytestmark = pytest.mark.swarm
 
 
-def test_honest_trainers_exclude_a_reducer_that_scales_its_answers_and_train_on(tmp_path, report):
-    epochs = EPOCHS + 4  # the liar takes ~4 epochs to join
-    losses = run_swarm(tmp_path, "centered_clip", "reducer_scale", epochs, liar_joins_late=True)
-    liar = next(event["peer"] for event in read_events(tmp_path / "liar.events.jsonl") if event.get("peer"))
-    report(f"rounds of 4 peers (the liar's): {attacked_rounds(tmp_path)}")
+def honest_verdicts(root: Path, report: Callable[[str], None]) -> Tuple[str, List[Tuple[list, list, Path]]]:
+    """The liar's peer ID, and per honest trainer its ``answer_rejected`` and ``peer_excluded`` events and its event
+    stream (each trainer's counts reported)."""
+    liar = next(event["peer"] for event in read_events(root / "liar.events.jsonl") if event.get("peer"))
+    verdicts = []
     for index in range(HONEST):
-        stream = tmp_path / f"honest{index}.events.jsonl"
-        rejected = read_events(stream, "answer_rejected")
-        excluded = read_events(stream, "peer_excluded")
+        stream = root / f"honest{index}.events.jsonl"
+        rejected, excluded = read_events(stream, "answer_rejected"), read_events(stream, "peer_excluded")
         report(f"honest{index}: {sum(event['source'] == liar for event in rejected)} of the liar's shares rejected, "
                f"{sum(event['source'] != liar for event in rejected)} of honest reducers'; excluded "
                f"{[event['source'][-8:] for event in excluded]}")
+        verdicts.append((rejected, excluded, stream))
+    return liar, verdicts
+
+
+def test_honest_trainers_exclude_a_reducer_that_scales_its_answers_and_train_on(tmp_path, report):
+    epochs = EPOCHS + 4  # the liar takes ~4 epochs to join
+    losses = run_swarm(tmp_path, "centered_clip", "reducer_scale", epochs, liar_joins_late=True)
+    report(f"rounds of 4 peers (the liar's): {attacked_rounds(tmp_path)}")
+    liar, verdicts = honest_verdicts(tmp_path, report)
+    for index, (rejected, excluded, _) in enumerate(verdicts):
         assert [event["source"] for event in excluded] == [liar], (index, excluded)  # once, the liar only
         assert {event["source"] for event in rejected} == {liar}, (index, rejected)
         assert all("x |own values|" in event["reason"] for event in rejected), rejected
@@ -50,16 +62,10 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
     epochs = EPOCHS + 2
     losses = run_swarm(tmp_path, "centered_clip", "reducer_flip", epochs, liar_joins_late=True,
                        extra=["--local_steps", "2"])
-    liar = next(event["peer"] for event in read_events(tmp_path / "liar.events.jsonl") if event.get("peer"))
     report(f"DiLoCo, outer rounds of 4 peers (the liar's): {attacked_rounds(tmp_path, 'outer')}")
+    liar, verdicts = honest_verdicts(tmp_path, report)
     excluders = 0
-    for index in range(HONEST):
-        stream = tmp_path / f"honest{index}.events.jsonl"
-        rejected = read_events(stream, "answer_rejected")
-        excluded = read_events(stream, "peer_excluded")
-        report(f"honest{index}: {sum(event['source'] == liar for event in rejected)} of the liar's outer shares "
-               f"rejected, {sum(event['source'] != liar for event in rejected)} of honest reducers'; excluded "
-               f"{[event['source'][-8:] for event in excluded]}")
+    for index, (rejected, excluded, stream) in enumerate(verdicts):
         assert [event["source"] for event in excluded] in ([], [liar]), (index, excluded)  # never an honest peer
         assert {event["source"] for event in rejected} == {liar}, (index, rejected)
         assert all("does not correlate" in event["reason"] for event in rejected), rejected
