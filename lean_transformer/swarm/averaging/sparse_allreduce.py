@@ -23,8 +23,8 @@ sent indices only (elsewhere every input is 0, so the result is too, and the dis
 senders x k columns, not the range. An honest top-k part is as far from the others as they are from each other
 (different supports, alike sizes): not clipped, the result is the mean; a part scaled x1000 is clipped to tau.
 
-``check_answers`` (CenteredClip, a peer whose contribution is near the group's median, see
-``diloco.checks_answers``): once every answer has arrived (and this peer has answered its senders), each reducer's
+``check_answers`` (CenteredClip, for a peer whose contribution is at least a fifth of the group's median and whose
+outer state is its group's, see ``diloco.checks_answers``): once every answer has arrived (and this peer has answered its senders), each reducer's
 answer is checked against this peer's own entries in its range (:func:`..answer_check.sparse_share_problem`); one that
 fails emits ``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense
 all-reduce (:mod:`.answer_check`).
