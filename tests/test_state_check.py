@@ -55,7 +55,7 @@ def test_the_own_state_and_a_trained_one_pass_a_scaled_one_fails_and_the_model_i
     assert problem is not None and "loss on a local batch" in problem and "worse" in problem, problem
     assert_unchanged(model, before)
     assert model.training  # put back in training mode after scoring in eval mode
-    assert len(check.batches) == 1  # one batch for the whole download: the own score and every candidate's
+    assert len(check.batches) == 2  # one batch for the download, and a second that confirmed the refusal
 
     # a state trained on this peer's data distribution scores better than the untrained model
     trained = LeanGPTForCausalLM(model.config)
@@ -82,6 +82,32 @@ def test_non_finite_candidates_fail_and_a_broken_own_state_accepts_any_finite_on
     check.begin(own=broken)  # e.g. a peer whose parameters turned non-finite
     assert check.problem([value * 10 for value in before]) is None
     assert_unchanged(model, before)
+
+
+def test_a_candidate_that_fails_on_one_batch_only_passes():
+    """A forward pass that turns NaN once (a flaky machine) does not refuse a state: the candidate is scored again
+    on a second batch, where it passes; a second batch is drawn only then."""
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    batches = []
+
+    def batch_loss():
+        flaky, forwards = not batches, []
+        batches.append(flaky)
+
+        def loss():
+            forwards.append(1)
+            value = model(torch.ones(1, 1)).pow(2).sum()
+            return value * math.nan if flaky and len(forwards) == 2 else value  # the candidate's first forward
+
+        return loss
+
+    check = StateCheck(model, [model.weight], batch_loss)
+    check.begin()
+    assert check.problem([torch.full((1, 1), 2.0)]) is None
+    assert batches == [True, False]
+    assert check.problem([torch.full((1, 1), 2.0)]) is None and len(batches) == 2  # no third batch for a pass
 
 
 def test_the_margin_is_relative_to_the_own_loss():

@@ -35,7 +35,10 @@ are replaced the same way, unchecked; so are the answers held from a reducer tha
 not used).
 
 DiLoCo's sparse all-reduce (:mod:`.sparse_allreduce`) checks each reducer's sparse answer by the same rule
-(:func:`sparse_share_problem`, over the entries sent and answered), with no reference from earlier rounds.
+(:func:`sparse_share_problem`, over the entries sent and answered), with no reference from earlier rounds. In both
+DiLoCo all-reduces the norm bound is the outer average's (10, ``diloco.OUTER_MAX_RATIO``), not 4: a newcomer, and
+a peer that had just downloaded a state, saw honest answers 4.1-4.6x their own values (tests/test_diloco_faults.py);
+the direction test is what catches a flipped, zeroed or swapped answer there, and a scaled one stays bounded.
 
 In DiLoCo's same-result all-reduce a share replaced by the own values would leave this peer's anchor apart from its
 group's. There a rejected share fails the round for this peer, without a retry (``diloco._Averager``; the others of
@@ -90,7 +93,8 @@ def inner_products(own: torch.Tensor, delta: torch.Tensor) -> tuple[float, float
     return sums
 
 
-def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0) -> Optional[str]:
+def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0, max_ratio: float = MAX_RATIO
+            ) -> Optional[str]:
     """The rule on the inner products ``<x, x>, <d, d>, <x, d>`` of a share of ``size`` values (see the module
     docstring); ``reference``: the norm the share's accepted average had in the previous round (0: none)."""
     if size < MIN_CHECKED or not 0 < xx < math.inf:
@@ -99,9 +103,9 @@ def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0) 
         return "not finite"
     x_norm, d_norm = math.sqrt(xx), math.sqrt(dd)
     scale = max(x_norm, reference if math.isfinite(reference) else 0.0)
-    if d_norm > MAX_RATIO * scale:
+    if d_norm > max_ratio * scale:
         return (f"|average - own values| is {d_norm / x_norm:.3g} x |own values|, {d_norm / scale:.3g} x the larger "
-                f"of it and the last average's (at most {MAX_RATIO:g})")
+                f"of it and the last average's (at most {max_ratio:g})")
     if xx + xd <= 0:
         cosine = (xx + xd) / (x_norm * max(math.sqrt(max(xx + 2 * xd + dd, 0.0)), 1e-300))
         return f"the average does not correlate with the own values (cosine {cosine:.3g})"
@@ -109,8 +113,8 @@ def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0) 
 
 
 @torch.no_grad()
-def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor]
-                         ) -> Optional[str]:
+def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor],
+                         max_ratio: float = MAX_RATIO) -> Optional[str]:
     """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce: ``own`` and ``answer`` are
     (sorted indices, values) in its range, this peer's top-k entries and the sparse average the reducer claims. The
     inner products run over the entries only (float64); the share's size is the count of own entries."""
@@ -122,11 +126,11 @@ def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[t
         positions = torch.searchsorted(answer_indices, own_indices).clamp(max=len(answer_indices) - 1)
         matched = answer_indices[positions] == own_indices
         xv = float(own_values[matched] @ answer_values[positions[matched]])
-    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, len(own_indices))
+    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, len(own_indices), max_ratio=max_ratio)
 
 
 def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
-                  references: Optional[Sequence[float]] = None) -> Optional[str]:
+                  references: Optional[Sequence[float]] = None, max_ratio: float = MAX_RATIO) -> Optional[str]:
     """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
     average, or None: the rule on the whole share, and each part's norm within ``PART_MAX_RATIO``.
     ``references``: each part's norm in the previous round's accepted average (0: unknown)."""
@@ -135,7 +139,7 @@ def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
     references = [0.0] * len(owns) if references is None else references
     sums = [inner_products(own, delta) for own, delta in zip(owns, deltas)]
     reason = verdict(*(sum(part[index] for part in sums) for index in range(3)), sum(own.numel() for own in owns),
-                     reference=math.sqrt(sum(reference ** 2 for reference in references)))
+                     reference=math.sqrt(sum(reference ** 2 for reference in references)), max_ratio=max_ratio)
     if reason is not None:
         return reason
     for index, ((xx, dd, _), own, reference) in enumerate(zip(sums, owns, references)):
@@ -159,6 +163,7 @@ class CheckedParts(TensorPartContainer):
     sums: Dict[Hashable, List[float]]  # this round's sums of squares and counts per tensor
     unchecked: bool = False
     replace_excluded: bool = True  # an excluded reducer's answers: replaced unchecked (else checked as any other)
+    max_ratio: float = MAX_RATIO  # the norm bound of the rule
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         if peer_index == self.own_index:
@@ -188,7 +193,7 @@ class CheckedParts(TensorPartContainer):
         deltas = answers if self.return_deltas else [answer - own for answer, own in zip(answers, owns)]
         infos = [info for _, info in self._input_parts_by_peer[peer_index]]
         references = [self.reference.get(info.key, 0.0) * own.numel() ** 0.5 for own, info in zip(owns, infos)]
-        reason = share_problem(owns, deltas, references)
+        reason = share_problem(owns, deltas, references, max_ratio=self.max_ratio)
         if reason is not None:
             self.on_rejected(peer_index, reason)
             return self._replace_held(peer_index)
@@ -225,14 +230,14 @@ class ChecksAnswers:
     peer excluded in the middle of a round (its last strike) would otherwise fail the round for the peers that
     excluded it before its answers arrived and not for the others, and their anchors would part (seen in
     tests/test_robust_swarm.py's DiLoCo swarm: the parted peer's pseudo-gradients then ended far out, and the
-    others excluded it)."""
+    others excluded it). ``max_ratio``: the rule's norm bound (DiLoCo: the outer average's, 10)."""
 
     def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None,
-                 replace_excluded: bool = True, **kwargs: Any):
+                 replace_excluded: bool = True, max_ratio: float = MAX_RATIO, **kwargs: Any):
         super().__init__(*args, **kwargs)
         container = self.tensor_part_container
         container.__class__ = CheckedParts
-        container.replace_excluded = replace_excluded
+        container.replace_excluded, container.max_ratio = replace_excluded, max_ratio
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
         learned = {} if answer_norms is None else answer_norms
         container.reference, container.learned, container.sums = dict(learned), learned, {}

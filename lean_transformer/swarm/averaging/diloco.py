@@ -301,7 +301,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
             runner_class, robust = _SameResultRunner, {}
         elif checked:
             runner_class, robust = _CheckedSameResultRunner, dict(exclusions=self.exclusions, replace_excluded=False,
-                                                                  answer_norms=self.answer_norms)
+                                                                  answer_norms=self.answer_norms,
+                                                                  max_ratio=OUTER_MAX_RATIO)
         else:
             runner_class, robust = _CenteredClipSameResultRunner, dict(exclusions=self.exclusions)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
@@ -353,7 +354,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
                                  ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
                                  total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
                                  aggregation=self.aggregation, exclusions=self.exclusions,
-                                 check_answers=check_answers, opened=self._streams_opened)
+                                 check_answers=check_answers, opened=self._streams_opened,
+                                 max_ratio=OUTER_MAX_RATIO)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
             await runner.run(None, None)

@@ -51,7 +51,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
-from lean_transformer.swarm.averaging.answer_check import sparse_share_problem
+from lean_transformer.swarm.averaging.answer_check import MAX_RATIO, sparse_share_problem
 from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
@@ -185,9 +185,10 @@ class SparseAllReduce:
                  ordered_peer_ids: Sequence[PeerID], modes: Sequence[AveragingMode], peer_fractions: Sequence[float],
                  total_size: int, weight: float, timeout: float, aggregation: str = "mean",
                  exclusions: Optional[Exclusions] = None, check_answers: bool = False,
-                 opened: Optional[Dict[PeerID, float]] = None, absent_after: float = ABSENT_AFTER):
+                 opened: Optional[Dict[PeerID, float]] = None, absent_after: float = ABSENT_AFTER,
+                 max_ratio: float = MAX_RATIO):
         self.aggregation = check_aggregation(aggregation)
-        self.exclusions, self.check_answers = exclusions, check_answers
+        self.exclusions, self.check_answers, self.max_ratio = exclusions, check_answers, max_ratio
         self.rejected = False  # an answer failed the check (check_answers)
         if exclusions is not None:
             exclusions.begin_round()
@@ -278,7 +279,7 @@ class SparseAllReduce:
         problems = []
         for (peer, (start, end)), average in zip(self.ranges.items(), averages):
             reason = None if peer == self.peer_id else sparse_share_problem(
-                _entries_in(indices, values, start, end), average)
+                _entries_in(indices, values, start, end), average, max_ratio=self.max_ratio)
             if reason is not None:
                 reducer = peer.to_base58()
                 emit("answer_rejected", source=reducer, reason=reason, size=end - start)
