@@ -26,8 +26,9 @@ senders x k columns, not the range. An honest top-k part is as far from the othe
 ``check_answers`` (CenteredClip, for a peer whose contribution is at least a fifth of the group's median and whose
 outer state is its group's, see ``diloco.checks_answers``): once every answer has arrived (and this peer has
 answered its senders), each reducer's answer is checked against this peer's own entries in its range
-(:func:`..answer_check.sparse_share_problem`, with the norm bound ``max_ratio``); one that fails emits ``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense
-all-reduce (:mod:`.answer_check`).
+(:func:`..answer_check.sparse_share_problem`, with the norm bound ``max_ratio``); one that fails emits
+``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense all-reduce
+(:mod:`.answer_check`).
 
 A sender that sent nothing within :data:`ABSENT_AFTER` seconds of the group forming is not in the round (its round
 was cancelled after the leader had counted it in, or it stopped): a reducer then fails the round at once, and its
