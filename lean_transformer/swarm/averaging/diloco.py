@@ -316,7 +316,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         averaged = [tensor async for tensor in runner]
         container = runner.tensor_part_container
         if container.failed_size:
-            if getattr(runner, "rejected", False):
+            if checked and runner.rejected:
                 end_step_without_retry()
             raise AllreduceException(f"{container.failed_size} of {container.total_size} values were not averaged "
                                      f"(a reducer failed during the round, or its answers failed the check)")

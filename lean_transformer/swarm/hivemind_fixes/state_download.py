@@ -211,7 +211,6 @@ class ValidatedStateSharing:
         layout = self._local_layout()
         deadline = None if timeout is None else time.monotonic() + timeout
         check = None if self.download_check is None else self.download_check()
-        self._refused = getattr(self, "_refused", {})  # peer ID -> until when its states are refused
         refused = 0
         for attempt in range(MAX_CHECKED_DONORS if check is not None else 1):
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -233,15 +232,16 @@ class ValidatedStateSharing:
                 return
             logger.warning(f"Rejected the state of {source}: {problem}; trying the next peer")
             emit("state_rejected", source=source, reason=problem)
-            self._refused[source] = time.monotonic() + REFUSE_FOR
+            self.refuse_donor(source, REFUSE_FOR)
             refused += 1
         logger.warning(f"Kept this peer's own state: {refused} downloaded state(s) failed its check")
 
     def refuse_donor(self, peer_id: str, seconds: float) -> None:
         """Skip ``peer_id``'s states (and, through the progress trackers, its progress) for ``seconds`` from now,
-        unless already for longer: a peer that this peer's averagers excluded for lying (:mod:`..averaging.exclusion`)
-        would otherwise still serve its state, and a liar stepping alone keeps the highest epoch."""
-        self._refused = getattr(self, "_refused", {})
+        unless already for longer: a donor whose state failed the check, or a peer that this peer's averagers
+        excluded for lying (:mod:`..averaging.exclusion`), which would otherwise still serve its state (and a liar
+        stepping alone keeps the highest epoch)."""
+        self._refused = getattr(self, "_refused", {})  # peer ID -> until when (time.monotonic()) it is refused
         self._refused[peer_id] = max(self._refused.get(peer_id, 0.0), time.monotonic() + seconds)
 
     def refused_donors(self) -> set[str]:
