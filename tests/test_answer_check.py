@@ -14,9 +14,9 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from lean_transformer.swarm.averaging.answer_check import (MAX_RATIO, MIN_CHECKED, PART_MAX_RATIO,
-                                                           PART_MIN_CHECKED, CheckedParts, share_problem,
-                                                           sparse_share_problem)
+from lean_transformer.swarm.averaging.answer_check import (GROSS_RATIO, MAX_RATIO, MIN_CHECKED, PART_MAX_RATIO,
+                                                           PART_MIN_CHECKED, CheckedParts, gross_problem,
+                                                           share_problem, sparse_share_problem, sparse_sums)
 from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions
 from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip
 from lean_transformer.swarm.monitoring.events import close_events, emit, open_events, read_events
@@ -118,6 +118,67 @@ def test_a_peer_with_few_samples_is_measured_against_the_last_average():
     assert share_problem([small], [-average - small], [last]) is not None
 
 
+def squares(own: torch.Tensor, average: torch.Tensor) -> tuple[float, float, int]:
+    return float(own.double().square().sum()), float(average.double().square().sum()), own.numel()
+
+
+@pytest.mark.parametrize("signal", [0.1, 1.0, 10.0])
+def test_the_gross_check_catches_zeros_and_x1000_for_any_sender_and_passes_the_rest(signal):
+    """The check every DiLoCo peer applies, its own values representative or not: zeros, x1000 and noise x1000 fail
+    it for each of 16 senders, and so does an honest average for a sender GROSS_RATIO x off the others; the flip and
+    the swap (the honest size) pass it, as does an honest average for a sender 20x smaller than the others (a peer
+    that took 1 local step where they took 20)."""
+    parts, others = gradients(16, signal, seed=7), gradients(16, signal, seed=8)
+    average, other_average = centered_clip(parts, [1.0] * 16), centered_clip(others, [1.0] * 16)
+    for sender in range(16):
+        for attack in REDUCER_ATTACKS:
+            lie = lying_average(attack, 1000.0, average, other_average)
+            reason = gross_problem(*squares(parts[sender], lie))
+            assert (reason is None) == (attack in ("reducer_flip", "reducer_swap")), (attack, sender, reason)
+        assert gross_problem(*squares(parts[sender], average)) is None
+        assert gross_problem(*squares(parts[sender] / 20, average)) is None
+    for factor in (1.01 * GROSS_RATIO, 1 / (1.01 * GROSS_RATIO)):
+        assert "x |own values|" in gross_problem(*squares(average * factor, average))
+        assert gross_problem(*squares(average * factor, average), max_ratio=1.02 * GROSS_RATIO) is None
+    assert gross_problem(*squares(torch.ones(MIN_CHECKED - 1), torch.zeros(MIN_CHECKED - 1))) is None  # too few
+    assert gross_problem(*squares(torch.zeros(SIZE), torch.ones(SIZE))) is None  # nothing to compare with
+    assert gross_problem(*squares(torch.ones(SIZE), torch.full((SIZE,), float("inf")))) == "not finite"
+    own = (torch.arange(0, SIZE, 2, dtype=torch.int32), parts[0][::2])  # the sparse all-reduce's: over the entries
+    answer = (torch.arange(SIZE, dtype=torch.int32), average)
+    xx, vv, _, size = sparse_sums(own, answer)
+    assert gross_problem(xx, vv, size) is None and gross_problem(xx, 0.0, size) is not None
+
+
+def test_a_peer_that_checks_only_gross_lies_passes_a_flip_and_fails_zeros_excluding_at_once(tmp_path):
+    """The container with ``gross_only`` (a DiLoCo peer whose own values are not representative): the flipped
+    average passes where the full check rejects it, zeros fail both; through ChecksAnswers' handler a gross lie
+    excludes its reducer at once (one peer_excluded event), where a failed full check is one strike of 3."""
+    from lean_transformer.swarm.averaging.answer_check import reject_answer
+    torch.manual_seed(2)
+    tensors = [torch.randn(4000) + 1, torch.randn(3000) + 1]
+    for gross_only in (False, True):
+        for attack, rejected_as in (("reducer_flip", None if gross_only else False), ("reducer_zeros", True)):
+            container, rejected = checked_container(tensors, return_deltas=False)
+            container.gross_only = gross_only
+            outputs, rejected, _ = run_group(tensors, lambda mean: lying_average(attack, 1000.0, mean, mean),
+                                             return_deltas=False, container=(container, rejected))
+            assert [gross for _, _, gross in rejected] == ([] if rejected_as is None else [rejected_as]), attack
+    exclusions = Exclusions(strikes=3, window=10)
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        exclusions.begin_round()
+        reject_answer(exclusions, "flipper", "the average does not correlate", SIZE, gross=False)
+        reject_answer(exclusions, "zeroes", "|average| is 0 x |own values|", SIZE, gross=True)
+        assert exclusions.excluded() == ["zeroes"]
+        exclusions.begin_round()
+        reject_answer(exclusions, "zeroes", "again", SIZE, gross=True)  # already excluded: no second event
+    finally:
+        close_events()
+    assert [event["source"] for event in read_events(tmp_path / "events.jsonl", "peer_excluded")] == ["zeroes"]
+    assert [(event["source"], event["gross"]) for event in read_events(tmp_path / "events.jsonl", "answer_rejected")
+            ] == [("flipper", False), ("zeroes", True), ("zeroes", True)]
+
+
 def test_small_zero_and_not_finite_shares():
     assert share_problem([torch.ones(PART_MIN_CHECKED - 1)], [-1000 * torch.ones(PART_MIN_CHECKED - 1)]) is None
     assert share_problem([torch.ones(MIN_CHECKED - 1)], [-2 * torch.ones(MIN_CHECKED - 1)]) is None  # a flip
@@ -134,16 +195,16 @@ def checked_container(tensors: list, return_deltas: bool, excluded: bool = False
     container.__class__ = CheckedParts
     container.own_index, container.held = 0, {}
     container.reference, container.learned, container.sums = {}, {}, {}
-    container.on_rejected = lambda peer_index, reason: rejected.append((peer_index, reason))
+    container.on_rejected = lambda peer_index, reason, gross: rejected.append((peer_index, reason, gross))
     container.is_excluded = lambda peer_index: excluded
     return container, rejected
 
 
 def run_group(tensors: list, answers_of_reducer, return_deltas: bool = True, excluded: bool = False,
-              fail_after: int = None) -> tuple[list, list, CheckedParts]:
+              fail_after: int = None, container: tuple = None) -> tuple[list, list, CheckedParts]:
     """The own share answered honestly (the mean with a partner), the reducer's share by ``answers_of_reducer``;
-    the output tensors, the rejections, the container."""
-    container, rejected = checked_container(tensors, return_deltas, excluded)
+    the output tensors, the rejections, the container (``container``: one made by :func:`checked_container`)."""
+    container, rejected = checked_container(tensors, return_deltas, excluded) if container is None else container
     partner = [tensor.flip(0) for tensor in tensors]
     flat_partner = torch.cat([tensor.reshape(-1) for tensor in partner])
 
@@ -177,7 +238,7 @@ def test_the_container_takes_honest_answers_and_replaces_a_lying_reducers_share(
         torch.testing.assert_close(output if not return_deltas else tensor + output, mean, rtol=1e-4, atol=1e-5)
 
     outputs, rejected, container = run_group(tensors, lambda mean: -1000 * mean, return_deltas)
-    assert [peer for peer, _ in rejected] == [1] and "x |own values|" in rejected[0][1]
+    assert [(peer, gross) for peer, _, gross in rejected] == [(1, True)] and "x |own values|" in rejected[0][1]
     assert 1 not in container.learned  # a rejected share teaches nothing
     results = [output if not return_deltas else tensor + output for output, tensor in zip(outputs, tensors)]
     flat_result, flat_mean = torch.cat(results), torch.cat(means)

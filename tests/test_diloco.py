@@ -587,6 +587,15 @@ def test_a_peer_checks_answers_only_with_a_contribution_near_the_median():
     assert not checks_answers(8, [None, None])
 
 
+def test_the_gross_bound_widens_for_a_peer_of_little_weight():
+    from lean_transformer.swarm.averaging.answer_check import GROSS_RATIO
+    from lean_transformer.swarm.averaging.diloco import gross_ratio
+    assert gross_ratio(8, [8, 8, 8, 8]) == GROSS_RATIO == gross_ratio(80, [8, 8, 80, 80])  # never below it
+    assert gross_ratio(1, [1, 100, 100, 100]) == 100 * GROSS_RATIO  # 1 local step where the others took 100
+    assert gross_ratio(1, [1, 8, 8, 1e12]) == 8 * GROSS_RATIO  # one inflated claim barely moves the median
+    assert gross_ratio(0.0, [8, 8]) == math.inf == gross_ratio(8, [None, "8"])  # no own weight, no claims
+
+
 @pytest.mark.parametrize("absent", [False, True])
 def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_after(absent):
     """Three real P2P peers form a sparse all-reduce group (each reduces a third); the third never starts its round

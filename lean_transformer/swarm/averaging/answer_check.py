@@ -45,8 +45,16 @@ group's. There a rejected share fails the round for this peer, without a retry (
 the group decide for themselves: a lie told to all of them fails it for all the honest ones, which keep one anchor),
 and an excluded reducer's answers are checked, not replaced (``ChecksAnswers``). Only a peer whose pseudo-gradient
 weighs at least a fifth of the group's median, in step with its group, checks (``diloco.checks_answers`` and
-``diloco._Averager._checks_answers``: peers that joined mid-round or were a round behind found honest averages
+``diloco._Averager._answer_checks``: peers that joined mid-round or were a round behind found honest averages
 uncorrelated or anticorrelated with their own, and struck honest reducers until they excluded them).
+
+The other members of a DiLoCo group, and every checking peer first, hold each answer to :func:`gross_problem`: an
+average :data:`GROSS_RATIO` (100) times larger or smaller than the own values (more for a peer of little weight,
+``diloco.gross_ratio``) fails the round. It needs own values of the right order of magnitude only, so a reducer
+that answers the whole group zeros, or noise or a scale x1000, fails the round for every member alike. When only
+the checking peers rejected such an answer, the others applied it and the group's anchors parted, and the honest
+trainers downloaded states round after round (3 liars of 16 answering zeros, benchmarks/byzantine.py). A gross
+lie excludes its reducer at once, not after 3 strikes: no honest average comes within 4x of the bound.
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
@@ -73,12 +81,16 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence
 import torch
 from hivemind.averaging.partition import TensorPartContainer
 
+from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.monitoring.events import emit
 
 MAX_RATIO = 4.0
 PART_MAX_RATIO = 25.0
 MIN_CHECKED = 1024  # shares of fewer values are not checked
 PART_MIN_CHECKED = 64  # nor the norms of parts of fewer values
+# an average this many times larger or smaller than the own values is a lie, whoever checks: the largest honest
+# ratio seen is 23x (DiLoCo, a peer with 1 local step against the others' 8 or more); see benchmarks/answer_check.py
+GROSS_RATIO = 100.0
 
 
 @torch.no_grad()
@@ -112,12 +124,29 @@ def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0, 
     return None
 
 
+def gross_problem(xx: float, vv: float, size: int, max_ratio: float = GROSS_RATIO) -> Optional[str]:
+    """Why an average of squared norm ``vv`` cannot be an average that the receiver's own values (squared norm
+    ``xx``, ``size`` of them) took part in, or None: not finite, or ``max_ratio`` times larger or smaller. Unlike
+    :func:`verdict`, this needs no representative own values, only ones of the right order of magnitude: every
+    member of a group can apply it, so a reducer that answers all of them zeros or noise x1000 fails all of them
+    alike (see :class:`ChecksAnswers`)."""
+    if size < MIN_CHECKED or not 0 < xx < math.inf:
+        return None
+    if not math.isfinite(vv):
+        return "not finite"
+    ratio = math.sqrt(max(vv, 0.0) / xx)
+    if not 1 / max_ratio <= ratio <= max_ratio:
+        return f"|average| is {ratio:.3g} x |own values| (a plausible one: within {max_ratio:g}x either way)"
+    return None
+
+
 @torch.no_grad()
-def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor],
-                         max_ratio: float = MAX_RATIO) -> Optional[str]:
-    """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce: ``own`` and ``answer`` are
-    (sorted indices, values) in its range, this peer's top-k entries and the sparse average the reducer claims. The
-    inner products run over the entries only (float64); the share's size is the count of own entries."""
+def sparse_sums(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[float, float, float, int]:
+    """``<x, x>, <v, v>, <x, v>`` and the size of one reducer's share of DiLoCo's sparse all-reduce: ``own`` and
+    ``answer`` are (sorted indices, values) in its range, this peer's top-k entries ``x`` and the sparse average
+    ``v`` the reducer claims. The inner products run over the entries only (float64); the share's size is the count
+    of own entries."""
     own_indices, own_values = own[0].long(), own[1].double()
     answer_indices, answer_values = answer[0].long(), answer[1].double()
     xx, vv = float(own_values @ own_values), float(answer_values @ answer_values)
@@ -126,18 +155,32 @@ def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[t
         positions = torch.searchsorted(answer_indices, own_indices).clamp(max=len(answer_indices) - 1)
         matched = answer_indices[positions] == own_indices
         xv = float(own_values[matched] @ answer_values[positions[matched]])
-    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, len(own_indices), max_ratio=max_ratio)
+    return xx, vv, xv, len(own_indices)
+
+
+def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor],
+                         max_ratio: float = MAX_RATIO) -> Optional[str]:
+    """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce (see :func:`sparse_sums`)."""
+    xx, vv, xv, size = sparse_sums(own, answer)
+    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, size, max_ratio=max_ratio)
+
+
+def share_sums(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> List[tuple[float, float, float]]:
+    """:func:`inner_products` of each part of a share."""
+    return [inner_products(own, delta) for own, delta in zip(owns, deltas)]
 
 
 def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
-                  references: Optional[Sequence[float]] = None, max_ratio: float = MAX_RATIO) -> Optional[str]:
+                  references: Optional[Sequence[float]] = None, max_ratio: float = MAX_RATIO,
+                  sums: Optional[Sequence[tuple[float, float, float]]] = None) -> Optional[str]:
     """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
     average, or None: the rule on the whole share, and each part's norm within ``PART_MAX_RATIO``.
-    ``references``: each part's norm in the previous round's accepted average (0: unknown)."""
+    ``references``: each part's norm in the previous round's accepted average (0: unknown); ``sums``: the parts'
+    :func:`share_sums`, where already computed."""
     if not owns:
         return None
     references = [0.0] * len(owns) if references is None else references
-    sums = [inner_products(own, delta) for own, delta in zip(owns, deltas)]
+    sums = share_sums(owns, deltas) if sums is None else sums
     reason = verdict(*(sum(part[index] for part in sums) for index in range(3)), sum(own.numel() for own in owns),
                      reference=math.sqrt(sum(reference ** 2 for reference in references)), max_ratio=max_ratio)
     if reason is not None:
@@ -164,6 +207,8 @@ class CheckedParts(TensorPartContainer):
     unchecked: bool = False
     replace_excluded: bool = True  # an excluded reducer's answers: replaced unchecked (else checked as any other)
     max_ratio: float = MAX_RATIO  # the norm bound of the rule
+    gross_only: bool = False  # only the gross check (gross_problem), as every DiLoCo peer that does not check does
+    gross_ratio: float = GROSS_RATIO
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         if peer_index == self.own_index:
@@ -191,11 +236,16 @@ class CheckedParts(TensorPartContainer):
         if len(owns) != len(answers):  # finalized meanwhile: hivemind's own checks end the round
             return
         deltas = answers if self.return_deltas else [answer - own for answer, own in zip(answers, owns)]
-        infos = [info for _, info in self._input_parts_by_peer[peer_index]]
-        references = [self.reference.get(info.key, 0.0) * own.numel() ** 0.5 for own, info in zip(owns, infos)]
-        reason = share_problem(owns, deltas, references, max_ratio=self.max_ratio)
+        sums = share_sums(owns, deltas)
+        xx, dd, xd = (sum(part[index] for part in sums) for index in range(3))
+        reason = gross_problem(xx, xx + 2 * xd + dd, sum(own.numel() for own in owns), self.gross_ratio)
+        gross = reason is not None
+        if not gross and not self.gross_only:
+            infos = [info for _, info in self._input_parts_by_peer[peer_index]]
+            references = [self.reference.get(info.key, 0.0) * own.numel() ** 0.5 for own, info in zip(owns, infos)]
+            reason = share_problem(owns, deltas, references, max_ratio=self.max_ratio, sums=sums)
         if reason is not None:
-            self.on_rejected(peer_index, reason)
+            self.on_rejected(peer_index, reason, gross)
             return self._replace_held(peer_index)
         del self.held[peer_index]
         for part_index, answer in enumerate(answers):
@@ -230,14 +280,20 @@ class ChecksAnswers:
     peer excluded in the middle of a round (its last strike) would otherwise fail the round for the peers that
     excluded it before its answers arrived and not for the others, and their anchors would part (seen in
     tests/test_robust_swarm.py's DiLoCo swarm: the parted peer's pseudo-gradients then ended far out, and the
-    others excluded it). ``max_ratio``: the rule's norm bound (DiLoCo: the outer average's, 10)."""
+    others excluded it). ``max_ratio``: the rule's norm bound (DiLoCo: the outer average's, 10).
+    ``gross_only``: only :func:`gross_problem` (a DiLoCo peer whose own values are not representative), with the
+    bound ``gross_ratio``. A gross lie excludes its reducer at once (a strike counts 1 of 3 otherwise): no honest
+    average comes near, and every honest member of the group sees it, so they all leave the liar out of their next
+    groups together instead of over 3 rounds."""
 
     def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None,
-                 replace_excluded: bool = True, max_ratio: float = MAX_RATIO, **kwargs: Any):
+                 replace_excluded: bool = True, max_ratio: float = MAX_RATIO, gross_only: bool = False,
+                 gross_ratio: float = GROSS_RATIO, **kwargs: Any):
         super().__init__(*args, **kwargs)
         container = self.tensor_part_container
         container.__class__ = CheckedParts
         container.replace_excluded, container.max_ratio = replace_excluded, max_ratio
+        container.gross_only, container.gross_ratio = gross_only, gross_ratio
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
         learned = {} if answer_norms is None else answer_norms
         container.reference, container.learned, container.sums = dict(learned), learned, {}
@@ -251,9 +307,16 @@ class ChecksAnswers:
 
     rejected = False  # an answer failed the check in this round
 
-    def _rejected(self, peer_index: int, reason: str) -> None:
+    def _rejected(self, peer_index: int, reason: str, gross: bool = False) -> None:
         self.rejected = True
         size = sum(part.numel() for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index])
-        emit("answer_rejected", source=self._reducer(peer_index), reason=reason, size=size)
-        if self.exclusions is not None:
-            self.exclusions.strike(self._reducer(peer_index), f"its answers as a reducer: {reason}")
+        reject_answer(self.exclusions, self._reducer(peer_index), reason, size, gross)
+
+
+def reject_answer(exclusions: Optional[Exclusions], reducer: str, reason: str, size: int, gross: bool) -> None:
+    """Emit ``answer_rejected`` for ``reducer``'s answer to a share of ``size`` values, and strike it (exclude it at
+    once if the lie is ``gross``: see :class:`ChecksAnswers`)."""
+    emit("answer_rejected", source=reducer, reason=reason, size=size, gross=gross)
+    if exclusions is not None:
+        why = f"its answers as a reducer: {reason}"
+        exclusions.exclude(reducer, why) if gross else exclusions.strike(reducer, why)

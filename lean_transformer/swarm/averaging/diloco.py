@@ -58,7 +58,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
-from lean_transformer.swarm.averaging.answer_check import ChecksAnswers
+from lean_transformer.swarm.averaging.answer_check import GROSS_RATIO, ChecksAnswers
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
@@ -227,20 +227,27 @@ class _SameResultRunner(AllReduceRunner):
 
 
 class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
-    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`), for a
-    peer that does not check its reducers' answers (see :func:`checks_answers`)."""
+    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`)."""
 
 
 class _CheckedSameResultRunner(ChecksAnswers, _CenteredClipSameResultRunner):
     """The same, with each reducer's answers checked against this peer's own pseudo-gradient
-    (:mod:`lean_transformer.swarm.averaging.answer_check`): a share that fails the check is not applied, so the round
-    fails for this peer (a missed round, not retried: see :class:`_Averager`), and its reducer earns a strike."""
+    (:mod:`lean_transformer.swarm.averaging.answer_check`; only the gross check, ``gross_only``, where this peer's
+    own values are not representative, see :func:`checks_answers`): a share that fails the check is not applied, so
+    the round fails for this peer (a missed round, not retried: see :class:`_Averager`), and its reducer earns a
+    strike, or is excluded at once for a gross lie."""
 
 
 # a peer checks its reducers' answers if its weight is at least this x the group's median: at 0.5, an honest trainer
 # with a quarter of the median's samples applied a lie that the others rejected, and the group's anchors parted
 # (benchmarks/byzantine.py, DiLoCo, a reducer flipping its answers)
 CHECKING_SHARE = 0.2
+
+
+def claimed_weights(weights: Sequence[Any]) -> List[float]:
+    """The plausible weights among a group's claims (all-gathered; a peer's message: anything), sorted."""
+    return sorted(float(weight) for weight in weights if isinstance(weight, (int, float))
+                  and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0)
 
 
 def checks_answers(own_weight: float, weights: Sequence[Any]) -> bool:
@@ -255,11 +262,22 @@ def checks_answers(own_weight: float, weights: Sequence[Any]) -> bool:
     answers and struck honest reducers until they were excluded. Such a peer applies the round unchecked: the
     group's whole average is still checked before the outer step (:func:`implausible_average`), and the other
     members check the same answers."""
-    claimed = sorted(float(weight) for weight in weights if isinstance(weight, (int, float))
-                     and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0)
+    claimed = claimed_weights(weights)
     if not (math.isfinite(own_weight) and own_weight > 0) or not claimed:
         return False
     return own_weight >= CHECKING_SHARE * statistics.median(claimed)
+
+
+def gross_ratio(own_weight: float, weights: Sequence[Any]) -> float:
+    """The bound of the gross check (:func:`..answer_check.gross_problem`) that every peer applies to its reducers'
+    answers, checking or not: ``GROSS_RATIO``, times the group's median claimed weight over ``own_weight`` where
+    that is more than 1. A pseudo-gradient grows with the local steps it sums, so a peer that took 1 step while the
+    others took 100 may see honest averages far more than 100x its own: its bound grows with the difference (an
+    inflated claim moves the median little). Below it: zeros, and noise or scaling x1000, for every member alike."""
+    claimed = claimed_weights(weights)
+    if not (math.isfinite(own_weight) and own_weight > 0) or not claimed:
+        return math.inf
+    return GROSS_RATIO * max(1.0, statistics.median(claimed) / own_weight)
 
 
 class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, AnswersBeforeLeaving,
@@ -278,7 +296,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
     ``aggregation="centered_clip"``: the reducers (dense or sparse) use CenteredClip instead of the mean, and senders
     clipped far out repeatedly are excluded (``exclusions``, :mod:`lean_transformer.swarm.averaging.exclusion`).
 
-    A round in which a reducer's answer failed this peer's check (:meth:`_checks_answers`) is not retried: the
+    A round in which a reducer's answer failed this peer's check (:meth:`_answer_checks`) is not retried: the
     round ends missed and the peer moves on to its next one, as the liar does. Retried until the step's deadline,
     the honest peers stayed at their epoch while the liar, which applies its own rounds, ran ahead 3 epochs; the
     honest trainers then found themselves out of sync and downloaded its state (benchmarks/byzantine.py)."""
@@ -294,17 +312,17 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        checked = self.aggregation != "mean" and self._checks_answers(group_info, kwargs.get("weight", 1.0))
+        checked, gross = (False, None) if self.aggregation == "mean" else \
+            self._answer_checks(group_info, kwargs.get("weight", 1.0))
         if self.topk_fraction is not None:
-            return await self._run_sparse_allreduce(tensors, group_info, group_id, check_answers=checked, **kwargs)
+            return await self._run_sparse_allreduce(tensors, group_info, group_id, check_answers=checked,
+                                                    gross_ratio=gross, **kwargs)
         if self.aggregation == "mean":
             runner_class, robust = _SameResultRunner, {}
-        elif checked:
-            runner_class, robust = _CheckedSameResultRunner, dict(exclusions=self.exclusions, replace_excluded=False,
-                                                                  answer_norms=self.answer_norms,
-                                                                  max_ratio=OUTER_MAX_RATIO)
         else:
-            runner_class, robust = _CenteredClipSameResultRunner, dict(exclusions=self.exclusions)
+            runner_class, robust = _CheckedSameResultRunner, dict(
+                exclusions=self.exclusions, replace_excluded=False, answer_norms=self.answer_norms,
+                max_ratio=OUTER_MAX_RATIO, gross_only=not checked, gross_ratio=gross)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                               group_id=group_id, ordered_peer_ids=group_info.peer_ids, **robust, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
@@ -316,7 +334,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         averaged = [tensor async for tensor in runner]
         container = runner.tensor_part_container
         if container.failed_size:
-            if checked and runner.rejected:
+            if self.aggregation != "mean" and runner.rejected:
                 end_step_without_retry()
             raise AllreduceException(f"{container.failed_size} of {container.total_size} values were not averaged "
                                      f"(a reducer failed during the round, or its answers failed the check)")
@@ -333,10 +351,11 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
-    def _checks_answers(self, group_info: Any, weight: float) -> bool:
-        """Whether this peer checks its reducers' answers in this round: by :func:`checks_answers` on the samples
-        the members gathered (:meth:`PseudoGradientAverager.start`), and only if its outer state is the one the
-        group converges on. A peer out of step measures its pseudo-gradient from another anchor: one that had not
+    def _answer_checks(self, group_info: Any, weight: float) -> Tuple[bool, float]:
+        """Whether this peer checks its reducers' answers in this round, and the bound of its gross check
+        (:func:`gross_ratio`, which every peer applies): by :func:`checks_answers` on the samples the members
+        gathered (:meth:`PseudoGradientAverager.start`), and only if its outer state is the one the group converges
+        on. A peer out of step measures its pseudo-gradient from another anchor: one that had not
         applied a round found the group's next honest averages anticorrelated with its own (cosine -0.26 to -0.62,
         tests/test_lying_reducer.py), rejected them round after round and struck honest reducers; applying the
         round instead, it learns that it is behind and downloads the group's state (:meth:`OuterLoop._applied`)."""
@@ -345,16 +364,17 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         own = gathered[list(group_info.peer_ids).index(self.peer_id)].get("tag")
         winner = converged_state({str(index): data.get("tag") for index, data in enumerate(gathered)})
         in_step = winner is None or fingerprint_of(own) == winner
-        return in_step and checks_answers(weight, [data.get("samples") for data in gathered])
+        claimed = [data.get("samples") for data in gathered]
+        return in_step and checks_answers(weight, claimed), gross_ratio(weight, claimed)
 
     async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight,
-                                    check_answers: bool, **_) -> None:
+                                    check_answers: bool, gross_ratio: Optional[float], **_) -> None:
         modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]
         runner = SparseAllReduce(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_id,
                                  ordered_peer_ids=group_info.peer_ids, modes=modes, peer_fractions=peer_fractions,
                                  total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
                                  aggregation=self.aggregation, exclusions=self.exclusions,
-                                 check_answers=check_answers, opened=self._streams_opened,
+                                 check_answers=check_answers, gross_ratio=gross_ratio, opened=self._streams_opened,
                                  max_ratio=OUTER_MAX_RATIO)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:

@@ -61,11 +61,17 @@ class Exclusions:
             rounds.popleft()
         if len(rounds) < self.strikes or self.is_excluded(peer_id):
             return False
+        return self.exclude(peer_id, reason, f"{self.strikes} strikes within {self.window} rounds, the last: ")
+
+    def exclude(self, peer_id: str, reason: str, why: str = "") -> bool:
+        """Exclude ``peer_id`` now, for ``duration`` seconds (a misdeed no honest peer commits); False if it already
+        is."""
+        if self.is_excluded(peer_id):
+            return False
         until = self.clock() + self.duration
         self._until[peer_id] = until
-        rounds.clear()
-        logger.warning(f"Excluding peer {peer_id} for {self.duration:.0f} s: {self.strikes} strikes within "
-                       f"{self.window} rounds, the last: {reason}")
+        self._struck.pop(peer_id, None)
+        logger.warning(f"Excluding peer {peer_id} for {self.duration:.0f} s: {why}{reason}")
         emit("peer_excluded", source=peer_id, reason=reason, until=until)
         return True
 

@@ -28,7 +28,8 @@ outer state is its group's, see ``diloco.checks_answers``): once every answer ha
 answered its senders), each reducer's answer is checked against this peer's own entries in its range
 (:func:`..answer_check.sparse_share_problem`, with the norm bound ``max_ratio``); one that fails emits
 ``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense all-reduce
-(:mod:`.answer_check`).
+(:mod:`.answer_check`). With ``gross_ratio`` (every peer, under CenteredClip), each answer is first held to
+:func:`..answer_check.gross_problem`, which excludes its reducer at once.
 
 A sender that sent nothing within :data:`ABSENT_AFTER` seconds of the group forming is not in the round (its round
 was cancelled after the leader had counted it in, or it stopped): a reducer then fails the round at once, and its
@@ -52,11 +53,11 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
-from lean_transformer.swarm.averaging.answer_check import MAX_RATIO, sparse_share_problem
+from lean_transformer.swarm.averaging.answer_check import (MAX_RATIO, gross_problem, reject_answer, sparse_share_problem,
+                                                           sparse_sums)
 from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
 from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
-from lean_transformer.swarm.monitoring.events import emit
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
 # a sender that opened no stream to a reducer this long after its group formed is taken as absent: time for the
@@ -187,9 +188,10 @@ class SparseAllReduce:
                  total_size: int, weight: float, timeout: float, aggregation: str = "mean",
                  exclusions: Optional[Exclusions] = None, check_answers: bool = False,
                  opened: Optional[Dict[PeerID, float]] = None, absent_after: float = ABSENT_AFTER,
-                 max_ratio: float = MAX_RATIO):
+                 max_ratio: float = MAX_RATIO, gross_ratio: Optional[float] = None):
         self.aggregation = check_aggregation(aggregation)
         self.exclusions, self.check_answers, self.max_ratio = exclusions, check_answers, max_ratio
+        self.gross_ratio = gross_ratio
         self.rejected = False  # an answer failed the check (check_answers)
         if exclusions is not None:
             exclusions.begin_round()
@@ -232,7 +234,7 @@ class SparseAllReduce:
             raise AllreduceException(f"the sparse all-reduce did not finish within {self.timeout} s") from None
         finally:
             self._fail(AllreduceException("the local round ended before every sender arrived"))
-        if self.check_answers:
+        if self.check_answers or self.gross_ratio is not None:
             self._check(indices, values, averages)
         dense = torch.zeros(self.total_size)
         for (start, _), (part_indices, part_values) in zip(self.ranges.values(), averages):
@@ -279,13 +281,17 @@ class SparseAllReduce:
         """Check every other reducer's answer against this peer's entries in its range (see the module docstring)."""
         problems = []
         for (peer, (start, end)), average in zip(self.ranges.items(), averages):
-            reason = None if peer == self.peer_id else sparse_share_problem(
-                _entries_in(indices, values, start, end), average, max_ratio=self.max_ratio)
+            if peer == self.peer_id:
+                continue
+            own = _entries_in(indices, values, start, end)
+            xx, vv, _, size = sparse_sums(own, average)
+            reason = None if self.gross_ratio is None else gross_problem(xx, vv, size, self.gross_ratio)
+            gross = reason is not None
+            if not gross and self.check_answers:
+                reason = sparse_share_problem(own, average, max_ratio=self.max_ratio)
             if reason is not None:
                 reducer = peer.to_base58()
-                emit("answer_rejected", source=reducer, reason=reason, size=end - start)
-                if self.exclusions is not None:
-                    self.exclusions.strike(reducer, f"its answers as a reducer: {reason}")
+                reject_answer(self.exclusions, reducer, reason, end - start, gross)
                 problems.append(f"reducer {reducer}: {reason}")
         if problems:
             self.rejected = True
