@@ -119,6 +119,12 @@ def test_state_layout_names_what_does_not_fit():
     for expected, (metadata, received) in cases.items():
         problem = layout.problem(metadata, received)
         assert problem is not None and expected in problem, (expected, problem)
+    # from a named donor (DiLoCo's groupmates holding the state the group converged on): any epoch, nothing else
+    assert layout.problem(dict(good, epoch=0), tensors, any_epoch=True) is None
+    assert "epoch -1 is not an integer >= 0" in layout.problem(dict(good, epoch=-1), tensors, any_epoch=True)
+    for expected, (metadata, received) in cases.items():
+        if not expected.startswith("epoch 4"):
+            assert expected in layout.problem(metadata, received, any_epoch=True), expected
 
 
 def test_donors_named_by_the_caller_are_tried_first_then_by_priority():

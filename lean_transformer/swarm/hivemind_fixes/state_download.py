@@ -86,13 +86,16 @@ class StateLayout:
         """The most bytes tensor ``index`` may take on the wire (uncompressed, plus room for a codec's header)."""
         return self.tensor_bytes(index) + 2**20
 
-    def problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> Optional[str]:
-        """Why this downloaded state does not fit, in a few words; None if it does."""
+    def problem(self, metadata: Any, tensors: Sequence[torch.Tensor], any_epoch: bool = False) -> Optional[str]:
+        """Why this downloaded state does not fit, in a few words; None if it does. ``any_epoch``: a state of any
+        epoch (>= 0) fits, e.g. from the groupmates whose DiLoCo outer state this peer must take: their epoch labels
+        may lag its own (labels count the swarm's epochs, not the outer steps the state holds), and refused for that,
+        the download took the highest-epoch state on offer instead, once a liar's (benchmarks/byzantine.py)."""
         if not isinstance(metadata, dict):
             return f"metadata is a {type(metadata).__name__}, not a dict"
-        epoch = metadata.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < self.min_epoch:
-            return f"epoch {epoch!r} is not an integer >= {self.min_epoch}"
+        epoch, min_epoch = metadata.get("epoch"), 0 if any_epoch else self.min_epoch
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < min_epoch:
+            return f"epoch {epoch!r} is not an integer >= {min_epoch}"
         if metadata.get("num_tensors") != len(tensors):
             return f"the stream was cut: {len(tensors)} of {metadata.get('num_tensors')!r} tensors arrived"
         if len(tensors) != len(self.shapes):
@@ -206,8 +209,8 @@ class ValidatedStateSharing:
     def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (), **_unused) -> None:
         """Load the best state that a peer serves, that fits this peer (see the module's docstring) and that passes
         :attr:`download_check`; keep the current state if none does within ``timeout`` seconds (default:
-        ``request_timeout`` per part). ``donors`` (peer IDs) are tried first: e.g. DiLoCo's groupmates whose outer
-        state the group converged on."""
+        ``request_timeout`` per part). ``donors`` (peer IDs) are tried first, and their states fit at any epoch: e.g.
+        DiLoCo's groupmates whose outer state the group converged on."""
         layout = self._local_layout()
         deadline = None if timeout is None else time.monotonic() + timeout
         check = None if self.download_check is None else self.download_check()
@@ -261,7 +264,7 @@ class ValidatedStateSharing:
             self._apply_optimizer_parameters_()
         if not self.reuse_tensors:
             self._load_local_tensors_into_averager_()
-        self.local_epoch = metadata["epoch"]
+        self.local_epoch = max(self.local_epoch, metadata["epoch"])  # a named donor's may be lower (StateLayout)
         self._update_scheduler()
 
     async def _download_fitting_state(self, layout: StateLayout, future: MPFuture, timeout: Optional[float] = None,
@@ -290,7 +293,7 @@ class ValidatedStateSharing:
                 started = time.monotonic()
                 try:
                     metadata, tensors = await self._download_state(peer, layout, chunk_timeout, deadline)
-                    problem = None if metadata is None else layout.problem(metadata, tensors)
+                    problem = None if metadata is None else layout.problem(metadata, tensors, str(peer) in donors)
                 except ValueError as error:  # too large, or malformed on the wire
                     metadata, problem = {}, str(error)
                 except Exception as error:
