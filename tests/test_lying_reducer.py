@@ -1,10 +1,10 @@
 """A swarm with a reducer that lies (issue 24): three honest trainers and one (tests/lying_peer.py) that trains and
 sends honestly but answers every other sender of its part of each all-reduce with a wrong average: x1000 in gradient
-averaging, sign-flipped (the honest magnitude, which no norm bound catches) in DiLoCo mode. Real processes on
-127.0.0.1, tiny LeanGPT on CPU (``run_swarm`` of tests/test_robust_swarm.py), the default ``--aggregation
+averaging, sign-flipped (the honest magnitude, which no norm bound catches) or zeros in DiLoCo mode. Real processes
+on 127.0.0.1, tiny LeanGPT on CPU (``run_swarm`` of tests/test_robust_swarm.py), the default ``--aggregation
 centered_clip``: the honest trainers reject its answers (gradients: keeping their own values for its part; DiLoCo:
-not applying the round), strike it, and exclude it after 3 strikes within 10 rounds
-(lean_transformer/swarm/averaging/answer_check.py, exclusion.py); they train as an honest swarm does, and none of
+not applying the round), strike it, and exclude it after 3 strikes within 10 rounds, or at once for a gross lie
+(x1000, zeros; lean_transformer/swarm/averaging/answer_check.py, exclusion.py); they train as an honest swarm does, and none of
 them rejects an honest reducer's answer or excludes an honest peer. The mean, which checks nothing, under the same
 attack: benchmarks/byzantine.py.
 """
@@ -81,5 +81,35 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
     untrained = untrained_loss(losses)
     for name, by_epoch in losses.items():
         report(f"DiLoCo, reducer x -1, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "
+               f"{by_epoch[epochs]:.3f}")
+        assert by_epoch[epochs] < untrained - DILOCO_FALL, (name, by_epoch)
+
+
+def test_every_honest_trainer_excludes_a_reducer_that_answers_zeros_in_diloco_mode_at_once(tmp_path, report):
+    """DiLoCo mode: the liar answers every outer all-reduce with zeros. Each member of its group, checking or not,
+    holds the answers to the gross check (answer_check.gross_problem), so none applies a round with it (no honest
+    trainer averaged in a round of all 4 peers), and the first rejection excludes it (no 3 strikes): before the
+    gross check, the members that did not check applied the zeros that the others rejected, and in
+    benchmarks/byzantine.py (3 liars of 16) the group's anchors parted and the honest trainers downloaded states
+    round after round."""
+    epochs = EPOCHS + 2
+    losses = run_swarm(tmp_path, "centered_clip", "reducer_zeros", epochs, liar_joins_late=True,
+                       extra=["--local_steps", "2"])
+    applied = attacked_rounds(tmp_path, "outer")
+    report(f"DiLoCo, reducer zeros: outer rounds of 4 peers (the liar's) applied: {applied}")
+    assert not any(applied.values()), applied
+    liar, verdicts = honest_verdicts(tmp_path, report)
+    excluders = 0
+    for index, (rejected, excluded, _) in enumerate(verdicts):
+        assert [event["source"] for event in excluded] in ([], [liar]), (index, excluded)  # never an honest peer
+        assert all(event["source"] == liar and event["gross"] for event in rejected), (index, rejected)
+        assert bool(rejected) == bool(excluded), (index, rejected, excluded)
+        if excluded:  # at its first rejection
+            assert excluded[0]["reason"] == f"its answers as a reducer: {rejected[0]['reason']}", (index, excluded)
+        excluders += bool(excluded)
+    assert excluders >= 1
+    untrained = untrained_loss(losses)
+    for name, by_epoch in losses.items():
+        report(f"DiLoCo, reducer zeros, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "
                f"{by_epoch[epochs]:.3f}")
         assert by_epoch[epochs] < untrained - DILOCO_FALL, (name, by_epoch)
