@@ -151,8 +151,9 @@ def test_the_gross_check_catches_zeros_and_x1000_for_any_sender_and_passes_the_r
 
 def test_a_peer_that_checks_only_gross_lies_passes_a_flip_and_fails_zeros_excluding_at_once(tmp_path):
     """The container with ``gross_only`` (a DiLoCo peer whose own values are not representative): the flipped
-    average passes where the full check rejects it, zeros fail both; through ChecksAnswers' handler a gross lie
-    excludes its reducer at once (one peer_excluded event), where a failed full check is one strike of 3."""
+    average passes where the full check rejects it, zeros fail both; with ``drop_gross`` (DiLoCo) the zeros are
+    taken as the share's average and nothing counts as failed; through ChecksAnswers' handler a gross lie excludes
+    its reducer at once (one peer_excluded event), where a failed full check is one strike of 3."""
     from lean_transformer.swarm.averaging.answer_check import reject_answer
     torch.manual_seed(2)
     tensors = [torch.randn(4000) + 1, torch.randn(3000) + 1]
@@ -163,6 +164,18 @@ def test_a_peer_that_checks_only_gross_lies_passes_a_flip_and_fails_zeros_exclud
             outputs, rejected, _ = run_group(tensors, lambda mean: lying_average(attack, 1000.0, mean, mean),
                                              return_deltas=False, container=(container, rejected))
             assert [gross for _, _, gross in rejected] == ([] if rejected_as is None else [rejected_as]), attack
+    # DiLoCo (drop_gross): the zeroed share is taken as the zeros every member sees, and the round goes on
+    container, rejected = checked_container(tensors, return_deltas=False)
+    container.gross_only, container.drop_gross = True, True
+    outputs, rejected, _ = run_group(tensors, torch.zeros_like, return_deltas=False, container=(container, rejected))
+    flat_output, flat_own = torch.cat(outputs), torch.cat(tensors)
+    own_share = container._input_parts_by_peer[0]
+    boundary = sum(part.numel() for part, _ in own_share)  # this peer's share first, the reducer's after it
+    assert [gross for _, _, gross in rejected] == [True] and container.failed_size == 0
+    assert torch.equal(flat_output[boundary:], torch.zeros_like(flat_own[boundary:]))
+    flat_partner = torch.cat([tensor.flip(0) for tensor in tensors])
+    torch.testing.assert_close(flat_output[:boundary], (flat_own[:boundary] + flat_partner[:boundary]) / 2,
+                               rtol=1e-4, atol=1e-5)
     exclusions = Exclusions(strikes=3, window=10)
     open_events(tmp_path / "events.jsonl", "trainer")
     try:
@@ -448,13 +461,13 @@ def test_sparse_answers_honest_pass_and_lies_fail(senders):
 
 
 class ReducerServicer(ServicerBase):
-    """Serves one sparse all-reduce ``runner``'s range; with ``lies``, its answers' values sign-flipped; with no
+    """Serves one sparse all-reduce ``runner``'s range; with ``lie``, its answers' values multiplied by it; with no
     runner (a peer counted into the group that never started its round), it holds every stream unanswered for
     ``HOLD`` seconds, as hivemind's averager waits for a group it never registers."""
 
     HOLD = 60.0
     runner = None
-    lies = False
+    lie = None
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -463,10 +476,10 @@ class ReducerServicer(ServicerBase):
             return
         index = 0
         async for answer in self.runner.rpc_aggregate_part(stream, context):
-            if self.lies and index == 1:  # the second message carries the values
-                flipped = -deserialize_torch_tensor(answer.tensor_part)
+            if self.lie is not None and index == 1:  # the second message carries the values
+                lie = self.lie * deserialize_torch_tensor(answer.tensor_part)
                 answer = averaging_pb2.AveragingData(
-                    tensor_part=serialize_torch_tensor(flipped, runtime_pb2.CompressionType.NONE))
+                    tensor_part=serialize_torch_tensor(lie, runtime_pb2.CompressionType.NONE))
             index += 1
             yield answer
 
@@ -475,7 +488,9 @@ def test_the_sparse_all_reduce_fails_the_round_for_a_peer_that_catches_a_lying_r
     """Two real P2P peers run DiLoCo's sparse all-reduce, each reducing half of the vector. Honest: both get the same
     average. When the second one answers its half sign-flipped, the first (``check_answers``) rejects it: an
     ``answer_rejected`` event and a strike against it, and the round fails for the first peer only; the second
-    peer's own round completes (its answers had been given)."""
+    peer's own round completes (its answers had been given). Answering zeros instead, it fails the gross check
+    (``gross_ratio``, every DiLoCo peer's): the first peer takes zeros for that half, its round completes, and the
+    liar is excluded at once."""
     from hivemind.averaging.allreduce import AllreduceException, AveragingMode
     from hivemind.p2p import P2P
 
@@ -486,13 +501,13 @@ def test_the_sparse_all_reduce_fails_the_round_for_a_peer_that_catches_a_lying_r
     parts = [top_k(vector, size // 2) for vector in vectors]
     exclusions = Exclusions(strikes=3, window=10)
 
-    async def round_of_two(lies: bool) -> list:
+    async def round_of_two(lie: float = None) -> list:
         first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         peers = [first, await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                          initial_peers=await first.get_visible_maddrs())]
         try:
             servicers = [ReducerServicer(), ReducerServicer()]
-            servicers[1].lies = lies
+            servicers[1].lie = lie
             ordered = [peer.peer_id for peer in peers]
             runners = []
             for index, (p2p, servicer) in enumerate(zip(peers, servicers)):
@@ -501,7 +516,7 @@ def test_the_sparse_all_reduce_fails_the_round_for_a_peer_that_catches_a_lying_r
                     p2p=p2p, servicer_type=ReducerServicer, prefix=None, group_id=b"group", ordered_peer_ids=ordered,
                     modes=[AveragingMode.NODE] * 2, peer_fractions=[1.0, 1.0], total_size=size, weight=1.0,
                     timeout=10.0, aggregation="centered_clip", exclusions=exclusions if index == 0 else None,
-                    check_answers=index == 0)
+                    check_answers=index == 0, gross_ratio=GROSS_RATIO if index == 0 else None)
                 runners.append(servicer.runner)
             return [ordered[1].to_base58(), *await asyncio.gather(
                 *(runner.run(indices.long(), values) for runner, (indices, values) in zip(runners, parts)),
@@ -512,14 +527,19 @@ def test_the_sparse_all_reduce_fails_the_round_for_a_peer_that_catches_a_lying_r
 
     open_events(tmp_path / "events.jsonl", "trainer")
     try:
-        _, first, second = asyncio.run(round_of_two(lies=False))
-        assert isinstance(first, torch.Tensor) and torch.equal(first, second)
+        _, honest, second = asyncio.run(round_of_two())
+        assert isinstance(honest, torch.Tensor) and torch.equal(honest, second)
         assert read_events(tmp_path / "events.jsonl", "answer_rejected") == []
-        liar, first, second = asyncio.run(round_of_two(lies=True))
+        _, zeroed, second = asyncio.run(round_of_two(lie=0.0))
+        assert read_events(tmp_path / "events.jsonl", "peer_excluded") != []  # at the first rejection
+        exclusions._until.clear()
+        liar, first, second = asyncio.run(round_of_two(lie=-1.0))
     finally:
         close_events()
+    half = size // 2
+    assert torch.equal(zeroed[:half], honest[:half]) and torch.equal(zeroed[half:], torch.zeros(half))
     assert isinstance(first, AllreduceException) and "answers failed the check" in str(first), first
     assert isinstance(second, torch.Tensor)
     rejected = read_events(tmp_path / "events.jsonl", "answer_rejected")
-    assert [event["source"] for event in rejected] == [liar], rejected
-    assert "does not correlate" in rejected[0]["reason"]
+    assert [event["gross"] for event in rejected] == [True, False] and rejected[1]["source"] == liar, rejected
+    assert "x |own values|" in rejected[0]["reason"] and "does not correlate" in rejected[1]["reason"]

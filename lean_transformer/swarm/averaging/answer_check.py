@@ -54,7 +54,10 @@ average :data:`GROSS_RATIO` (100) times larger or smaller than the own values (m
 that answers the whole group zeros, or noise or a scale x1000, fails the round for every member alike. When only
 the checking peers rejected such an answer, the others applied it and the group's anchors parted, and the honest
 trainers downloaded states round after round (3 liars of 16 answering zeros, benchmarks/byzantine.py). A gross
-lie excludes its reducer at once, not after 3 strikes: no honest average comes within 4x of the bound.
+lie excludes its reducer at once, not after 3 strikes: no honest average comes within 4x of the bound. And since
+every member judges it alike, a DiLoCo peer takes the share as zeros and applies the round (``drop_gross``): with
+the round failed instead, each honest trainer lost one round per liar it met before excluding it (3 liars of 16:
+60-78 rounds averaged of ~100, against 102 without liars).
 
 Measured (``benchmarks/answer_check.py``: the tiny LeanGPT's real gradients and DiLoCo pseudo-gradients, honest
 CenteredClip answers, 30 rounds): 4 peers, 0 of 480 shares rejected in either mode; 16 peers of 8 samples each, 1 of
@@ -209,6 +212,7 @@ class CheckedParts(TensorPartContainer):
     max_ratio: float = MAX_RATIO  # the norm bound of the rule
     gross_only: bool = False  # only the gross check (gross_problem), as every DiLoCo peer that does not check does
     gross_ratio: float = GROSS_RATIO
+    drop_gross: bool = False  # a share that fails the gross check: zeros, and the round goes on (DiLoCo)
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         if peer_index == self.own_index:
@@ -246,7 +250,7 @@ class CheckedParts(TensorPartContainer):
             reason = share_problem(owns, deltas, references, max_ratio=self.max_ratio, sums=sums)
         if reason is not None:
             self.on_rejected(peer_index, reason, gross)
-            return self._replace_held(peer_index)
+            return self._replace_held(peer_index, zeros=gross and self.drop_gross)
         del self.held[peer_index]
         for part_index, answer in enumerate(answers):
             self._learn(peer_index, part_index, answer)
@@ -262,10 +266,16 @@ class CheckedParts(TensorPartContainer):
         if sums[1] and math.isfinite(sums[0]):
             self.learned[info.key] = math.sqrt(sums[0] / sums[1])
 
-    def _replace_held(self, peer_index: int) -> None:
-        """Own values for the answers held from ``peer_index`` (all of its share when all have arrived)."""
+    def _replace_held(self, peer_index: int, zeros: bool = False) -> None:
+        """Own values for the answers held from ``peer_index`` (all of its share when all have arrived), counted as
+        not averaged; ``zeros``: an average of zeros instead, which every member of the group takes alike
+        (``drop_gross``), counted as averaged."""
         for part_index, _ in enumerate(self.held.pop(peer_index, [])):
             own = self._input_parts_by_peer[peer_index][part_index][0]
+            if zeros:
+                super().register_processed_part(peer_index, part_index,
+                                                -own if self.return_deltas else torch.zeros_like(own))
+                continue
             super().register_processed_part(peer_index, part_index,
                                             torch.zeros_like(own) if self.return_deltas else own.clone())
             self.failed_size += own.numel()  # counted as hivemind counts a failed reducer's values
@@ -284,16 +294,17 @@ class ChecksAnswers:
     ``gross_only``: only :func:`gross_problem` (a DiLoCo peer whose own values are not representative), with the
     bound ``gross_ratio``. A gross lie excludes its reducer at once (a strike counts 1 of 3 otherwise): no honest
     average comes near, and every honest member of the group sees it, so they all leave the liar out of their next
-    groups together instead of over 3 rounds."""
+    groups together instead of over 3 rounds. ``drop_gross`` (DiLoCo): such a share is taken as zeros, and the round
+    goes on: every member takes the same zeros, so their anchors stay one, and the other shares' averages count."""
 
     def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None,
                  replace_excluded: bool = True, max_ratio: float = MAX_RATIO, gross_only: bool = False,
-                 gross_ratio: float = GROSS_RATIO, **kwargs: Any):
+                 gross_ratio: float = GROSS_RATIO, drop_gross: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
         container = self.tensor_part_container
         container.__class__ = CheckedParts
         container.replace_excluded, container.max_ratio = replace_excluded, max_ratio
-        container.gross_only, container.gross_ratio = gross_only, gross_ratio
+        container.gross_only, container.gross_ratio, container.drop_gross = gross_only, gross_ratio, drop_gross
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
         learned = {} if answer_norms is None else answer_norms
         container.reference, container.learned, container.sums = dict(learned), learned, {}

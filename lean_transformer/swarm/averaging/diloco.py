@@ -235,7 +235,8 @@ class _CheckedSameResultRunner(ChecksAnswers, _CenteredClipSameResultRunner):
     (:mod:`lean_transformer.swarm.averaging.answer_check`; only the gross check, ``gross_only``, where this peer's
     own values are not representative, see :func:`checks_answers`): a share that fails the check is not applied, so
     the round fails for this peer (a missed round, not retried: see :class:`_Averager`), and its reducer earns a
-    strike, or is excluded at once for a gross lie."""
+    strike; but a share that fails the gross check, which every member judges alike, is taken as zeros and the round
+    goes on, and its reducer is excluded at once."""
 
 
 # a peer checks its reducers' answers if its weight is at least this x the group's median: at 0.5, an honest trainer
@@ -322,7 +323,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         else:
             runner_class, robust = _CheckedSameResultRunner, dict(
                 exclusions=self.exclusions, replace_excluded=False, answer_norms=self.answer_norms,
-                max_ratio=OUTER_MAX_RATIO, gross_only=not checked, gross_ratio=gross)
+                max_ratio=OUTER_MAX_RATIO, gross_only=not checked, gross_ratio=gross, drop_gross=True)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                               group_id=group_id, ordered_peer_ids=group_info.peer_ids, **robust, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"

@@ -29,7 +29,8 @@ answered its senders), each reducer's answer is checked against this peer's own 
 (:func:`..answer_check.sparse_share_problem`, with the norm bound ``max_ratio``); one that fails emits
 ``answer_rejected``, strikes its reducer and fails the round for this peer alone, as in the dense all-reduce
 (:mod:`.answer_check`). With ``gross_ratio`` (every peer, under CenteredClip), each answer is first held to
-:func:`..answer_check.gross_problem`, which excludes its reducer at once.
+:func:`..answer_check.gross_problem`: a share that fails it is taken as zeros by every member alike, the round goes
+on, and its reducer is excluded at once.
 
 A sender that sent nothing within :data:`ABSENT_AFTER` seconds of the group forming is not in the round (its round
 was cancelled after the leader had counted it in, or it stopped): a reducer then fails the round at once, and its
@@ -235,6 +236,7 @@ class SparseAllReduce:
         finally:
             self._fail(AllreduceException("the local round ended before every sender arrived"))
         if self.check_answers or self.gross_ratio is not None:
+            averages = list(averages)
             self._check(indices, values, averages)
         dense = torch.zeros(self.total_size)
         for (start, _), (part_indices, part_values) in zip(self.ranges.values(), averages):
@@ -277,10 +279,11 @@ class SparseAllReduce:
             self._fail(AllreduceException(f"{len(absent)} sender(s) sent nothing within {after:g} s of the group "
                                           f"forming, not in this round: {', '.join(absent)}"))
 
-    def _check(self, indices: torch.Tensor, values: torch.Tensor, averages: Sequence[Sparse]) -> None:
-        """Check every other reducer's answer against this peer's entries in its range (see the module docstring)."""
+    def _check(self, indices: torch.Tensor, values: torch.Tensor, averages: List[Sparse]) -> None:
+        """Check every other reducer's answer against this peer's entries in its range (see the module docstring):
+        a gross lie's answer becomes empty (zeros) in ``averages``, a failed full check fails the round."""
         problems = []
-        for (peer, (start, end)), average in zip(self.ranges.items(), averages):
+        for position, ((peer, (start, end)), average) in enumerate(zip(self.ranges.items(), averages)):
             if peer == self.peer_id:
                 continue
             own = _entries_in(indices, values, start, end)
@@ -289,12 +292,15 @@ class SparseAllReduce:
             gross = reason is not None
             if not gross and self.check_answers:
                 reason = sparse_share_problem(own, average, max_ratio=self.max_ratio)
-            if reason is not None:
-                reducer = peer.to_base58()
-                reject_answer(self.exclusions, reducer, reason, end - start, gross)
-                problems.append(f"reducer {reducer}: {reason}")
-        if problems:
+            if reason is None:
+                continue
             self.rejected = True
+            reject_answer(self.exclusions, peer.to_base58(), reason, end - start, gross)
+            if gross:
+                averages[position] = (average[0][:0], average[1][:0])
+            else:
+                problems.append(f"reducer {peer.to_base58()}: {reason}")
+        if problems:
             raise AllreduceException(f"answers failed the check: {'; '.join(problems)}")
 
     def _accumulate(self, sender: PeerID, weight: float, indices: torch.Tensor, values: torch.Tensor) -> None:
