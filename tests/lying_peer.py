@@ -29,7 +29,9 @@ part of the all-reduce, to every other sender; its own copy stays honest), in gr
 - ``reducer_zeros``: zeros.
 
 All of them but ``nan`` are finite, so no non-finite guard catches them. Everything else (data, loss reports, progress)
-is an honest trainer's.
+is an honest trainer's, except that it excludes nobody: it stays in the honest trainers' groups as long as they let
+it. Its own answer check, comparing honest answers with its lies (x -1000), would otherwise exclude every honest
+reducer at once (a gross gap, answer_check.gross_problem) and take it out of their groups by itself.
 
 With ``--start_file`` it imports everything, then waits (at most ``--start_timeout`` s) for that file before it
 joins, so that a test can have it join at a chosen moment without the imports' delay.
@@ -202,6 +204,8 @@ if __name__ == "__main__":
     own.add_argument("--start_file")
     own.add_argument("--start_timeout", type=float, default=300.0)
     options, rest = own.parse_known_args()
+    from lean_transformer.swarm.averaging.exclusion import Exclusions
+    Exclusions.exclude = lambda self, peer_id, reason, why="": False  # it stays in every group it can join
     if options.attack == "label_flip":
         lie_with_labels()
     elif options.attack in REDUCER_ATTACKS:
