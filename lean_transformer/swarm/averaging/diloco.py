@@ -260,9 +260,9 @@ def checks_answers(own_weight: float, weights: Sequence[Any]) -> bool:
     The check asks that an average correlate with the receiver's own values. A peer that joined mid-round sends a
     pseudo-gradient of a few local steps against the others' many; the honest average need not correlate with it
     (cosine -0.08 in tests/test_diloco_faults.py), and when every answer was checked such peers rejected honest
-    answers and struck honest reducers until they were excluded. Such a peer applies the round unchecked: the
-    group's whole average is still checked before the outer step (:func:`implausible_average`), and the other
-    members check the same answers."""
+    answers and struck honest reducers until they were excluded. Such a peer holds the answers to the gross check
+    only (:func:`gross_ratio`): the group's whole average is still checked before the outer step
+    (:func:`implausible_average`), and the other members check the same answers."""
     claimed = claimed_weights(weights)
     if not (math.isfinite(own_weight) and own_weight > 0) or not claimed:
         return False
