@@ -20,6 +20,7 @@ from swarm_utils import untrained_loss
 from test_robust_swarm import DILOCO_FALL, EPOCHS, HONEST, attacked_rounds, run_swarm
 
 pytestmark = pytest.mark.swarm
+DILOCO_EPOCHS = EPOCHS + 2
 
 
 def honest_verdicts(root: Path, report: Callable[[str], None]) -> Tuple[str, List[Tuple[list, list, Path]]]:
@@ -35,6 +36,23 @@ def honest_verdicts(root: Path, report: Callable[[str], None]) -> Tuple[str, Lis
                f"{[event['source'][-8:] for event in excluded]}")
         verdicts.append((rejected, excluded, stream))
     return liar, verdicts
+
+
+def run_diloco_swarm(root: Path, attack: str, report: Callable[[str], None]) -> Tuple[dict, str, list]:
+    """A DiLoCo swarm (--local_steps 2) with a liar that joins late: the losses, the liar, :func:`honest_verdicts`."""
+    losses = run_swarm(root, "centered_clip", attack, DILOCO_EPOCHS, liar_joins_late=True,
+                       extra=["--local_steps", "2"])
+    report(f"DiLoCo, {attack}: outer rounds of 4 peers (the liar's): {attacked_rounds(root, 'outer')}")
+    return (losses, *honest_verdicts(root, report))
+
+
+def assert_trained(losses: dict, attack: str, report: Callable[[str], None]) -> None:
+    """Every honest trainer's loss fell as an honest DiLoCo swarm's does (by DILOCO_FALL at least)."""
+    untrained = untrained_loss(losses)
+    for name, by_epoch in losses.items():
+        report(f"DiLoCo, {attack}, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "
+               f"{by_epoch[DILOCO_EPOCHS]:.3f}")
+        assert by_epoch[DILOCO_EPOCHS] < untrained - DILOCO_FALL, (name, by_epoch)
 
 
 def test_honest_trainers_exclude_a_reducer_that_scales_its_answers_and_train_on(tmp_path, report):
@@ -59,11 +77,7 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
     (nor retry it: they move on to the next one), and they strike and exclude the liar. Before the check the
     benchmark's honest trainers ended 1.02-1.47x the honest swarm's loss (benchmarks/byzantine.py). Nor do they
     take its state afterwards."""
-    epochs = EPOCHS + 2
-    losses = run_swarm(tmp_path, "centered_clip", "reducer_flip", epochs, liar_joins_late=True,
-                       extra=["--local_steps", "2"])
-    report(f"DiLoCo, outer rounds of 4 peers (the liar's): {attacked_rounds(tmp_path, 'outer')}")
-    liar, verdicts = honest_verdicts(tmp_path, report)
+    losses, liar, verdicts = run_diloco_swarm(tmp_path, "reducer_flip", report)
     excluders = 0
     for index, (rejected, excluded, stream) in enumerate(verdicts):
         assert [event["source"] for event in excluded] in ([], [liar]), (index, excluded)  # never an honest peer
@@ -78,11 +92,7 @@ def test_honest_trainers_exclude_a_reducer_that_flips_its_outer_answers_in_diloc
     # 3 strikes each; once some exclude it, the liar leads no group they join and joins none they lead, so a trainer
     # that missed one of its rounds may never reach its third strike (seen: 2 of 3 excluded it)
     assert excluders >= 1
-    untrained = untrained_loss(losses)
-    for name, by_epoch in losses.items():
-        report(f"DiLoCo, reducer x -1, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "
-               f"{by_epoch[epochs]:.3f}")
-        assert by_epoch[epochs] < untrained - DILOCO_FALL, (name, by_epoch)
+    assert_trained(losses, "reducer_flip", report)
 
 
 def test_every_honest_trainer_excludes_a_reducer_that_answers_zeros_in_diloco_mode_at_once(tmp_path, report):
@@ -92,11 +102,7 @@ def test_every_honest_trainer_excludes_a_reducer_that_answers_zeros_in_diloco_mo
     strikes). Before the gross check, the members that did not check applied the zeros that the others rejected,
     and in benchmarks/byzantine.py (3 liars of 16) the group's anchors parted and the honest trainers downloaded
     states round after round; failing the round instead, each lost a round per liar it met."""
-    epochs = EPOCHS + 2
-    losses = run_swarm(tmp_path, "centered_clip", "reducer_zeros", epochs, liar_joins_late=True,
-                       extra=["--local_steps", "2"])
-    report(f"DiLoCo, reducer zeros: outer rounds of 4 peers (the liar's): {attacked_rounds(tmp_path, 'outer')}")
-    liar, verdicts = honest_verdicts(tmp_path, report)
+    losses, liar, verdicts = run_diloco_swarm(tmp_path, "reducer_zeros", report)
     excluders = 0
     for index, (rejected, excluded, stream) in enumerate(verdicts):
         assert [event["source"] for event in excluded] in ([], [liar]), (index, excluded)  # never an honest peer
@@ -108,8 +114,4 @@ def test_every_honest_trainer_excludes_a_reducer_that_answers_zeros_in_diloco_mo
         assert not failed, (index, failed)
         excluders += bool(excluded)
     assert excluders >= 1
-    untrained = untrained_loss(losses)
-    for name, by_epoch in losses.items():
-        report(f"DiLoCo, reducer zeros, centered_clip, {name}: loss {untrained:.3f} (untrained) -> "
-               f"{by_epoch[epochs]:.3f}")
-        assert by_epoch[epochs] < untrained - DILOCO_FALL, (name, by_epoch)
+    assert_trained(losses, "reducer_zeros", report)
