@@ -1,6 +1,5 @@
-"""SwarmOptimizer's own interface, on a lone peer in each mode: what a checkpoint holds besides hivemind's state,
-restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode, and
-the check of downloaded states, which passes a DiLoCo state holding the outer state the group converged on."""
+"""SwarmOptimizer's own interface, on a lone peer in each mode: what a checkpoint holds besides hivemind's state, and
+restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode."""
 from __future__ import annotations
 
 import json
@@ -18,7 +17,7 @@ def run_lone_peers() -> dict:
     import hivemind
     import torch
 
-    from lean_transformer.swarm.averaging.diloco import DiLoCoSettings, outer_fingerprint
+    from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
     from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -41,18 +40,6 @@ def run_lone_peers() -> dict:
         optimizer.load_checkpoint_state(loaded)  # anchor and momentum + 2, outer step count 2
         checkpoint_params = [param.detach().clone() for param in model.parameters()]
         optimizer.cancel_rounds_in_flight()  # no round in flight: nothing to cancel
-        inputs = torch.randn(8, 4)
-        optimizer.check_downloads(model, lambda: lambda: float(model(inputs).square().mean()))
-        own = [param.detach().clone() for param in model.parameters()]
-        extras = list(optimizer.state_averager.extra_tensors)
-        worse = [param + 3.0 for param in own]  # a state far worse on the batch (its anchor, in DiLoCo)
-        candidate = [*worse, *([*worse, *extras[len(own):]] if diloco else [])]
-        verdicts = [optimizer.state_averager.download_check()(candidate) is None]
-        if diloco:  # the group converged on that outer state: it passes, bit for bit, unscored
-            optimizer._converged = outer_fingerprint(worse, extras[-1])
-            verdicts.append(optimizer.state_averager.download_check()(candidate) is None)
-            optimizer._converged = [extras[-1].item() + 1, 0]  # another one: scored, and refused
-            verdicts.append(optimizer.state_averager.download_check()(candidate) is None)
         result[mode] = dict(
             no_host_grads=optimizer.host_grads is None,
             state_keys=sorted(state),
@@ -61,8 +48,7 @@ def run_lone_peers() -> dict:
             shift_after_checkpoint=[round(float((param - start).mean()), 4) for param, start in
                                     zip(checkpoint_params, initial)],
             outer_steps=float(optimizer.outer_loop.outer.steps) if optimizer.outer_loop is not None else None,
-            no_rounds_in_flight=optimizer.scheduled_grads is None and optimizer.scheduled_state is None,
-            worse_state_passes=verdicts)
+            no_rounds_in_flight=optimizer.scheduled_grads is None and optimizer.scheduled_state is None)
         optimizer.shutdown()
     dht.shutdown()
     return result
@@ -78,12 +64,12 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
     # gradient averaging: no state of its own, the drifted parameters stay (hivemind's own state is all there is)
     assert result["gradients"] == dict(no_host_grads=True, state_keys=[], state_tensors=0,
                                        restarted_to_initial=False, shift_after_checkpoint=[1.0, 1.0], outer_steps=None,
-                                       no_rounds_in_flight=True, worse_state_passes=[False])
+                                       no_rounds_in_flight=True)
     # DiLoCo: anchor (2 tensors), momentum (2) and the step count; the parameters restart from the anchor, then
     # from the checkpoint's (anchor + 2)
     assert result["diloco"] == dict(no_host_grads=True, state_keys=["outer"], state_tensors=5,
                                     restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0], outer_steps=2.0,
-                                    no_rounds_in_flight=True, worse_state_passes=[False, True, False])
+                                    no_rounds_in_flight=True)
 
 
 if __name__ == "__main__":

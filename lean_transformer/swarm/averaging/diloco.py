@@ -470,12 +470,6 @@ class PseudoGradientAverager:
         self.averager.shutdown()
 
 
-def outer_fingerprint(anchor: Sequence[torch.Tensor], steps: torch.Tensor) -> list:
-    """[outer steps, checksum of the anchor] of an outer state (see :meth:`OuterLoop.fingerprint`)."""
-    checksum = sum(int(tensor.view(torch.int32).sum(dtype=torch.int64)) for tensor in anchor)
-    return [float(steps), checksum % (1 << 62)]  # within msgpack's integers
-
-
 def fingerprint_of(tag: Any) -> Optional[list]:
     """A groupmate's gathered tag as an outer-state fingerprint ([outer steps, anchor checksum], see
     :meth:`OuterLoop.fingerprint`), or None if it is not one (a peer's message: any msgpack value)."""
@@ -566,7 +560,6 @@ class OuterLoop:
         self.samples_since_anchor = self.rounds = 0
         self.behind = False  # the group's outer states differed and ours lost: download the swarm's
         self.donors: List[str] = []  # then the peer IDs of the groupmates that hold the state the group converges on
-        self.converged: Optional[list] = None  # and that state's fingerprint
         self.nothing_to_apply = False  # overlap: the last round only sent (no earlier round was in flight)
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
@@ -608,7 +601,8 @@ class OuterLoop:
         same one, bit for bit. The checksum adds the anchor's float32 bit patterns as integers, which no summation
         order changes; a float64 sum's last digit changed with the thread count (8 threads against 1-4, on 25M
         values), so peers with different core counts saw each other as out of date and re-downloaded the state."""
-        return outer_fingerprint(self.outer.anchor, self.outer.steps)
+        checksum = sum(int(anchor.view(torch.int32).sum(dtype=torch.int64)) for anchor in self.outer.anchor)
+        return [float(self.outer.steps), checksum % (1 << 62)]  # within msgpack's integers
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Optional[Mapping[str, Any]] = None,
                  keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None,
@@ -624,7 +618,6 @@ class OuterLoop:
         winner = converged_state(tags) if sent_tag is not None else None
         self.behind = winner is not None and list(sent_tag) != winner
         self.donors = [peer for peer, tag in tags.items() if self.behind and fingerprint_of(tag) == winner]
-        self.converged = winner if self.behind else None
         with self.lock:
             self.outer.step(averaged, keep=keep)
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]

@@ -30,7 +30,7 @@ from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGrad
                                                         publish_access_token)
 from lean_transformer.swarm.auth.keys import load_public_key
 from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov, RoundProgress,
-                                                     PseudoGradientAverager, outer_fingerprint)
+                                                     PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck
@@ -99,8 +99,6 @@ class SwarmOptimizer(hivemind.Optimizer):
     (:mod:`lean_transformer.swarm.averaging.robust`); parameter averaging stays a mean. ``averager_opts`` go to every
     averager (hivemind passes its own to the state averager only). Other arguments are ``hivemind.Optimizer``'s.
     """
-
-    _converged: Optional[list] = None  # while downloading: the outer state this peer's group converged on (DiLoCo)
 
     def __init__(self, *, params: list[dict], averager_opts: Optional[dict] = None,
                  gate: Optional[AveragingGate] = None, host_gradients: bool = False, device_accumulation: int = 1,
@@ -287,7 +285,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 logger.info(f"This peer's outer state differs from the one {len(self.outer_loop.donors)} groupmate(s) "
                             f"hold: downloading theirs")
                 self.outer_loop.behind = False
-                self.load_state_from_peers(donors=self.outer_loop.donors, converged=self.outer_loop.converged)
+                self.load_state_from_peers(donors=self.outer_loop.donors)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         self.grad_averager.epoch_for_gather = self.local_epoch
@@ -368,16 +366,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             count += isinstance(speed, (int, float)) and speed > 1e-9
         return count
 
-    def load_state_from_peers(self, converged: Optional[list] = None, **kwargs: Any) -> None:
-        """hivemind's; ``converged`` (DiLoCo): the fingerprint of the outer state this peer's group converged on,
-        which a downloaded state that holds it passes the check with (see :meth:`check_downloads`)."""
+    def load_state_from_peers(self, **kwargs: Any) -> None:
         with self.waiting():
             refused = self.state_averager.refused_donors()
-            self._converged = converged
-            try:
-                super().load_state_from_peers(**kwargs)
-            finally:
-                self._converged = None
+            super().load_state_from_peers(**kwargs)
             if self.state_averager.refused_donors() - refused:
                 self.tracker.recount()  # the swarm's epoch without them: else this peer is out of sync at once
             if self.outer_loop is not None:
@@ -401,25 +393,14 @@ class SwarmOptimizer(hivemind.Optimizer):
                         ) -> None:
         """Score every state this peer downloads on a local batch before adopting it (:mod:`.state_check`): the
         state's parameters against this peer's in gradient-averaging mode, its anchor against this peer's in DiLoCo
-        mode. ``batch_loss``: draws a new local batch and returns the model's loss function on it. A DiLoCo state
-        whose outer state is, bit for bit, the one this peer's group converged on (``converged`` of
-        :meth:`load_state_from_peers`) passes unscored: the group agreed on it, and a score on one small batch once
-        refused it (2.29 against this peer's 2.07, on both batches: tests/test_diloco_swarm.py), leaving this peer's
-        anchor apart from its group's."""
+        mode. ``batch_loss``: draws a new local batch and returns the model's loss function on it."""
         check = StateCheck(model, self.state_averager.main_parameters, batch_loss)
         count = len(check.parameters)
-        offset = 0 if self.outer_loop is None else count  # the anchor, the momenta, the step count: the extra tensors
+        offset = 0 if self.outer_loop is None else count  # the anchor is the first of the extra tensors
 
         def start() -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
             check.begin(None if self.outer_loop is None else self.outer_loop.outer.anchor)
-            converged = self._converged
-
-            def problem(tensors: Sequence[torch.Tensor]) -> Optional[str]:
-                if converged is not None and outer_fingerprint(tensors[offset:offset + count],
-                                                               tensors[offset + 2 * count]) == converged:
-                    return None
-                return check.problem(tensors[offset:offset + count])
-            return problem
+            return lambda tensors: check.problem(tensors[offset:offset + count])
 
         self.state_averager.download_check = start
 
