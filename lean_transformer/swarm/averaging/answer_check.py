@@ -162,9 +162,11 @@ def sparse_sums(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tens
 
 
 def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor],
-                         max_ratio: float = MAX_RATIO) -> Optional[str]:
-    """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce (see :func:`sparse_sums`)."""
-    xx, vv, xv, size = sparse_sums(own, answer)
+                         max_ratio: float = MAX_RATIO, sums: Optional[tuple[float, float, float, int]] = None
+                         ) -> Optional[str]:
+    """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce (see :func:`sparse_sums`;
+    ``sums``: theirs, where already computed)."""
+    xx, vv, xv, size = sparse_sums(own, answer) if sums is None else sums
     return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, size, max_ratio=max_ratio)
 
 

@@ -226,12 +226,9 @@ class _SameResultRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class _CenteredClipSameResultRunner(CenteredClipReduction, _SameResultRunner):
-    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`)."""
-
-
-class _CheckedSameResultRunner(ChecksAnswers, _CenteredClipSameResultRunner):
-    """The same, with each reducer's answers checked against this peer's own pseudo-gradient
+class _CheckedSameResultRunner(ChecksAnswers, CenteredClipReduction, _SameResultRunner):
+    """The same-result all-reduce with CenteredClip reducers (:mod:`lean_transformer.swarm.averaging.robust`), each
+    reducer's answers checked against this peer's own pseudo-gradient
     (:mod:`lean_transformer.swarm.averaging.answer_check`; only the gross check, ``gross_only``, where this peer's
     own values are not representative, see :func:`checks_answers`): a share that fails the check is not applied, so
     the round fails for this peer (a missed round, not retried: see :class:`_Averager`), and its reducer earns a

@@ -287,11 +287,12 @@ class SparseAllReduce:
             if peer == self.peer_id:
                 continue
             own = _entries_in(indices, values, start, end)
-            xx, vv, _, size = sparse_sums(own, average)
+            sums = sparse_sums(own, average)
+            xx, vv, _, size = sums
             reason = None if self.gross_ratio is None else gross_problem(xx, vv, size, self.gross_ratio)
             gross = reason is not None
             if not gross and self.check_answers:
-                reason = sparse_share_problem(own, average, max_ratio=self.max_ratio)
+                reason = sparse_share_problem(own, average, max_ratio=self.max_ratio, sums=sums)
             if reason is None:
                 continue
             self.rejected = True
