@@ -24,6 +24,7 @@ from aux_utils import wait_until
 from lean_transformer.swarm.averaging.diloco import OuterNesterov
 
 REPO = Path(__file__).resolve().parent.parent
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
 PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
@@ -182,14 +183,14 @@ def test_bytes_per_parameter_per_round(report):
 
 
 @contextlib.contextmanager
-def lone_outer_loop(overlap: bool) -> Iterator[tuple]:
+def lone_outer_loop(overlap: bool, device: str = "cpu") -> Iterator[tuple]:
     """(weight, outer state, outer loop) of a peer with no groupmates: every round it sends finds no group
-    (min_group_size 2) within 0.5 s of matchmaking."""
+    (min_group_size 2) within 0.5 s of matchmaking. The weight is on ``device``."""
     import hivemind
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    weight = torch.nn.Parameter(torch.zeros(3))
+    weight = torch.nn.Parameter(torch.zeros(3, device=device))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_alone", [weight.shape], matchmaking_time=0.5,
                                       allreduce_timeout=2.0)
@@ -268,6 +269,31 @@ def test_an_outer_loop_under_centered_clip_does_not_apply_an_implausible_average
     assert unchecked._applied([own[0] * 1000], 4, own=own) == 4
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bound_to", ["the model's parameters", "host copies"])
+def test_gpu_parameters_take_the_cpu_outer_steps_bit_for_bit_with_the_outer_state_on_the_host(bound_to):
+    """A DiLoCo trainer on a GPU: the outer loop measures the model's parameters on the device, or (with the
+    optimizer offloaded) its host copies of them; either way the anchor and momentum stay on the host and the outer
+    steps are those of the same parameters on the CPU, bit for bit."""
+    results = {}
+    for device in ("cpu", "cuda"):
+        weight = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6, device=device).view(2, 3))
+        outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+        moved = weight
+        if bound_to == "host copies":
+            moved = torch.nn.Parameter(weight.detach().cpu().clone())
+            outer.bind([moved])
+        for delta in (0.3, -0.2, 0.05):
+            with torch.no_grad():
+                moved.sub_(delta * moved.abs())
+            outer.step(outer.pseudo_gradients())
+        assert moved.device.type == (device if bound_to == "the model's parameters" else "cpu")
+        assert all(tensor.device.type == "cpu" for tensor in outer.state_tensors())
+        results[device] = moved.detach().cpu()
+    assert torch.equal(results["cpu"], results["cuda"])
+
+
 def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
     with lone_outer_loop(overlap=False) as (weight, outer, rounds):
         results = []
@@ -284,11 +310,12 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 
 @pytest.mark.swarm
-def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anchor():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anchor(device):
     """With overlap: a round sent in the background that finds no group, then two rounds alone (the other trainers
     left). The first alone round steps with its own progress plus the missed round's; the second with its own only,
-    measured from the anchor the parameters restarted from."""
-    with lone_outer_loop(overlap=True) as (weight, outer, rounds):
+    measured from the anchor the parameters restarted from. On a GPU, the outer state stays on the host."""
+    with lone_outer_loop(overlap=True, device=device) as (weight, outer, rounds):
         group_sizes = []
         for shift, alone in ((1.0, False), (2.0, True), (4.0, True)):
             with torch.no_grad():
@@ -298,7 +325,8 @@ def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anch
         assert group_sizes == [None, 1, 1]
         expected = hand_nesterov(0.0, [1.0 + 2.0, 4.0])
         torch.testing.assert_close(outer.anchor[0], torch.full((3,), expected), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(weight.data, outer.anchor[0], rtol=0, atol=0)
+        torch.testing.assert_close(weight.data.cpu(), outer.anchor[0], rtol=0, atol=0)
+        assert weight.device.type == device and all(tensor.device.type == "cpu" for tensor in outer.state_tensors())
 
 
 @pytest.mark.swarm

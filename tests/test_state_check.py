@@ -158,3 +158,31 @@ def test_the_progress_of_refused_donors_is_left_out_and_recounted_at_once():
     refused.add(str(peers[1]))
     tracker.recount()  # from the records of the last fetch
     assert tracker.global_progress == ["honest", "malformed", "no id"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_model_scores_host_candidates_as_the_cpu_does_and_is_left_untouched(gpt_config):
+    """Downloaded tensors arrive on the host while a trainer's model is on the GPU: the check copies them in and
+    back, and scores them as the same check on the CPU does."""
+    torch.manual_seed(0)
+    cpu_model = LeanGPTForCausalLM(gpt_config())
+    gpu_model = LeanGPTForCausalLM(gpt_config()).cuda()
+    gpu_model.load_state_dict(cpu_model.state_dict())
+    batch = patterned_batch()
+    scaled = [param.detach().clone() * 10 for param in cpu_model.parameters()]  # host tensors, as downloaded
+    verdicts = []
+    for model in (cpu_model, gpu_model):
+        device_batch = batch.to(next(model.parameters()).device)
+        check = StateCheck(model, list(model.parameters()),
+                           lambda model=model, device_batch=device_batch: lambda: model(
+                               input_ids=device_batch, labels=device_batch, return_logits=False).loss)
+        before = snapshot(model)
+        check.begin()
+        verdicts.append((check.problem(before), check.problem(scaled)))
+        assert_unchanged(model, before)
+        assert all(param.device == before[0].device for param in model.parameters())
+    assert verdicts[0][0] is None and verdicts[1][0] is None
+    assert verdicts[0][1] is not None and verdicts[1][1] is not None
+    cpu_score, gpu_score = (float(verdict[1].split("is ")[1].split()[0]) for verdict in verdicts)
+    assert gpu_score == pytest.approx(cpu_score, rel=1e-4)

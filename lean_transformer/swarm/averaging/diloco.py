@@ -105,12 +105,25 @@ class RoundProgress(ProgressTracker):
         return super().ready_to_update_epoch
 
 
+def host_float32(tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """``tensor`` as float32 in host memory (a copy, or with ``copy=False`` the tensor itself where it already is)."""
+    return tensor.detach().to("cpu", torch.float32, copy=copy)
+
+
 class OuterNesterov:
     """The outer optimizer's state: float32 anchor copies of ``parameters`` and SGD-Nesterov momentum over them.
 
     ``pseudo_gradients()`` gives ``anchor - parameters`` (float32, fresh tensors); ``step(averaged)`` applies one outer
     step to the anchor with ``averaged`` as its gradient and copies the new anchor into the parameters.
     ``state_tensors()`` are the live anchor and momentum tensors (hivemind shares and loads them in place).
+
+    The outer state lives in host memory whatever the parameters' device: 8 bytes per parameter that a trainer's GPU
+    need not hold, beside the offloaded optimizer and the averagers, which send it from there. Pseudo-gradients are
+    taken on the host; new anchors are copied to the parameters' device. Before, the anchor was copied on the
+    model's GPU, then bound to the offloaded optimizer's host copies, and every DiLoCo trainer on a GPU stopped at its
+    first outer step ("found at least two devices, cuda:0 and cpu"; seen on a lent H100 by
+    ``tests/test_trainer_host_gradients.py`` and ``tests/test_diloco_swarm.py``; ``tests/test_diloco.py`` holds a
+    CUDA test of it).
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor], lr: float = 0.7, momentum: float = 0.9):
@@ -121,7 +134,7 @@ class OuterNesterov:
             raise ValueError(f"lr (--outer_lr) must be positive, got {lr}")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum (--outer_momentum) must be in [0, 1), got {momentum}")
-        self.anchor = [param.detach().to(torch.float32, copy=True) for param in self.parameters]
+        self.anchor = [host_float32(param) for param in self.parameters]
         self.momenta = [torch.zeros_like(anchor) for anchor in self.anchor]
         self.steps = torch.zeros(1, dtype=torch.float64)  # outer steps the anchor has taken (shared with it)
         self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
@@ -138,7 +151,7 @@ class OuterNesterov:
 
     @torch.no_grad()
     def pseudo_gradients(self) -> List[torch.Tensor]:
-        return [anchor - param.float() for anchor, param in zip(self.anchor, self.parameters)]
+        return [anchor - host_float32(param, copy=False) for anchor, param in zip(self.anchor, self.parameters)]
 
     @torch.no_grad()
     def step(self, averaged: Sequence[torch.Tensor], keep: Optional[Sequence[torch.Tensor]] = None) -> None:
@@ -624,7 +637,7 @@ class OuterLoop:
     def _end_overlapped_round(self, alone: bool) -> Optional[int]:
         parameters = self.outer.parameters
         base = self._base if self._base is not None else self.outer.anchor
-        progress = [b - p.float() for b, p in zip(base, parameters)]  # this round's own progress
+        progress = [b - host_float32(p, copy=False) for b, p in zip(base, parameters)]  # this round's own progress
         group_size, samples = None, self.samples_since_anchor
         self.nothing_to_apply = self._pending is None
         if self._pending is not None:
@@ -642,7 +655,7 @@ class OuterLoop:
         tag = self.fingerprint()
         self._pending = (self.averager.start(progress, max(1, samples), tag), progress, samples, tag)
         self.samples_since_anchor = 0
-        self._base = [p.detach().float().clone() for p in parameters]
+        self._base = [host_float32(p) for p in parameters]
         return group_size
 
     def forget_pending(self) -> None:
