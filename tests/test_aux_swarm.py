@@ -121,7 +121,8 @@ def swarm_run(tmp_path_factory) -> SwarmRun:
             checkpoints = CheckpointDir(root / "checkpoints", keep_last=2).checkpoints()
             return sum(row["alive_peers"] == 2 for row in rows) >= 4 and len(checkpoints) == 2
 
-        wait_until(ready, timeout=150, what="4 epochs with 2 trainers and 2 checkpoints", interval=0.5)
+        wait_until(ready, timeout=150, what="4 epochs with 2 trainers and 2 checkpoints", interval=0.5,
+                   peers=trainers)
         assert aux.stop() == 0, aux.stderr[-3000:]
 
         # restart on a slow disk with the same identity and port; SIGKILL it while it writes a checkpoint

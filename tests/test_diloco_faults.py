@@ -98,7 +98,8 @@ def diloco_faults(tmp_path_factory) -> DiLoCoFaults:
 
         # an outer step of all three that left a peer on the swarm's anchor: the epoch it moved to, with no state
         # download in between (a peer whose outer state was behind steps with the group, then downloads the swarm's)
-        wait_until(lambda: epochs_after_outer_steps(steady, 3), timeout=150, what="an outer step of all three trainers")
+        wait_until(lambda: epochs_after_outer_steps(steady, 3), timeout=150, what="an outer step of all three trainers",
+                   peers=[steady, victim, faulty])
         probe_file.touch()
         stranger_probe = _result(peers["stranger"], "probe", timeout=60)
 

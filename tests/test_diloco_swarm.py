@@ -61,7 +61,7 @@ def diloco_run(tmp_path_factory):
                     for name in ("t1", "t2")]
         peers += trainers
         wait_until(lambda: all(len(epochs_after_outer_steps(trainer, 2)) >= ROUNDS for trainer in trainers),
-                   timeout=150, what=f"{ROUNDS} outer steps of both trainers together")
+                   timeout=150, what=f"{ROUNDS} outer steps of both trainers together", peers=trainers)
         assert stop_all(trainers) == [0, 0], [trainer.stderr[-3000:] for trainer in trainers]
         wait_until(lambda: CheckpointDir(root / "checkpoints", keep_last=3).checkpoints(), timeout=30,
                    what="an aux checkpoint")

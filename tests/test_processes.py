@@ -42,6 +42,14 @@ def test_events_are_waited_for_and_an_early_exit_names_the_peer_with_its_log(tmp
     silent.kill()
     assert silent.returncode == -signal.SIGKILL
 
+    # a wait on a condition that needs the peer running ends as soon as it exits, not at the timeout
+    crashing = PeerProcess("crashing", ["-c", "import sys; sys.exit('the outer step failed')"], tmp_path, events=False)
+    started = time.monotonic()
+    with pytest.raises(PeerExited, match=r"(?s)crashing exited with code 1 while waiting for 3 rounds.*outer step"):
+        wait_until(lambda: False, timeout=60, what="3 rounds", peers=[crashing])
+    assert time.monotonic() - started < 30
+    assert wait_until(lambda: "met", timeout=1, what="a condition met when the peer has exited", peers=[crashing])
+
 
 def test_a_peer_that_ignores_sigterm_is_killed_with_its_whole_session(tmp_path: Path):
     """The child ignores SIGTERM and leaves a grandchild; ``stop`` waits, kills the session and says so."""

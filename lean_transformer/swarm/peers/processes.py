@@ -29,13 +29,19 @@ TORCH_SHM_DIR = "/dev/shm"  # torch's shared-memory tensors (hivemind's averager
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll ``condition`` until it returns something truthy (returned); TimeoutError after ``timeout`` seconds."""
+def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.2,
+               peers: Sequence["PeerProcess"] = ()) -> T:
+    """Poll ``condition`` until it returns something truthy (returned); TimeoutError after ``timeout`` seconds, or
+    PeerExited (with its log's tail) as soon as one of ``peers``, which the condition needs running, has exited."""
     deadline = time.monotonic() + timeout
     while True:
+        exited = next((peer for peer in peers if peer.process.poll() is not None), None)  # before the condition
         result = condition()
         if result:
             return result
+        if exited is not None:
+            raise PeerExited(f"{exited.name} exited with code {exited.process.returncode} while waiting for {what}:"
+                             f"\n{exited.log_tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
