@@ -35,7 +35,7 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) -m pytest -q -m cuda tests && \
-		$(PY) -m pytest -q tests/test_trainer_host_gradients.py tests/test_trainer_swarm.py && \
+		$(PY) -m pytest -q tests/test_trainer_host_gradients.py tests/test_trainer_swarm.py tests/test_diloco_swarm.py && \
 		$(PY) benchmarks/gpu_memory.py && \
 		$(PY) benchmarks/gpu_throughput.py && \
 		$(PY) benchmarks/blocksparse.py && \

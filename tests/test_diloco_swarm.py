@@ -85,6 +85,9 @@ def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
         torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-5, msg=name)
     for a, b in zip(anchor_of(backup(root, "t1", epoch)), anchor_of(backup(root, "t2", epoch))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # honest partners never refuse each other's states (the newcomer's first round often names its donor's state
+    # one outer step on, which it once refused as worse on a batch: see SwarmOptimizer._trusted_donors)
+    assert [trainer.events("state_rejected") for trainer in trainers] == [[], []]
 
 
 def test_logs_hold_no_traceback_and_no_tracker_chatter(diloco_run):

@@ -141,3 +141,52 @@ def test_donors_named_by_the_caller_are_tried_first_then_by_priority():
     priorities[named.to_bytes() + b"x"] = "not a priority"
     assert rank_donors(priorities, own) == [high, low, named]
     assert rank_donors(priorities, own, donors=[str(named)]) == [named, high, low]
+
+
+class Offers(ValidatedStateSharing):
+    """load_state_from_peers' loop over candidates alone: the averager process's side answers each request at once
+    with the next offer (donor, tensors) whose donor is not skipped; the check refuses every state it sees."""
+
+    def __init__(self, offers: list[tuple[str, list[torch.Tensor]]]):
+        self.offers, self.adopted, self.checked = offers, [], []
+        self.download_check = lambda: lambda tensors: self.checked.append(tensors) or "its loss is worse"
+        self._outer_pipe = self
+
+    def _local_layout(self) -> None:
+        return None
+
+    def send(self, message: tuple) -> None:
+        _, _, kwargs = message
+        offer = next((offer for offer in self.offers if offer[0] not in kwargs["skip"]), None)
+        kwargs["future"].set_result(None if offer is None else (dict(epoch=1), offer[1], offer[0], 0.01))
+
+    def _adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
+        self.adopted.append(tensors)
+
+
+def test_a_trusted_donors_state_skips_the_loss_check_and_the_others_are_refused():
+    a, b = [torch.zeros(2)], [torch.ones(2)]
+    trusting_b = Offers([("a", a), ("b", b)])
+    trusting_b.load_state_from_peers(donors=["b"], trusted=["b"])
+    assert trusting_b.checked == [a] and trusting_b.adopted == [b]  # a was checked and refused, b adopted unchecked
+    assert trusting_b.refused_donors() == {"a"} and (trusting_b.adopted_from, trusting_b.adopted_count) == ("b", 1)
+
+    trusting_none = Offers([("a", a), ("b", b)])
+    trusting_none.load_state_from_peers(donors=["a", "b"])
+    assert trusting_none.checked == [a, b] and trusting_none.adopted == []  # a named donor is checked all the same
+    assert trusting_none.refused_donors() == {"a", "b"} and trusting_none.adopted_from is None
+
+
+@pytest.mark.parametrize("donors, rounds, trusted", [
+    (["a", "b"], 3, ["a"]),  # the donor it joined from, named by its first round since
+    (["a", "b"], 4, []),  # two rounds on: its own state has history of its own
+    (["b"], 3, []),  # the group holds another donor's state
+])
+def test_a_diloco_peer_trusts_the_donor_it_downloaded_from_for_one_round(donors, rounds, trusted):
+    from types import SimpleNamespace
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+
+    peer = SimpleNamespace(_downloaded=("a", 2), outer_loop=SimpleNamespace(donors=donors, rounds=rounds))
+    assert SwarmOptimizer._trusted_donors(peer) == trusted
+    assert SwarmOptimizer._trusted_donors(SimpleNamespace(_downloaded=None, outer_loop=peer.outer_loop)) == []

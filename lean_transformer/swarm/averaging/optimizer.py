@@ -109,6 +109,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.host_grads: Optional[HostGradients] = None
         self.device_accumulation = device_accumulation
         self.outer_loop: Optional[OuterLoop] = None
+        self._downloaded: Optional[tuple[Optional[str], int]] = None  # DiLoCo: (donor, rounds) at the last download
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
@@ -285,7 +286,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 logger.info(f"This peer's outer state differs from the one {len(self.outer_loop.donors)} groupmate(s) "
                             f"hold: downloading theirs")
                 self.outer_loop.behind = False
-                self.load_state_from_peers(donors=self.outer_loop.donors)
+                self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors())
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         self.grad_averager.epoch_for_gather = self.local_epoch
@@ -368,13 +369,29 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         with self.waiting():
-            refused = self.state_averager.refused_donors()
+            refused, adopted = self.state_averager.refused_donors(), self.state_averager.adopted_count
             super().load_state_from_peers(**kwargs)
             if self.state_averager.refused_donors() - refused:
                 self.tracker.recount()  # the swarm's epoch without them: else this peer is out of sync at once
             if self.outer_loop is not None:
                 self.restart_from_anchor()
                 self.steps_in_round = 0
+                if self.state_averager.adopted_count != adopted:
+                    self._downloaded = (self.state_averager.adopted_from, self.outer_loop.rounds)
+
+    def _trusted_donors(self) -> list[str]:
+        """The donors whose outer state this DiLoCo peer adopts without the loss check when its group holds theirs:
+        the one it last downloaded from, if it has applied at most one round since. Why: a donor that takes an
+        outer step while it serves (or just after) leaves the newcomer one step behind, and its first round names
+        the donor's new state. Checked, that state is scored against the donor's own previous one, which this peer
+        adopted a round ago: an outer step at lr 0.7 with momentum can raise a batch's loss by more than the check's
+        margin, and in ``tests/test_diloco_swarm.py`` (CI) the newcomer refused its partner's state as 10.5% worse,
+        skipped it for 10 minutes and never held its group's anchor. It trusts nothing new: the same donor's state,
+        which this peer's first download trusted, one round on (``docs/security.md``)."""
+        if self._downloaded is None or self.outer_loop is None:
+            return []
+        donor, rounds = self._downloaded
+        return [donor] if donor in self.outer_loop.donors and self.outer_loop.rounds <= rounds + 1 else []
 
     def distrust(self, excluded: Mapping[str, float]) -> None:
         """Skip the states and ignore the progress of the peers this peer's averagers excluded (``excluded``: peer ID

@@ -206,11 +206,17 @@ class ValidatedStateSharing:
                                tuple(tensor.dtype for tensor in tensors), optimizer_skeleton(optimizer_metadata),
                                min_epoch=self.local_epoch)
 
-    def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (), **_unused) -> None:
+    adopted_from: Optional[str] = None  # the donor (peer ID) of the last state this peer adopted
+    adopted_count = 0  # states adopted so far
+
+    def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (),
+                              trusted: Sequence[str] = (), **_unused) -> None:
         """Load the best state that a peer serves, that fits this peer (see the module's docstring) and that passes
         :attr:`download_check`; keep the current state if none does within ``timeout`` seconds (default:
         ``request_timeout`` per part). ``donors`` (peer IDs) are tried first, and their states fit at any epoch: e.g.
-        DiLoCo's groupmates whose outer state the group converged on."""
+        DiLoCo's groupmates whose outer state the group converged on. The states of ``trusted`` peers skip
+        :attr:`download_check` (the layout checks still apply): e.g. the donor a DiLoCo newcomer joined from, one
+        outer step on (see ``SwarmOptimizer._trusted_donors``)."""
         layout = self._local_layout()
         deadline = None if timeout is None else time.monotonic() + timeout
         check = None if self.download_check is None else self.download_check()
@@ -227,11 +233,12 @@ class ValidatedStateSharing:
             if loaded is None:
                 return
             metadata, tensors, source, seconds = loaded
-            problem = None if check is None else check(tensors)
+            problem = None if check is None or source in trusted else check(tensors)
             if problem is None:
                 logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {source} in {seconds:.3f} s")
                 emit("state_downloaded", epoch=metadata["epoch"], source=source, seconds=seconds)
                 self._adopt(metadata, tensors)
+                self.adopted_from, self.adopted_count = source, self.adopted_count + 1
                 return
             logger.warning(f"Rejected the state of {source}: {problem}; trying the next peer")
             emit("state_rejected", source=source, reason=problem)
