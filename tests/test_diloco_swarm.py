@@ -88,6 +88,10 @@ def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
     # honest partners never refuse each other's states (the newcomer's first round often names its donor's state
     # one outer step on, which it once refused as worse on a batch: see SwarmOptimizer._trusted_donors)
     assert [trainer.events("state_rejected") for trainer in trainers] == [[], []]
+    for trainer in trainers:  # a download left unscored is from the donor of the one before
+        downloads = trainer.events("state_downloaded")
+        for before, after in zip(downloads, downloads[1:]):
+            assert after["scored"] or after["source"] == before["source"], downloads
 
 
 def test_logs_hold_no_traceback_and_no_tracker_chatter(diloco_run):

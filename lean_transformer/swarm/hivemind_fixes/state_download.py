@@ -233,10 +233,13 @@ class ValidatedStateSharing:
             if loaded is None:
                 return
             metadata, tensors, source, seconds = loaded
-            problem = None if check is None or source in trusted else check(tensors)
+            scored = check is not None and source not in trusted
+            problem = check(tensors) if scored else None
             if problem is None:
-                logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {source} in {seconds:.3f} s")
-                emit("state_downloaded", epoch=metadata["epoch"], source=source, seconds=seconds)
+                unscored = "" if scored or check is None else " (its last download's donor, a round on: not scored)"
+                logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {source} in {seconds:.3f} s"
+                            f"{unscored}")
+                emit("state_downloaded", epoch=metadata["epoch"], source=source, seconds=seconds, scored=scored)
                 self._adopt(metadata, tensors)
                 self.adopted_from, self.adopted_count = source, self.adopted_count + 1
                 return

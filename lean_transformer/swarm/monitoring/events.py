@@ -25,7 +25,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``round_missed``      the round failed, found no group or was cancelled: ``kind``, ``epoch``, ``reason``
                       (``cancelled``, or the error)
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
-``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``
+``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``,
+                      ``scored`` (whether the loss check scored it)
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
 ``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
                       averager's prefix)
