@@ -278,7 +278,7 @@ def test_gpu_parameters_take_the_cpu_outer_steps_bit_for_bit_with_the_outer_stat
     steps are those of the same parameters on the CPU, bit for bit."""
     results = {}
     for device in ("cpu", "cuda"):
-        weight = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6, device=device).view(2, 3))
+        weight = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6).view(2, 3).to(device))  # the same values on both
         outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
         moved = weight
         if bound_to == "host copies":
