@@ -27,7 +27,16 @@ from lean_transformer.demo.local_swarm import command_line
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 TRAINERS, EPOCHS = 8, 8
+# seconds from a trainer's epoch to its record in the aux peer's view: up to ~2 s measured here (0.5 s refresh)
+VISIBLE = 3.0
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def reached_before(trainer: PeerProcess, epoch: int, later: int, trainers: List[PeerProcess]) -> bool:
+    """Whether ``trainer`` reached ``epoch`` at least VISIBLE s before any trainer reached ``later`` (or none did)."""
+    first_later = min((event["time"] for peer in trainers for event in peer.events("epoch")
+                       if event["epoch"] >= later), default=float("inf"))
+    return any(event["epoch"] == epoch and event["time"] <= first_later - VISIBLE for event in trainer.events("epoch"))
 
 
 def swarm_args() -> List[str]:
@@ -68,13 +77,18 @@ def test_eight_trainers_share_one_dht_and_average_together(tmp_path: Path):
     # the epoch it finished), also where epochs were shorter than the refresh: the records repeat their last epochs.
     # Not the rows up to the epoch where the last trainer published its first record: the aux peer releases an epoch
     # once the trainers it knows of have reached it, and cannot wait for one it has never heard of (seen: epoch 1
-    # counted 7 of 8, the 8th's first record came after)
+    # counted 7 of 8, the 8th's first record came after). A straggler that reaches E only once another trainer has
+    # reached E + 2 need not count (EpochCollector's lag of 1; seen: a trainer whose round timed out reached epoch 3
+    # 8 s after the first had reached 5); one that reached E within VISIBLE s of that may or may not
     reached = [set(transitions(trainer)) for trainer in trainers]
     settled = max(min(epochs) for epochs in reached)
     exact = [row for row in rows if row["epoch"] > settled]
     assert len(exact) >= EPOCHS // 2, rows
-    assert [row["alive_peers"] for row in exact] == [sum(row["epoch"] in epochs for epochs in reached)
-                                                     for row in exact], rows
+    counts = [row["alive_peers"] for row in exact]
+    on_time = [sum(reached_before(trainer, row["epoch"], row["epoch"] + 2, trainers) for trainer in trainers)
+               for row in exact]
+    assert all(low <= count <= sum(row["epoch"] in epochs for epochs in reached)
+               for low, count, row in zip(on_time, counts, exact)), (counts, on_time, rows)
     assert all(1 <= row["alive_peers"] <= TRAINERS for row in rows), rows
     # averaging fraction: each trainer averaged with others in >= 75% of the epochs it went through (its first
     # epoch(s) may pass before the others have joined: with 8 processes starting on 2 cores, ~1 of 8 epochs)

@@ -1,4 +1,4 @@
-"""Fixes of hivemind's averagers: two bugs of a cancelled averaging round (:class:`CancelSafe`), and a gradient
+"""Fixes of hivemind's averagers: three bugs of a cancelled averaging round (:class:`CancelSafe`), and a gradient
 download nobody uses (:class:`NoGradientDownload`). The averagers the swarm runs combine them with the other fixes in
 :mod:`lean_transformer.swarm.averaging.averagers`.
 
@@ -19,17 +19,24 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
   round cancelled as soon as the signal arrives, so it stops looking for a group at once; and a round that is
   cancelled by the time its all-reduce begins serves its group with weight 0, on copies of its tensors.
 
-:class:`CancelSafe` fixes both.
+- **A timed-out round logs a traceback.** An all-reduce cut short by the averager's ``allreduce_timeout`` (a
+  groupmate that answers late) ends in ``AllReduceRunner.run``, which stores the ``CancelledError`` in the runner's
+  own future (``finalize(exception=...)``, not ``finalize(cancel=True)``). Nobody awaits that future, so
+  asyncio reports "Future exception was never retrieved" with a traceback as an ERROR once it is collected. Seen in
+  the 8-trainer swarm (``tests/test_large_swarm.py``), for a trainer whose groupmates had gone on without it. Here
+  the averager reads that outcome when the group's rounds end. Can go once hivemind's runner finalizes a cancelled
+  run as cancelled (master not checked).
 
-``tests/test_averagers.py`` reproduces both against hivemind's own classes.
+:class:`CancelSafe` fixes all three; ``tests/test_averagers.py`` reproduces each against hivemind's own classes.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from concurrent.futures import InvalidStateError
 from contextvars import ContextVar
-from typing import Any, Coroutine, Optional, Sequence, Set
+from typing import Any, Coroutine, Iterator, Optional, Sequence, Set
 
 import torch
 from hivemind.averaging.control import StepControl
@@ -92,6 +99,23 @@ class CancelSafe:
         if step is not None and step.cancelled():
             tensors, kwargs["weight"] = [tensor.clone() for tensor in tensors], 0.0
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
+        with super()._register_allreduce_group(group_info):
+            try:
+                yield
+            finally:
+                _read_runner_outcome(self._running_groups.get(group_info.group_id))
+
+
+def _read_runner_outcome(registered: Optional[asyncio.Future]) -> None:
+    """Mark the exception of a finished all-reduce runner's own future as read (see the module's third bug)."""
+    if registered is None or not registered.done() or registered.cancelled() or registered.exception() is not None:
+        return
+    outcome = getattr(registered.result(), "_future", None)  # hivemind's AllReduceRunner and its subclasses
+    if isinstance(outcome, asyncio.Future) and outcome.done() and not outcome.cancelled():
+        outcome.exception()
 
 
 class NoGradientDownload:
