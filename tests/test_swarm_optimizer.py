@@ -1,5 +1,6 @@
 """SwarmOptimizer's own interface, on a lone peer in each mode: what a checkpoint holds besides hivemind's state, and
-restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode."""
+restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
+a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again."""
 from __future__ import annotations
 
 import json
@@ -54,13 +55,88 @@ def run_lone_peers() -> dict:
     return result
 
 
-@pytest.mark.swarm
-def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
+def run_stale_newcomer() -> dict:
+    """A donor at epoch 1, a newcomer whose tracker reads that and then not again for a minute; the donor moves to
+    epoch 2 and the newcomer downloads. hivemind checks once per epoch that a peer's epoch equals the swarm's, and
+    took the stale 1 for the swarm's: the newcomer downloaded the same state again at its first step (seen in a
+    DiLoCo swarm: "Joined the swarm at epoch 15", "Peer is out of sync", a second state of epoch 15 0.2 s later)."""
+    import functools
+    import time
+
+    import hivemind
+    import torch
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+
+    def optimizer(dht: "hivemind.DHT", **tracker_opts: float) -> SwarmOptimizer:
+        model = torch.nn.Linear(4, 3)
+        return SwarmOptimizer(dht=dht, run_id="stale_view", target_batch_size=1000, batch_size_per_step=4,
+                              params=[dict(params=list(model.parameters()))], offload_optimizer=True,
+                              optimizer=functools.partial(torch.optim.SGD, lr=0.1), matchmaking_time=0.5,
+                              averaging_timeout=5.0, load_state_timeout=20, tracker_opts=tracker_opts)
+
+    def move_to(peer: SwarmOptimizer, epoch: int) -> None:
+        peer.state_averager.local_epoch = epoch
+        peer.state_averager.state_sharing_priority = epoch
+        peer.tracker.report_local_progress(epoch, samples_accumulated=1)  # hivemind publishes no record without samples
+
+    def published_epochs(peer: SwarmOptimizer) -> set:
+        entry = peer.dht.get(peer.tracker.training_progress_key, latest=True)
+        return {record.value.get("epoch") for record in (entry.value.values() if entry is not None else ())}
+
+    def wait(condition, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, f"not within 30 s: {what}"
+            time.sleep(0.1)
+
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                             initial_peers=dhts[0].get_visible_maddrs()))
+    peers = []
+    try:
+        donor = optimizer(dhts[0])
+        peers.append(donor)
+        move_to(donor, 1)
+        newcomer = optimizer(dhts[1], default_refresh_period=0.5)
+        peers.append(newcomer)
+        tracker = newcomer.tracker
+        wait(lambda: tracker.fetched_global_progress_this_epoch.is_set() and tracker.global_epoch == 1,
+             "the newcomer's tracker reads the donor's epoch 1")
+        tracker.min_refresh_period = tracker.max_refresh_period = tracker.default_refresh_period = 60.0
+        wait(lambda: tracker.global_progress.next_fetch_time > get_dht_time() + 30,
+             "the newcomer's tracker reads the swarm once more, then not for a minute")
+        assert tracker.global_epoch == 1
+        move_to(donor, 2)
+        wait(lambda: 2 in published_epochs(newcomer), "the donor's epoch 2 in the DHT")
+        newcomer.load_state_from_peers()
+        result = dict(epoch=newcomer.local_epoch, view=newcomer.tracker.global_epoch,
+                      downloads_again=newcomer._should_load_state_from_peers())
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
+    return result
+
+
+def run_script(*args: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=120, env=env)
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
-    result = json.loads(lines[-1])
+    return json.loads(lines[-1])
+
+
+@pytest.mark.swarm
+def test_a_newcomer_whose_view_predates_its_download_does_not_download_again():
+    result = run_script("stale")
+    # the newcomer holds the donor's epoch 2; its view counts its own epoch, so it is in sync, no second download
+    assert result == dict(epoch=2, view=2, downloads_again=False), result
+
+
+@pytest.mark.swarm
+def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
+    result = run_script()
     # gradient averaging: no state of its own, the drifted parameters stay (hivemind's own state is all there is)
     assert result["gradients"] == dict(no_host_grads=True, state_keys=[], state_tensors=0,
                                        restarted_to_initial=False, shift_after_checkpoint=[1.0, 1.0], outer_steps=None,
@@ -73,4 +149,4 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_lone_peers()), flush=True)
+    print(json.dumps(run_stale_newcomer() if sys.argv[1:] == ["stale"] else run_lone_peers()), flush=True)
