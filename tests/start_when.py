@@ -18,6 +18,7 @@ if __name__ == "__main__":
     go_file, timeout, script, args = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4:]
     sys.path.insert(0, str(REPO))
     importlib.import_module(Path(script).stem)  # run_trainer / run_aux_peer: imported, its main() not called
+    print(f"start_when.py: imported, waiting for {go_file}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout
     while not go_file.exists():
         if time.monotonic() > deadline:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -52,9 +52,23 @@ class DiLoCoFaults:
 
 
 def outer_state(root: Path, name: str, epoch: int) -> List[torch.Tensor]:
-    """The anchor and momentum a trainer backed up when it reached ``epoch``."""
+    """The anchor and momentum a trainer backed up when it reached ``epoch``, then its count of outer steps."""
     state = torch.load(root / name / "backups" / f"epoch-{epoch:06d}" / TRAINING_STATE_FILE, weights_only=True)
-    return state["outer"][:-1]
+    return state["outer"]
+
+
+def states_after_steps_together(run: "DiLoCoFaults", names: Tuple[str, str], backups: Tuple[str, str]) -> list:
+    """(outer steps, state, state) for the outer states (anchor and momentum) that two trainers backed up right after
+    outer steps with all three trainers, matched by their count of outer steps, not by epoch label: a trainer that
+    stepped alone while the other two downloaded its previous state, then downloaded theirs when the three met,
+    keeps an epoch label one higher than theirs for the same state (CI: steady's epoch 56 held faulty's epoch 55,
+    both after 55 outer steps)."""
+    by_steps = []
+    for name, folder in zip(names, backups):
+        states = [outer_state(run.root, folder, epoch) for epoch in epochs_after_outer_steps(run.peers[name], 3)]
+        by_steps.append({int(state[-1].item()): state[:-1] for state in states})
+    return [(steps, by_steps[0][steps], by_steps[1][steps])
+            for steps in sorted(by_steps[0].keys() & by_steps[1].keys())]
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +156,15 @@ def test_sigkill_during_the_outer_all_reduce(diloco_faults: DiLoCoFaults, report
     (joined,) = [event["epoch"] for event in restarted.events("joined")]
     assert joined >= run.killed_at
     # after an outer step of all three, the restarted victim holds the same anchor and momentum as steady
-    epochs = epochs_after_outer_steps(restarted, 3) & epochs_after_outer_steps(run.peers["steady"], 3)
-    epoch = min(epochs)
-    for mine, theirs in zip(outer_state(run.root, "victim", epoch), outer_state(run.root, "steady", epoch)):
+    pairs = states_after_steps_together(run, ("victim-restarted", "steady"), ("victim", "steady"))
+    assert pairs, "the restarted victim and steady took no outer step together"
+    steps, *states = pairs[0]
+    for mine, theirs in zip(*states):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
     report(f"victim SIGKILLed in epoch {run.killed_at}'s outer all-reduce (mid-round for both: "
            f"{run.kill_landed_mid_round}); survivors went on in "
            + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in run.seconds_to_go_on.items())
-           + f"; restarted, joined at epoch {joined}, stepped with both at epoch {epoch} with steady's outer state")
+           + f"; restarted, joined at epoch {joined}, stepped with both to outer step {steps} with steady's outer state")
 
 
 def test_nonfinite_micro_batches_poison_no_anchor(diloco_faults: DiLoCoFaults, report):
@@ -161,10 +176,10 @@ def test_nonfinite_micro_batches_poison_no_anchor(diloco_faults: DiLoCoFaults, r
     for folder in backups:
         state = torch.load(folder / TRAINING_STATE_FILE, weights_only=True)
         assert all(torch.isfinite(tensor).all() for tensor in state["outer"]), folder
-    together = epochs_after_outer_steps(run.peers["faulty"], 3) & epochs_after_outer_steps(run.peers["steady"], 3)
+    together = states_after_steps_together(run, ("faulty", "steady"), ("faulty", "steady"))
     assert together, "faulty and steady took no outer step together"
-    for epoch in sorted(together):
-        for mine, theirs in zip(outer_state(run.root, "faulty", epoch), outer_state(run.root, "steady", epoch)):
+    for _, *states in together:
+        for mine, theirs in zip(*states):
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
     report(f"faulty trainer dropped {sum(map(int, skipped))} non-finite micro-batches; its {len(backups)} backups "
            f"and steady's hold finite outer states, equal after the {len(together)} outer steps they took together")

@@ -7,8 +7,8 @@ One scenario (run once for the module, ~2 minutes) feeds the tests below:
   - "solo": trainer P0 alone with batch 2b = 16, the same schedule and initialization;
   - "resume": once P1 has backed up epoch 2, trainer P4 starts a fresh run with --resume_from that backup (newer than
     its empty swarm); once it trains, a late trainer P3 joins it with --resume_from P1's epoch-1 backup (older than
-    the swarm), averages gradients with it, and both are stopped with SIGTERM. (P4 and P3 start with the others and
-    wait, imported, for their moment: tests/start_when.py.)
+    the swarm), averages gradients with it, and both are stopped with SIGTERM. (P1, P2, P4 and P3 start with P0 and
+    wait, imported, for their moment: tests/start_when.py; the pair's is once all four have imported.)
 Then five peers train alone: two diverge on purpose (learning rate 1e30), one with a backup to restore and one
 without, and three train with mixed precision (fp16; MLM with bf16; fp16 with per-block gradient scales).
 """
@@ -96,7 +96,11 @@ def scenario(tmp_path_factory) -> Scenario:
     peers = [boot]
     try:
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
-        p1, p2 = (start_peer(name, trainer_argv("pair", root / name, initial, BATCH, EPOCHS), root, ENV)
+        # the pair starts together once both have imported: with their imports racing p0's, p3's and p4's on 2
+        # cores, P2 once began training 2.7 s before P1, stepped alone twice (P1's progress not yet in the DHT) and
+        # left P1 to download its way past epoch 2 (CI)
+        p1, p2 = (start_peer(name, ["tests/start_when.py", str(root / f"{name}.go"), "300",
+                                    *trainer_argv("pair", root / name, initial, BATCH, EPOCHS)], root, ENV)
                   for name in ("p1", "p2"))
         p0 = start_peer("p0", trainer_argv("solo", root / "p0", initial, 2 * BATCH, EPOCHS), root, ENV)
         peers += [p1, p2, p0]
@@ -106,6 +110,10 @@ def scenario(tmp_path_factory) -> Scenario:
                                             *trainer_argv("resume", root / name, initial, BATCH, 1000, *slower)],
                                      root, ENV) for name in ("p4", "p3"))
         peers += [resumed, late]
+        for peer in (p1, p2, resumed, late):
+            peer.wait_for(r"start_when\.py: imported", 120)
+        for name in ("p1", "p2"):
+            go(root / f"{name}.go")
 
         p1.wait_for(r"Backed up epoch 2\b", 150)
         go(root / "p4.go", "--resume_from", backup(root / "p1", 2))
