@@ -61,13 +61,13 @@ def run_stale_newcomer() -> dict:
     took the stale 1 for the swarm's: the newcomer downloaded the same state again at its first step (seen in a
     DiLoCo swarm: "Joined the swarm at epoch 15", "Peer is out of sync", a second state of epoch 15 0.2 s later)."""
     import functools
-    import time
 
     import hivemind
     import torch
     from hivemind.utils import get_dht_time
 
     from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+    from lean_transformer.swarm.peers.processes import wait_until
 
     def optimizer(dht: "hivemind.DHT", **tracker_opts: float) -> SwarmOptimizer:
         model = torch.nn.Linear(4, 3)
@@ -85,12 +85,6 @@ def run_stale_newcomer() -> dict:
         entry = peer.dht.get(peer.tracker.training_progress_key, latest=True)
         return {record.value.get("epoch") for record in (entry.value.values() if entry is not None else ())}
 
-    def wait(condition, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, f"not within 30 s: {what}"
-            time.sleep(0.1)
-
     dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
     dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                              initial_peers=dhts[0].get_visible_maddrs()))
@@ -102,14 +96,14 @@ def run_stale_newcomer() -> dict:
         newcomer = optimizer(dhts[1], default_refresh_period=0.5)
         peers.append(newcomer)
         tracker = newcomer.tracker
-        wait(lambda: tracker.fetched_global_progress_this_epoch.is_set() and tracker.global_epoch == 1,
-             "the newcomer's tracker reads the donor's epoch 1")
+        wait_until(lambda: tracker.fetched_global_progress_this_epoch.is_set() and tracker.global_epoch == 1,
+                   30, "the newcomer's tracker reads the donor's epoch 1", interval=0.1)
         tracker.min_refresh_period = tracker.max_refresh_period = tracker.default_refresh_period = 60.0
-        wait(lambda: tracker.global_progress.next_fetch_time > get_dht_time() + 30,
-             "the newcomer's tracker reads the swarm once more, then not for a minute")
+        wait_until(lambda: tracker.global_progress.next_fetch_time > get_dht_time() + 30,
+                   30, "the newcomer's tracker reads the swarm once more, then not for a minute", interval=0.1)
         assert tracker.global_epoch == 1
         move_to(donor, 2)
-        wait(lambda: 2 in published_epochs(newcomer), "the donor's epoch 2 in the DHT")
+        wait_until(lambda: 2 in published_epochs(newcomer), 30, "the donor's epoch 2 in the DHT", interval=0.1)
         newcomer.load_state_from_peers()
         result = dict(epoch=newcomer.local_epoch, view=newcomer.tracker.global_epoch,
                       downloads_again=newcomer._should_load_state_from_peers())
