@@ -99,6 +99,7 @@ def lie_with_gradients(attack: str, scale: float) -> None:
     from lean_transformer.swarm.averaging.diloco import PseudoGradientAverager
 
     honest_step, honest_start = SwarmOptimizer.step, PseudoGradientAverager.start
+    honest_prepare = PseudoGradientAverager.prepare
     gradient_lies, outer_lies = Lies(attack, scale, STALE_STEPS), Lies(attack, scale, STALE_ROUNDS)
 
     def lying_step(self, *args, **kwargs):
@@ -107,14 +108,18 @@ def lie_with_gradients(attack: str, scale: float) -> None:
                            if param.grad is not None])
         return honest_step(self, *args, **kwargs)
 
-    def lying_start(self, pseudo_gradients, samples, tag=None):
+    def lying_start(self, pseudo_gradients, samples, tag=None, prepared=None):
         if pseudo_gradients is not None:
             pseudo_gradients = [delta.detach().clone() for delta in pseudo_gradients]
             outer_lies(pseudo_gradients)
             samples = INFLATE * samples if attack == "inflate" else samples
-        return honest_start(self, pseudo_gradients, samples, tag)
+        return honest_start(self, pseudo_gradients, samples, tag, prepared=prepared)
+
+    def lying_prepare(self, scheduled_time, samples, tag=None):  # a prepared round gathers its claim early
+        return honest_prepare(self, scheduled_time, INFLATE * samples if attack == "inflate" else samples, tag)
 
     SwarmOptimizer.step, PseudoGradientAverager.start = lying_step, lying_start
+    PseudoGradientAverager.prepare = lying_prepare
     if attack == "inflate":
         from hivemind.optim.grad_averager import GradientAverager
 

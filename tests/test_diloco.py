@@ -28,6 +28,7 @@ CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
 PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
+MATCHMAKING, STAGGER = 2.0, 3.5  # the staggered test: c ends its round STAGGER s after a and b
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
 SPARSE_SAMPLES = {"a": 1, "client": 3}  # the sparse test's trainers and their samples per round
@@ -76,6 +77,24 @@ def test_the_anchor_fingerprint_is_the_same_for_any_thread_count_and_sees_one_ul
     anchor = rounds.outer.anchor[2]
     anchor[7, 7] = torch.nextafter(anchor[7, 7], torch.tensor(float("inf")))  # one unit in the last place
     assert rounds.fingerprint() != fingerprints[0]
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_the_fingerprint_after_an_outer_step_is_known_bit_for_bit_before_it(momentum):
+    """A prepared round gathers the fingerprint a peer will hold when the round ends; with overlap that is after the
+    outer step of the round in flight (OuterLoop._fingerprint_after_pending), computed on copies beforehand."""
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, anchor_fingerprint
+
+    generator = torch.Generator().manual_seed(1)
+    weights = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ([64, 32], [32], [7, 5])]
+    rounds = OuterLoop(OuterNesterov(weights, lr=LR, momentum=momentum), averager=None)
+    for _ in range(3):  # momentum that is not zero
+        averaged = [torch.randn(weight.shape, generator=generator) for weight in weights]
+        anchor_before = [anchor.clone() for anchor in rounds.outer.anchor]
+        expected = anchor_fingerprint(float(rounds.outer.steps) + 1, rounds.outer.anchor_after(averaged))
+        assert all(torch.equal(a, b) for a, b in zip(anchor_before, rounds.outer.anchor))  # left as it was
+        rounds.outer.step(averaged)
+        assert rounds.fingerprint() == expected
 
 
 def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hold():
@@ -408,6 +427,33 @@ def test_sparse_topk_all_reduce_with_a_client_mode_peer_and_an_aux_reducer(tmp_p
            f"2 rounds: both trainers bit-identical to the hand-computed sparse mean with error feedback")
 
 
+@pytest.mark.swarm
+def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_was_prepared(tmp_path, report):
+    """Three peers; a and b end the round at T, c (a slow peer, finishing its last local step) STAGGER s later, more
+    than the matchmaking time. Begun at each peer's end, the round splits: a and b average as two, c finds nobody
+    and misses it, and the anchors part. Prepared MATCHMAKING s before T (OuterLoop.prepare, as SwarmOptimizer does
+    when the swarm's expected end of the round is that near), the three form one group and it waits for c."""
+    results = {}
+    for mode in ("unprepared", "prepared"):
+        (tmp_path / mode).mkdir()
+        outputs = run_peers({name: [mode] for name in "abc"}, tmp_path / mode)
+        for code, _, err in outputs.values():
+            assert code == 0, err[-3000:]
+        results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    unprepared, prepared = results["unprepared"], results["prepared"]
+    sizes = {mode: [results[mode][name]["group_size"] for name in "abc"] for mode in results}
+    assert sizes["unprepared"] == [2, 2, None], unprepared
+    assert unprepared["a"]["anchor"] == unprepared["b"]["anchor"] != unprepared["c"]["anchor"]
+    assert sizes["prepared"] == [3, 3, 3], prepared
+    mean = (0.5 + 0.25 - 1.0) / 3  # 4 samples each
+    for name in "abc":
+        assert prepared[name]["anchor"] == prepared["a"]["anchor"]
+        torch.testing.assert_close(torch.tensor(prepared[name]["anchor"]),
+                                   torch.full((3,), hand_nesterov(1.0, [mean])), rtol=1e-4, atol=1e-5)
+    report(f"c ended its round {STAGGER} s after a and b (matchmaking {MATCHMAKING} s): begun at each end, group "
+           f"sizes {sizes['unprepared']}; prepared {MATCHMAKING} s ahead, {sizes['prepared']}")
+
+
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
@@ -533,6 +579,38 @@ def partial_round_peer(name: str, role: str) -> None:
     dht.shutdown()
 
 
+def staggered_peer(name: str, mode: str, role: str) -> None:
+    """A peer of the staggered test: it ends its round at the common time T (c: STAGGER s later), having prepared
+    the round's matchmaking MATCHMAKING s before T (``prepared``) or not (``unprepared``)."""
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+
+    dht = start_dht(role)
+    common = Path(os.environ["RENDEZVOUS"]) / "time"
+    if role == "first":
+        common.with_suffix(".tmp").write_text(str(get_dht_time() + 8.0))  # the others' DHTs start meanwhile
+        common.with_suffix(".tmp").rename(common)
+    wait_until(common.exists, timeout=60, what="the common time", interval=0.05)
+    end = float(common.read_text())
+    weight = torch.nn.Parameter(torch.full((3,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_staggered", [weight.shape], matchmaking_time=MATCHMAKING,
+                                      allreduce_timeout=10.0)
+    rounds = OuterLoop(outer, averager)
+    with torch.no_grad():
+        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0}[name])
+    rounds.add_samples(4)
+    if mode == "prepared":
+        time.sleep(max(0.0, end - MATCHMAKING - get_dht_time()))
+        rounds.prepare(end)
+    time.sleep(max(0.0, end + (STAGGER if name == "c" else 0.0) - get_dht_time()))
+    group_size = rounds.end_round()
+    print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist())), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
 def peer(name: str, compression: str, role: str) -> None:
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
     from lean_transformer.swarm.averaging.optimizer import make_compression
@@ -565,6 +643,8 @@ if __name__ == "__main__":
         partial_round_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] == "sparse":
         sparse_peer(sys.argv[1], sys.argv[3])
+    elif sys.argv[2] in ("prepared", "unprepared"):
+        staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
         peer(sys.argv[1], sys.argv[2], sys.argv[3])
 

@@ -42,7 +42,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -169,6 +169,20 @@ class OuterNesterov:
         for index, (anchor, param) in enumerate(zip(self.anchor, self.parameters)):
             anchor.grad = None
             param.copy_(anchor if keep is None else anchor - keep[index])
+
+    @torch.no_grad()
+    def anchor_after(self, averaged: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """The anchor tensors that :meth:`step` with ``averaged`` would give, one at a time and bit for bit (the same
+        SGD step on copies), leaving this state as it is."""
+        group = self.optimizer.param_groups[0]
+        for anchor, momentum_buffer, delta in zip(self.anchor, self.momenta, averaged):
+            copy = anchor.clone()
+            copy.grad = delta.to(torch.float32)
+            optimizer = torch.optim.SGD([copy], lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"])
+            if group["momentum"] > 0:
+                optimizer.state[copy]["momentum_buffer"] = momentum_buffer.clone()
+            optimizer.step()
+            yield copy
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -372,10 +386,15 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         round instead, it learns that it is behind and downloads the group's state (:meth:`OuterLoop._applied`)."""
         gathered = [self.serializer.loads(self.serializer.loads(data)[2]) for data in group_info.gathered]
         gathered = [data if isinstance(data, dict) else {} for data in gathered]
-        own = gathered[list(group_info.peer_ids).index(self.peer_id)].get("tag")
+        own = gathered[list(group_info.peer_ids).index(self.peer_id)]
         winner = converged_state({str(index): data.get("tag") for index, data in enumerate(gathered)})
-        in_step = winner is None or fingerprint_of(own) == winner
+        in_step = winner is None or fingerprint_of(own.get("tag")) == winner
         claimed = [data.get("samples") for data in gathered]
+        # a prepared round's claims were gathered before the round ended (PseudoGradientAverager.prepare): compare
+        # them with this peer's own claim of then, not with its weight at the end
+        claim = own.get("samples")
+        if isinstance(claim, (int, float)) and not isinstance(claim, bool) and math.isfinite(claim) and claim > 0:
+            weight = float(claim)
         return in_step and checks_answers(weight, claimed), gross_ratio(weight, claimed)
 
     async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight,
@@ -448,20 +467,39 @@ class PseudoGradientAverager:
         self.timeout = matchmaking_time + allreduce_timeout
         self.auxiliary = averager_opts.get("auxiliary", False)
 
-    def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None) -> Any:
+    def prepare(self, scheduled_time: float, samples: int, tag: Any = None) -> Any:
+        """Begin matchmaking for a round expected to end at ``scheduled_time`` (DHT time): the group forms meanwhile and
+        its all-reduce waits for :meth:`start` with the round's pseudo-gradients (``prepared=``). ``samples`` and
+        ``tag`` are all-gathered now, so they are this peer's samples so far and its outer state's fingerprint as
+        it will be when the round ends."""
+        timeout = max(0.0, scheduled_time - get_dht_time()) + self.timeout
+        return self.averager.step(scheduled_time=scheduled_time, gather=dict(tag=tag, samples=max(1, samples)),
+                                  timeout=timeout, require_trigger=True, wait=False)
+
+    def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None,
+              prepared: Any = None) -> Any:
+        """Begin the round (see the class); ``prepared``: the round :meth:`prepare` began for it, used if it is
+        still waiting (else cancelled, and a round begins now)."""
         if self.auxiliary:
             return self.averager.step(timeout=self.timeout, wait=False)
         if samples <= 0:
             raise ValueError(f"samples must be positive, got {samples}")
+        usable = prepared is not None and not prepared.done() and not prepared.triggered
+        if prepared is not None and not usable and not prepared.done():
+            prepared.cancel()
         with self.averager.get_tensors() as buffers:
             for buffer, delta in zip(buffers, pseudo_gradients):
                 buffer.copy_(delta)
+        if usable:
+            prepared.weight = float(samples)
+            prepared.allow_allreduce()
+            return prepared
         return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples), timeout=self.timeout,
                                   wait=False)
 
     def finish(self, control: Any) -> Optional[tuple]:
         try:
-            gathered = control.result(self.timeout + 5)
+            gathered = control.result(max(self.timeout, control.deadline - get_dht_time()) + 5)
         except Exception as error:  # hivemind raises its own errors on a failed round; the round is simply missed
             logger.debug(f"Outer all-reduce failed: {error!r}")
             if not control.done():
@@ -478,6 +516,12 @@ class PseudoGradientAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+def anchor_fingerprint(steps: float, anchor: Iterable[torch.Tensor]) -> list:
+    """[outer steps, checksum of the anchor] (see :meth:`OuterLoop.fingerprint`)."""
+    checksum = sum(int(tensor.view(torch.int32).sum(dtype=torch.int64)) for tensor in anchor)
+    return [steps, checksum % (1 << 62)]  # within msgpack's integers
 
 
 def fingerprint_of(tag: Any) -> Optional[list]:
@@ -573,6 +617,7 @@ class OuterLoop:
         self.nothing_to_apply = False  # overlap: the last round only sent (no earlier round was in flight)
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
+        self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
 
     def add_samples(self, samples: int) -> None:
         self.samples_since_anchor += samples
@@ -585,11 +630,51 @@ class OuterLoop:
         if not self.overlap:
             deltas = self.outer.pseudo_gradients()
             if alone:
+                self._take(None)
                 return self._applied(deltas, 1)
             tag = self.fingerprint()
-            result = self.averager.average(deltas, max(1, self.samples_since_anchor), tag)
+            control = self.averager.start(deltas, max(1, self.samples_since_anchor), tag, prepared=self._take(tag))
+            result = self.averager.finish(control)
             return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
         return self._end_overlapped_round(alone)
+
+    def prepare(self, scheduled_time: float) -> None:
+        """Begin the matchmaking of the round the swarm is expected to end at ``scheduled_time`` (DHT time), as
+        hivemind pre-schedules its gradient rounds. Begun when each peer sees the end, a round split into groups
+        whenever the peers saw it further apart than the matchmaking time: a slow peer notices only after its
+        current local step, and each reads the swarm's samples a refresh late. benchmarks/internet.py (6 trainers,
+        0.07-0.55 cores each, 5 s matchmaking): peers saw rounds end 4-6 s apart, 15 of 58 groups held 2 peers, and
+        the groups' different averages sent the smaller groups' members to download the state at their next round.
+        Matchmaking gathers the fingerprint this peer will send; with ``overlap`` that is the anchor after the round
+        in flight, so a peer whose round is still in flight prepares nothing, and :meth:`end_round` uses a prepared
+        round only if the fingerprint it sends still matches (else it cancels it and matches afresh)."""
+        if self.averager.auxiliary or self._prepared is not None:
+            return
+        tag = self.fingerprint() if not self.overlap or self._pending is None else self._fingerprint_after_pending()
+        if tag is not None:
+            self._prepared = (self.averager.prepare(scheduled_time, self.samples_since_anchor, tag), tag)
+
+    def _take(self, tag: list) -> Any:
+        """The prepared round's control if it was prepared with ``tag``; None (and cancelled) otherwise."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        control, prepared_tag = prepared
+        if prepared_tag == tag:
+            return control
+        if not control.done():
+            control.cancel()
+        return None
+
+    def _fingerprint_after_pending(self) -> Optional[list]:
+        """The fingerprint after applying the round in flight (overlap), if it is over and succeeded; else None."""
+        control = self._pending[0]
+        if not control.done():
+            return None
+        result = self.averager.finish(control)
+        if result is None:
+            return self.fingerprint()  # a failed round applies nothing
+        return anchor_fingerprint(float(self.outer.steps) + 1, self.outer.anchor_after(result[0]))
 
     def references(self, own: Sequence[torch.Tensor]) -> Tuple[List[float], float]:
         """Per anchor tensor, the largest norm of an honest update this peer knows, and how many times that an average
@@ -611,8 +696,7 @@ class OuterLoop:
         same one, bit for bit. The checksum adds the anchor's float32 bit patterns as integers, which no summation
         order changes; a float64 sum's last digit changed with the thread count (8 threads against 1-4, on 25M
         values), so peers with different core counts saw each other as out of date and re-downloaded the state."""
-        checksum = sum(int(anchor.view(torch.int32).sum(dtype=torch.int64)) for anchor in self.outer.anchor)
-        return [float(self.outer.steps), checksum % (1 << 62)]  # within msgpack's integers
+        return anchor_fingerprint(float(self.outer.steps), self.outer.anchor)
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Optional[Mapping[str, Any]] = None,
                  keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None,
@@ -650,18 +734,21 @@ class OuterLoop:
                 samples += sent_samples
         if alone:
             self._pending, self._base = None, None  # the parameters restart from the new anchor
+            self._take(None)
             self.samples_since_anchor = samples
             return self._applied(progress, 1)
         tag = self.fingerprint()
-        self._pending = (self.averager.start(progress, max(1, samples), tag), progress, samples, tag)
+        control = self.averager.start(progress, max(1, samples), tag, prepared=self._take(tag))
+        self._pending = (control, progress, samples, tag)
         self.samples_since_anchor = 0
         self._base = [host_float32(p) for p in parameters]
         return group_size
 
     def forget_pending(self) -> None:
-        """Drop a background round (the parameters were replaced, e.g. by a downloaded state)."""
+        """Drop a background round and a prepared one (the parameters were replaced, e.g. by a downloaded state)."""
         if self._pending is not None and not self._pending[0].done():
             self._pending[0].cancel()
+        self._take(None)
         self._pending, self._base = None, None
         self.samples_since_anchor = 0
 

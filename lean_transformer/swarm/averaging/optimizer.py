@@ -22,6 +22,7 @@ from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim import state_averager
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from torch import nn
 
@@ -260,8 +261,19 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not self.auxiliary:
             if self.local_epoch == epoch:
                 self.steps_in_round += 1
+                self._maybe_prepare_outer_round()
             self._advance_inner_schedule()
         return result
+
+    def _maybe_prepare_outer_round(self) -> None:
+        """DiLoCo: begin the outer round's matchmaking once the swarm is expected to end the round within the
+        matchmaking time (:meth:`OuterLoop.prepare`), as hivemind's gradient averaging pre-schedules its rounds.
+        Not in client mode: such a peer cannot lead a group, and joins one when its round ends."""
+        if self.client_mode or self.tracker.global_progress.num_peers <= 1:  # alone: its round forms no group
+            return
+        expected = self.tracker.estimated_next_update_time
+        if expected - get_dht_time() <= self.matchmaking_time:
+            self.outer_loop.prepare(expected)
 
     def _advance_inner_schedule(self) -> None:
         """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""
