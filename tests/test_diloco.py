@@ -454,6 +454,25 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
            f"sizes {sizes['unprepared']}; prepared {MATCHMAKING} s ahead, {sizes['prepared']}")
 
 
+@pytest.mark.swarm
+def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_with_weight_0(tmp_path, report):
+    """a, b and c prepare a round together; a and b end it, c instead replaces its parameters (OuterLoop.forget_pending,
+    as after a state download) while they wait for its part. c leaves the round to them with weight 0
+    (PseudoGradientAverager.release): a and b average as the group of 3 that formed, exactly their own mean. Cancelled
+    (before), c's round failed theirs: a and b both missed the round."""
+    outputs = run_peers({name: ["released"] for name in "abc"}, tmp_path)
+    for code, _, err in outputs.values():
+        assert code == 0, err[-3000:]
+    results = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    assert [results[name]["group_size"] for name in "abc"] == [3, 3, None], results
+    mean = (0.5 + 0.25) / 2  # c counts for nothing
+    for name in "ab":
+        torch.testing.assert_close(torch.tensor(results[name]["anchor"]), torch.full((3,), hand_nesterov(1.0, [mean])),
+                                   rtol=1e-4, atol=1e-5)
+    assert results["c"]["anchor"] == [1.0] * 3
+    report("a peer that dropped its prepared round: the other two averaged as the group of 3, c with weight 0")
+
+
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
@@ -601,11 +620,18 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     with torch.no_grad():
         weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0}[name])
     rounds.add_samples(4)
-    if mode == "prepared":
+    if mode != "unprepared":
         time.sleep(max(0.0, end - MATCHMAKING - get_dht_time()))
         rounds.prepare(end)
     time.sleep(max(0.0, end + (STAGGER if name == "c" else 0.0) - get_dht_time()))
-    group_size = rounds.end_round()
+    if mode == "released" and name == "c":  # as after a state download, with a and b waiting for it
+        rounds.forget_pending()
+        group_size = None
+        wait_until(lambda: all((common.parent / f"{other}.done").exists() for other in "ab"), timeout=60,
+                   what="a and b's round", interval=0.05)
+    else:
+        group_size = rounds.end_round()
+        (common.parent / f"{name}.done").touch()
     print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist())), flush=True)
     averager.shutdown()
     dht.shutdown()
@@ -631,7 +657,7 @@ def peer(name: str, compression: str, role: str) -> None:
             weight.sub_(shift)
         rounds.add_samples(samples)
         group_sizes.append(rounds.end_round())  # hivemind retries matchmaking until the round's timeout
-    rounds.forget_pending()
+    rounds.cancel_rounds()
     averager.shutdown()
     dht.shutdown()
     print(json.dumps(dict(weight=weight.tolist(), anchor=outer.anchor[0].tolist(), group_sizes=group_sizes)),
@@ -643,7 +669,7 @@ if __name__ == "__main__":
         partial_round_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] == "sparse":
         sparse_peer(sys.argv[1], sys.argv[3])
-    elif sys.argv[2] in ("prepared", "unprepared"):
+    elif sys.argv[2] in ("prepared", "unprepared", "released"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
         peer(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -59,7 +59,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.averaging.answer_check import GROSS_RATIO, ChecksAnswers
-from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry
+from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry, serving_only
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
@@ -336,6 +336,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        tensors = serving_only(tensors, kwargs, released_too=True)  # CancelSafe's, which this method replaces
         group_id = group_info.group_id if group_id is None else group_id
         checked, gross = (False, None) if self.aggregation == "mean" else \
             self._answer_checks(group_info, kwargs.get("weight", 1.0))
@@ -420,7 +421,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
             if runner.rejected:
                 end_step_without_retry()
             raise
-        self.topk.commit()
+        if weight > 0:  # else the round only served its group (serving_only): its values counted for nothing
+            self.topk.commit()
         offset = 0
         for tensor in tensors:
             tensor.copy_(average[offset:offset + tensor.numel()].view_as(tensor))
@@ -496,6 +498,17 @@ class PseudoGradientAverager:
             return prepared
         return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples), timeout=self.timeout,
                                   wait=False)
+
+    def release(self, control: Any) -> None:
+        """Stop waiting for a round without failing its group (this peer's parameters were replaced, e.g. by a
+        downloaded state): a prepared round still waiting for :meth:`start` serves its group with weight 0, a started
+        one goes on with what this peer sent; nobody reads the result. Cancelled instead, a round whose group had
+        formed failed for every member: the peer, one of its reducers, answered their parts with BAD_GROUP_ID, and
+        the members' retries split the round or missed it (benchmarks/internet.py, 6 DiLoCo trainers, 120 s: 22 of
+        the 28 all-reduces that failed on a reducer's answer got BAD_GROUP_ID; tests/test_diloco.py)."""
+        if not control.done() and not control.triggered:
+            control.weight = 0.0
+            control.allow_allreduce()
 
     def finish(self, control: Any) -> Optional[tuple]:
         try:
@@ -614,10 +627,12 @@ class OuterLoop:
         self.samples_since_anchor = self.rounds = 0
         self.behind = False  # the group's outer states differed and ours lost: download the swarm's
         self.donors: List[str] = []  # then the peer IDs of the groupmates that hold the state the group converges on
+        self.outer_steps_behind: Optional[tuple] = None  # then (this peer's outer steps, the converged state's)
         self.nothing_to_apply = False  # overlap: the last round only sent (no earlier round was in flight)
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
         self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
+        self._released: List[Any] = []  # rounds left to their groups (_release) that may still run
 
     def add_samples(self, samples: int) -> None:
         self.samples_since_anchor += samples
@@ -633,6 +648,7 @@ class OuterLoop:
                 self._take(None)
                 return self._applied(deltas, 1)
             tag = self.fingerprint()
+            self._cancel_released()
             control = self.averager.start(deltas, max(1, self.samples_since_anchor), tag, prepared=self._take(tag))
             result = self.averager.finish(control)
             return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
@@ -647,24 +663,43 @@ class OuterLoop:
         the groups' different averages sent the smaller groups' members to download the state at their next round.
         Matchmaking gathers the fingerprint this peer will send; with ``overlap`` that is the anchor after the round
         in flight, so a peer whose round is still in flight prepares nothing, and :meth:`end_round` uses a prepared
-        round only if the fingerprint it sends still matches (else it cancels it and matches afresh)."""
-        if self.averager.auxiliary or self._prepared is not None:
+        round only if the fingerprint it sends still matches (else it releases it and matches afresh)."""
+        if self.averager.auxiliary or self._prepared is not None or self._released_running():
             return
         tag = self.fingerprint() if not self.overlap or self._pending is None else self._fingerprint_after_pending()
         if tag is not None:
             self._prepared = (self.averager.prepare(scheduled_time, self.samples_since_anchor, tag), tag)
 
-    def _take(self, tag: list) -> Any:
-        """The prepared round's control if it was prepared with ``tag``; None (and cancelled) otherwise."""
+    def _take(self, tag: Optional[list]) -> Any:
+        """The prepared round's control if it was prepared with ``tag``; None (and the round released) otherwise."""
         prepared, self._prepared = self._prepared, None
         if prepared is None:
             return None
         control, prepared_tag = prepared
         if prepared_tag == tag:
             return control
-        if not control.done():
-            control.cancel()
+        self._release(control)
         return None
+
+    def _release(self, control: Any) -> None:
+        """Leave a round to its group (:meth:`PseudoGradientAverager.release`)."""
+        if not control.done():
+            self.averager.release(control)
+            self._released.append(control)
+
+    def _released_running(self) -> bool:
+        self._released = [control for control in self._released if not control.done()]
+        return bool(self._released)
+
+    def _cancel_released(self) -> None:
+        """Before a round begins: cancel the released rounds still running. Once its all-reduce has begun a round
+        holds the averager's buffers, which the new round's :meth:`PseudoGradientAverager.start` then waits for;
+        before that, it would average whatever the buffers hold when it gets there (cancelled: nothing, with weight
+        0, or it leaves matchmaking)."""
+        for control in self._released:
+            if not control.done():
+                control.cancel()
+        self._released = []
 
     def _fingerprint_after_pending(self) -> Optional[list]:
         """The fingerprint after applying the round in flight (overlap), if it is over and succeeded; else None."""
@@ -712,6 +747,7 @@ class OuterLoop:
         winner = converged_state(tags) if sent_tag is not None else None
         self.behind = winner is not None and list(sent_tag) != winner
         self.donors = [peer for peer, tag in tags.items() if self.behind and fingerprint_of(tag) == winner]
+        self.outer_steps_behind = (int(sent_tag[0]), int(winner[0])) if self.behind else None
         with self.lock:
             self.outer.step(averaged, keep=keep)
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
@@ -738,6 +774,7 @@ class OuterLoop:
             self.samples_since_anchor = samples
             return self._applied(progress, 1)
         tag = self.fingerprint()
+        self._cancel_released()
         control = self.averager.start(progress, max(1, samples), tag, prepared=self._take(tag))
         self._pending = (control, progress, samples, tag)
         self.samples_since_anchor = 0
@@ -745,12 +782,18 @@ class OuterLoop:
         return group_size
 
     def forget_pending(self) -> None:
-        """Drop a background round and a prepared one (the parameters were replaced, e.g. by a downloaded state)."""
-        if self._pending is not None and not self._pending[0].done():
-            self._pending[0].cancel()
+        """Stop waiting for the background round and the prepared one (the parameters were replaced, e.g. by a
+        downloaded state), leaving them to their groups (:meth:`PseudoGradientAverager.release`)."""
+        if self._pending is not None:
+            self._release(self._pending[0])
         self._take(None)
         self._pending, self._base = None, None
         self.samples_since_anchor = 0
+
+    def cancel_rounds(self) -> None:
+        """Cancel every round this peer has begun (it is leaving)."""
+        self.forget_pending()
+        self._cancel_released()
 
 
 def wire_bytes_per_parameter(shapes: Sequence[torch.Size], compression: Optional[CompressionBase],

@@ -295,8 +295,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._advance_epoch(grad_scaler)
             self.steps_in_round = 0
             if self.outer_loop.behind:  # e.g. it stepped in another group of the last round (a split)
-                logger.info(f"This peer's outer state differs from the one {len(self.outer_loop.donors)} groupmate(s) "
-                            f"hold: downloading theirs")
+                ours, theirs = self.outer_loop.outer_steps_behind
+                logger.info(f"This peer's outer state ({ours} outer steps) differs from the one "
+                            f"{len(self.outer_loop.donors)} groupmate(s) hold ({theirs}): downloading theirs")
                 self.outer_loop.behind = False
                 self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors())
 
@@ -479,7 +480,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.outer_loop is not None:
             if self.host_grads is not None:
                 self.host_grads.remove_hooks()
-            self.outer_loop.forget_pending()
+            self.outer_loop.cancel_rounds()
             self.outer_loop.averager.shutdown()
         super().shutdown()
 

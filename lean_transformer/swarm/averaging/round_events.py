@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import StepControl
 
 from lean_transformer.swarm.monitoring.events import emit
@@ -28,6 +29,8 @@ class ReportsRounds:
             elif step.exception() is not None:
                 error = step.exception()
                 emit("round_missed", kind=kind, epoch=epoch, reason=f"{type(error).__name__}: {error}")
+            elif step.weight == 0 and self.mode != AveragingMode.AUX:  # e.g. diloco.PseudoGradientAverager.release
+                emit("round_missed", kind=kind, epoch=epoch, reason="served its group with weight 0")
             else:
                 emit("averaged", kind=kind, epoch=epoch, group_size=len(step.result() or ()), bytes=None)
 

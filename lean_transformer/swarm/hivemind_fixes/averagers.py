@@ -62,6 +62,20 @@ async def _cancelled_once_signalled(step: StepControl) -> None:
     MPFuture.cancel(step)
 
 
+def serving_only(tensors: Sequence[torch.Tensor], kwargs: dict, released_too: bool = False
+                 ) -> Sequence[torch.Tensor]:
+    """In the averager's process, as an all-reduce begins: for a round cancelled meanwhile (``released_too``: or given
+    weight 0, see ``diloco.PseudoGradientAverager.release``), copies of ``tensors`` to average, and ``kwargs``'
+    weight set to 0: the round serves its group without counting and without changing this peer's buffers, which its
+    owner may already be filling for its next round. Else ``tensors`` as they are. (Not every weight 0 in gradient
+    averaging: hivemind may average a peer's gradients with weight 0 and still use the result.)"""
+    step = _current_step.get()
+    if step is not None and (step.cancelled() or (released_too and step.weight == 0)):
+        kwargs["weight"] = 0.0
+        return [tensor.clone() for tensor in tensors]
+    return tensors
+
+
 def end_step_without_retry() -> None:
     """In the averager's process, inside an all-reduce: hivemind's ``_step`` will not retry the current step when
     this round fails (it retries a failed round until the step's deadline). For a round whose failure a retry
@@ -95,9 +109,7 @@ class CancelSafe:
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       *args: Any, **kwargs: Any) -> None:
-        step = _current_step.get()
-        if step is not None and step.cancelled():
-            tensors, kwargs["weight"] = [tensor.clone() for tensor in tensors], 0.0
+        tensors = serving_only(tensors, kwargs)
         await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
 
     @contextlib.contextmanager

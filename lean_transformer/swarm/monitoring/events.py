@@ -22,8 +22,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       ``parameters`` or ``outer``), ``epoch`` (the round's, where the averager knows it, else ``null``)
 ``averaged``          the round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``, ``bytes``
                       (sent by this peer, when known, else ``null``)
-``round_missed``      the round failed, found no group or was cancelled: ``kind``, ``epoch``, ``reason``
-                      (``cancelled``, or the error)
+``round_missed``      the round failed, found no group, was cancelled, or only served its group with weight 0:
+                      ``kind``, ``epoch``, ``reason`` (``cancelled``, ``served its group with weight 0``, or the error)
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
 ``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``,
                       ``scored`` (whether the loss check scored it)
