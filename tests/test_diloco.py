@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -79,22 +80,18 @@ def test_the_anchor_fingerprint_is_the_same_for_any_thread_count_and_sees_one_ul
     assert rounds.fingerprint() != fingerprints[0]
 
 
-@pytest.mark.parametrize("momentum", [0.9, 0.0])
-def test_the_fingerprint_after_an_outer_step_is_known_bit_for_bit_before_it(momentum):
-    """A prepared round gathers the fingerprint a peer will hold when the round ends; with overlap that is after the
-    outer step of the round in flight (OuterLoop._fingerprint_after_pending), computed on copies beforehand."""
-    from lean_transformer.swarm.averaging.diloco import OuterLoop, anchor_fingerprint
+def test_a_prepared_round_claims_the_samples_a_peer_expects_when_the_round_ends():
+    """The claim a prepared round gathers is what the groupmates compare their final samples with (checks_answers):
+    samples so far plus the peer's speed until the expected end; its samples so far where the speed is unknown."""
+    from lean_transformer.swarm.averaging.diloco import checks_answers, expected_samples
 
-    generator = torch.Generator().manual_seed(1)
-    weights = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ([64, 32], [32], [7, 5])]
-    rounds = OuterLoop(OuterNesterov(weights, lr=LR, momentum=momentum), averager=None)
-    for _ in range(3):  # momentum that is not zero
-        averaged = [torch.randn(weight.shape, generator=generator) for weight in weights]
-        anchor_before = [anchor.clone() for anchor in rounds.outer.anchor]
-        expected = anchor_fingerprint(float(rounds.outer.steps) + 1, rounds.outer.anchor_after(averaged))
-        assert all(torch.equal(a, b) for a, b in zip(anchor_before, rounds.outer.anchor))  # left as it was
-        rounds.outer.step(averaged)
-        assert rounds.fingerprint() == expected
+    assert expected_samples(8, 40.0, 2.5) == 108
+    assert [expected_samples(8, speed, 3.0) for speed in (0.0, -1.0, math.nan, math.inf)] == [8] * 4
+    assert expected_samples(8, 40.0, -2.0) == 8  # the end is already past
+    # a peer with 1 local step (8 samples) against groupmates that will have ~100 does not check their answers;
+    # against their claims of 4-6 s before the end (16-24) it did
+    assert not checks_answers(8, [expected_samples(samples, 20.0, 4.0) for samples in (16, 24, 20)])
+    assert checks_answers(8, [16, 24, 20])
 
 
 def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hold():
@@ -473,6 +470,31 @@ def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_wi
     report("a peer that dropped its prepared round: the other two averaged as the group of 3, c with weight 0")
 
 
+@pytest.mark.swarm
+def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_fingerprint(tmp_path, report):
+    """With overlap, a and b send round 1 in the background; a serves its outer state to c (a newcomer); all three
+    then end rounds 2 and 3. Served as before, once the all-reduce was over but with its step applied only when
+    round 2 ended, the state was one outer step behind: c sent an outdated fingerprint with round 2, lost the
+    group's vote and had to download again. Now a applies the step as soon as the all-reduce is over
+    (OuterLoop.apply_finished, between two local steps), and a state asked for while the round is in flight waits
+    for that (OuterLoop.settled): c sends the swarm's fingerprint, and the three anchors are bit-identical after
+    round 2; b, which applied the step only at its end of round 2, holds the same anchor."""
+    results = {}
+    for mode in ("deferred", "applied"):
+        (tmp_path / mode).mkdir()
+        outputs = run_peers({name: [mode] for name in "abc"}, tmp_path / mode)
+        for code, _, err in outputs.values():
+            assert code == 0, err[-3000:]
+        results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    deferred, applied = results["deferred"], results["applied"]
+    assert [deferred[name]["behind"] for name in "abc"] == [False, False, True], deferred
+    assert [applied[name]["behind"] for name in "abc"] == [False, False, False], applied
+    assert [applied[name]["group_size"] for name in "abc"] == [3, 3, 3], applied
+    assert applied["a"]["anchor"] == applied["b"]["anchor"] == applied["c"]["anchor"]
+    report("newcomer c loaded a's state after a's round 1 was over: served before the step applied, c was behind "
+           "its group after round 2; with the step applied at once, all three in step, anchors bit-identical")
+
+
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
@@ -637,6 +659,69 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
+def newcomer_peer(name: str, mode: str, role: str) -> None:
+    """A peer of the newcomer test: a and b (overlap) send round 1 at T; a serves its outer state: as before
+    (``deferred``) once that round's all-reduce is over, its step not applied yet; or (``applied``) asked while the
+    round is in flight, once its step is applied (``OuterLoop.settled``), which it is as soon as the all-reduce is
+    over. c loads it; all end round 2 at T + 8 s and round 3 at T + 16 s. Prints whether the peer's outer state lost
+    its group's vote in round 2 (``behind``)."""
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+
+    dht = start_dht(role)
+    rendezvous = Path(os.environ["RENDEZVOUS"])
+    common, served = rendezvous / "time", rendezvous / "served.pt"
+    if role == "first":
+        common.with_suffix(".tmp").write_text(str(get_dht_time() + 8.0))
+        common.with_suffix(".tmp").rename(common)
+    wait_until(common.exists, timeout=60, what="the common time", interval=0.05)
+    start = float(common.read_text())
+    weight = torch.nn.Parameter(torch.full((3,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_newcomer", [weight.shape], matchmaking_time=MATCHMAKING,
+                                      allreduce_timeout=10.0)
+    rounds = OuterLoop(outer, averager, overlap=True)
+    if name == "c":
+        wait_until(served.exists, timeout=60, what="a's served state", interval=0.05)
+        outer.load_state_tensors(torch.load(served))
+    else:
+        time.sleep(max(0.0, start - get_dht_time()))
+        with torch.no_grad():
+            weight.sub_({"a": 0.5, "b": 0.25}[name])
+        rounds.add_samples(4)
+        rounds.end_round()  # sends round 1
+
+        def serve() -> None:  # as a donor's serving thread does (ValidatedStateSharing.get_current_state)
+            if mode == "applied":
+                assert rounds.settled.wait(30)  # SwarmOptimizer's before_serving
+            torch.save([tensor.clone() for tensor in outer.state_tensors()], served.with_suffix(".tmp"))
+            served.with_suffix(".tmp").rename(served)
+
+        if name == "a":
+            server = threading.Thread(target=serve)
+            if mode == "applied":  # asked while round 1 is in flight
+                server.start()
+            wait_until(rounds.finished_in_background, timeout=30, what="round 1's all-reduce", interval=0.05)
+            if mode == "applied":
+                rounds.apply_finished()  # as SwarmOptimizer.step does between two local steps
+            else:
+                server.start()
+            server.join()
+    group_sizes, behind = [], False
+    for index, end in enumerate([start + 8.0, start + 16.0]):
+        with torch.no_grad():
+            weight.sub_(0.125 * (index + 1))
+        rounds.add_samples(4)
+        time.sleep(max(0.0, end - get_dht_time()))
+        group_sizes.append(rounds.end_round())
+        behind = behind or rounds.behind
+    print(json.dumps(dict(group_size=group_sizes[-1], behind=behind, anchor=outer.anchor[0].tolist())), flush=True)
+    rounds.cancel_rounds()
+    averager.shutdown()
+    dht.shutdown()
+
+
 def peer(name: str, compression: str, role: str) -> None:
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
     from lean_transformer.swarm.averaging.optimizer import make_compression
@@ -669,6 +754,8 @@ if __name__ == "__main__":
         partial_round_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] == "sparse":
         sparse_peer(sys.argv[1], sys.argv[3])
+    elif sys.argv[2] in ("deferred", "applied"):
+        newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "released"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:

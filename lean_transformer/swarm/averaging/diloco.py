@@ -26,8 +26,9 @@ feedback, SparseLoCo-style, through a sparse all-reduce over the same partition
 (:mod:`lean_transformer.swarm.averaging.sparse_allreduce`), whose reducers answer every peer with the same sparse average.
 
 With ``overlap`` the all-reduce of round t runs in the background while round t+1 trains, and its outer step is applied
-at the end of round t+1 (a one-round-delayed outer update): the anchor then moves by the swarm's average of round t,
-and the peer carries its own round-(t+1) progress on top of the new anchor.
+as soon as the all-reduce is over (between two local steps of round t+1; at the end of round t+1 at the latest): the
+anchor then moves by the swarm's average of round t, and the peer carries its own round-(t+1) progress on top of the
+new anchor.
 
 Built from kept parts: the outer step is ``torch.optim.SGD(nesterov=True)`` on the anchor tensors, the all-reduce is
 hivemind's ``DecentralizedAverager`` (with the cancel fixes of :mod:`..hivemind_fixes.averagers`). Ours: the round
@@ -40,9 +41,10 @@ import contextlib
 import logging
 import math
 import statistics
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -171,20 +173,6 @@ class OuterNesterov:
             param.copy_(anchor if keep is None else anchor - keep[index])
 
     @torch.no_grad()
-    def anchor_after(self, averaged: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-        """The anchor tensors that :meth:`step` with ``averaged`` would give, one at a time and bit for bit (the same
-        SGD step on copies), leaving this state as it is."""
-        group = self.optimizer.param_groups[0]
-        for anchor, momentum_buffer, delta in zip(self.anchor, self.momenta, averaged):
-            copy = anchor.clone()
-            copy.grad = delta.to(torch.float32)
-            optimizer = torch.optim.SGD([copy], lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"])
-            if group["momentum"] > 0:
-                optimizer.state[copy]["momentum_buffer"] = momentum_buffer.clone()
-            optimizer.step()
-            yield copy
-
-    @torch.no_grad()
     def reset_parameters(self) -> None:
         """Parameters back to the anchor (a newcomer that downloaded the swarm's outer state)."""
         for anchor, param in zip(self.anchor, self.parameters):
@@ -267,6 +255,17 @@ class _CheckedSameResultRunner(ChecksAnswers, CenteredClipReduction, _SameResult
 # with a quarter of the median's samples applied a lie that the others rejected, and the group's anchors parted
 # (benchmarks/byzantine.py, DiLoCo, a reducer flipping its answers)
 CHECKING_SHARE = 0.2
+
+
+def expected_samples(samples: int, samples_per_second: float, seconds_left: float) -> int:
+    """The samples a peer expects to have in its round when it ends ``seconds_left`` from now, at its speed: the claim
+    a prepared round gathers (:meth:`PseudoGradientAverager.prepare`). Its samples so far were what the others compared
+    their final samples with (:func:`checks_answers`), and they were all a fraction of the final ones: a peer with 1
+    local step in the round (8 samples against 72-144) checked answers and rejected an honest reducer's (cosine
+    -0.05; tests/test_lying_reducer.py), which failed its round and sent it to download the state."""
+    if not (math.isfinite(samples_per_second) and samples_per_second > 0):
+        return samples
+    return samples + int(samples_per_second * max(0.0, seconds_left))
 
 
 def claimed_weights(weights: Sequence[Any]) -> List[float]:
@@ -391,11 +390,6 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         winner = converged_state({str(index): data.get("tag") for index, data in enumerate(gathered)})
         in_step = winner is None or fingerprint_of(own.get("tag")) == winner
         claimed = [data.get("samples") for data in gathered]
-        # a prepared round's claims were gathered before the round ended (PseudoGradientAverager.prepare): compare
-        # them with this peer's own claim of then, not with its weight at the end
-        claim = own.get("samples")
-        if isinstance(claim, (int, float)) and not isinstance(claim, bool) and math.isfinite(claim) and claim > 0:
-            weight = float(claim)
         return in_step and checks_answers(weight, claimed), gross_ratio(weight, claimed)
 
     async def _run_sparse_allreduce(self, tensors, group_info, group_id, *, peer_fractions, weight,
@@ -472,8 +466,9 @@ class PseudoGradientAverager:
     def prepare(self, scheduled_time: float, samples: int, tag: Any = None) -> Any:
         """Begin matchmaking for a round expected to end at ``scheduled_time`` (DHT time): the group forms meanwhile and
         its all-reduce waits for :meth:`start` with the round's pseudo-gradients (``prepared=``). ``samples`` and
-        ``tag`` are all-gathered now, so they are this peer's samples so far and its outer state's fingerprint as
-        it will be when the round ends."""
+        ``tag`` are all-gathered now, so they are the samples this peer expects to have when the round ends (what
+        its groupmates compare their own final samples with: :func:`checks_answers`) and its outer state's
+        fingerprint as it will be then."""
         timeout = max(0.0, scheduled_time - get_dht_time()) + self.timeout
         return self.averager.step(scheduled_time=scheduled_time, gather=dict(tag=tag, samples=max(1, samples)),
                                   timeout=timeout, require_trigger=True, wait=False)
@@ -529,12 +524,6 @@ class PseudoGradientAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
-
-
-def anchor_fingerprint(steps: float, anchor: Iterable[torch.Tensor]) -> list:
-    """[outer steps, checksum of the anchor] (see :meth:`OuterLoop.fingerprint`)."""
-    checksum = sum(int(tensor.view(torch.int32).sum(dtype=torch.int64)) for tensor in anchor)
-    return [steps, checksum % (1 << 62)]  # within msgpack's integers
 
 
 def fingerprint_of(tag: Any) -> Optional[list]:
@@ -606,9 +595,10 @@ class OuterLoop:
 
     Without ``overlap``: average ``anchor - parameters`` and step (the parameters restart from the new anchor); a failed
     round changes nothing, so its progress and samples fold into the next; a peer ``alone`` steps on its own.
-    With ``overlap``: send this round's progress in the background and apply the previous round's average now (the
-    parameters become the new anchor minus this round's own progress, still in flight); a failed background round
-    folds its progress into the next one sent. Returns the group size of the round applied now, else None.
+    With ``overlap``: send this round's progress in the background; the previous round's average is applied as soon
+    as its all-reduce is over (``apply_finished``, between local steps) or now (the parameters become the new anchor
+    minus this peer's own progress since); a failed background round folds its progress into the next one sent.
+    Returns the group size of the round applied since the last end, else None.
 
     ``check_averages`` (``--aggregation centered_clip``): a group's average that :func:`implausible_average` finds
     implausible (over :meth:`references`) is not applied (an ``average_rejected`` event; the round counts as
@@ -631,8 +621,13 @@ class OuterLoop:
         self.nothing_to_apply = False  # overlap: the last round only sent (no earlier round was in flight)
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
+        self._settled: Optional[tuple] = None  # overlap: (group size or None,) of a round settled since the last end
+        self._unsent: Optional[tuple] = None  # overlap: (progress, samples) of a failed round, to fold into the next
         self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
         self._released: List[Any] = []  # rounds left to their groups (_release) that may still run
+        # set while no round this peer sent awaits its outer step: the outer state it would serve is the swarm's
+        self.settled = threading.Event()
+        self.settled.set()
 
     def add_samples(self, samples: int) -> None:
         self.samples_since_anchor += samples
@@ -649,12 +644,17 @@ class OuterLoop:
                 return self._applied(deltas, 1)
             tag = self.fingerprint()
             self._cancel_released()
-            control = self.averager.start(deltas, max(1, self.samples_since_anchor), tag, prepared=self._take(tag))
-            result = self.averager.finish(control)
-            return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
+            self.settled.clear()
+            try:
+                control = self.averager.start(deltas, max(1, self.samples_since_anchor), tag,
+                                              prepared=self._take(tag))
+                result = self.averager.finish(control)
+                return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
+            finally:
+                self.settled.set()
         return self._end_overlapped_round(alone)
 
-    def prepare(self, scheduled_time: float) -> None:
+    def prepare(self, scheduled_time: float, samples_per_second: float = 0.0) -> None:
         """Begin the matchmaking of the round the swarm is expected to end at ``scheduled_time`` (DHT time), as
         hivemind pre-schedules its gradient rounds. Begun when each peer sees the end, a round split into groups
         whenever the peers saw it further apart than the matchmaking time: a slow peer notices only after its
@@ -666,9 +666,11 @@ class OuterLoop:
         round only if the fingerprint it sends still matches (else it releases it and matches afresh)."""
         if self.averager.auxiliary or self._prepared is not None or self._released_running():
             return
-        tag = self.fingerprint() if not self.overlap or self._pending is None else self._fingerprint_after_pending()
-        if tag is not None:
-            self._prepared = (self.averager.prepare(scheduled_time, self.samples_since_anchor, tag), tag)
+        if self.overlap and self._pending is not None:  # the fingerprint it will send depends on that round
+            return
+        tag = self.fingerprint()
+        self._prepared = (self.averager.prepare(scheduled_time, expected_samples(
+            self.samples_since_anchor, samples_per_second, scheduled_time - get_dht_time()), tag), tag)
 
     def _take(self, tag: Optional[list]) -> Any:
         """The prepared round's control if it was prepared with ``tag``; None (and the round released) otherwise."""
@@ -701,16 +703,6 @@ class OuterLoop:
                 control.cancel()
         self._released = []
 
-    def _fingerprint_after_pending(self) -> Optional[list]:
-        """The fingerprint after applying the round in flight (overlap), if it is over and succeeded; else None."""
-        control = self._pending[0]
-        if not control.done():
-            return None
-        result = self.averager.finish(control)
-        if result is None:
-            return self.fingerprint()  # a failed round applies nothing
-        return anchor_fingerprint(float(self.outer.steps) + 1, self.outer.anchor_after(result[0]))
-
     def references(self, own: Sequence[torch.Tensor]) -> Tuple[List[float], float]:
         """Per anchor tensor, the largest norm of an honest update this peer knows, and how many times that an average
         may be: its own pseudo-gradient ``own`` and the last average it applied (``OUTER_MAX_RATIO``); before its
@@ -731,7 +723,8 @@ class OuterLoop:
         same one, bit for bit. The checksum adds the anchor's float32 bit patterns as integers, which no summation
         order changes; a float64 sum's last digit changed with the thread count (8 threads against 1-4, on 25M
         values), so peers with different core counts saw each other as out of date and re-downloaded the state."""
-        return anchor_fingerprint(float(self.outer.steps), self.outer.anchor)
+        checksum = sum(int(anchor.view(torch.int32).sum(dtype=torch.int64)) for anchor in self.outer.anchor)
+        return [float(self.outer.steps), checksum % (1 << 62)]  # within msgpack's integers
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Optional[Mapping[str, Any]] = None,
                  keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None,
@@ -754,20 +747,54 @@ class OuterLoop:
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
         return group_size
 
-    def _end_overlapped_round(self, alone: bool) -> Optional[int]:
-        parameters = self.outer.parameters
+    def finished_in_background(self) -> bool:
+        """Overlap: whether the background round is over and :meth:`apply_finished` would settle it."""
+        return self.overlap and self._pending is not None and self._pending[0].done()
+
+    def apply_finished(self) -> None:
+        """Overlap: settle the background round once it is over (:meth:`finished_in_background`), between two local
+        steps: apply its outer step (the parameters become the new anchor minus this peer's progress since the round
+        was sent), or keep what it sent to fold into the next round. Applied only when the next round ended, the
+        step left every state that a peer served meanwhile one outer step behind its own: a newcomer that downloaded
+        it applied nothing at that end (it had no round in flight), sent an outdated fingerprint with its first
+        round, lost its group's vote and downloaded again, round after round (benchmarks/internet.py, 6 DiLoCo
+        trainers, 120 s: 9 of the 15 downloads on a lost vote came one outer step behind, in chains that began with
+        a download; tests/test_diloco.py). A state asked for while the all-reduce runs waits for the step
+        (:attr:`settled`; SwarmOptimizer waits a few seconds at most)."""
+        samples = self.samples_since_anchor  # this round's, which _applied would reset
+        self._settle_pending()
+        self.samples_since_anchor = samples
+
+    def _progress(self) -> List[torch.Tensor]:
+        """Overlap: this peer's progress since the last round was sent (or since its step was applied)."""
         base = self._base if self._base is not None else self.outer.anchor
-        progress = [b - host_float32(p, copy=False) for b, p in zip(base, parameters)]  # this round's own progress
-        group_size, samples = None, self.samples_since_anchor
-        self.nothing_to_apply = self._pending is None
-        if self._pending is not None:
-            control, sent, sent_samples, sent_tag = self._pending
-            result = self.averager.finish(control)
-            if result is not None:
-                group_size = self._applied(*result, keep=progress, sent_tag=sent_tag, own=sent)
-            if group_size is None:  # fold the unapplied progress into this round's
-                progress = [p + s for p, s in zip(progress, sent)]
-                samples += sent_samples
+        return [b - host_float32(p, copy=False) for b, p in zip(base, self.outer.parameters)]
+
+    def _settle_pending(self) -> List[torch.Tensor]:
+        """Wait for the background round, apply it or keep what it sent to fold (``_unsent``); returns this peer's
+        progress since it was sent, which the parameters keep on top of the new anchor."""
+        (control, sent, sent_samples, sent_tag), self._pending = self._pending, None
+        progress = self._progress()
+        result = self.averager.finish(control)
+        group_size = None if result is None else self._applied(*result, keep=progress, sent_tag=sent_tag, own=sent)
+        if group_size is None:
+            self._unsent = (sent, sent_samples)
+        else:
+            self._base = [anchor.clone() for anchor in self.outer.anchor]  # the parameters: this anchor - progress
+        self._settled = (group_size,)
+        self.settled.set()
+        return progress
+
+    def _end_overlapped_round(self, alone: bool) -> Optional[int]:
+        samples = self.samples_since_anchor
+        progress = self._settle_pending() if self._pending is not None else self._progress()
+        settled, self._settled = self._settled, None
+        self.nothing_to_apply = settled is None  # no round was in flight since the last end (a first round)
+        group_size = None if settled is None else settled[0]
+        if self._unsent is not None:  # fold the unapplied progress into this round's
+            (sent, sent_samples), self._unsent = self._unsent, None
+            progress = [p + s for p, s in zip(progress, sent)]
+            samples += sent_samples
         if alone:
             self._pending, self._base = None, None  # the parameters restart from the new anchor
             self._take(None)
@@ -777,8 +804,9 @@ class OuterLoop:
         self._cancel_released()
         control = self.averager.start(progress, max(1, samples), tag, prepared=self._take(tag))
         self._pending = (control, progress, samples, tag)
+        self.settled.clear()
         self.samples_since_anchor = 0
-        self._base = [host_float32(p) for p in parameters]
+        self._base = [host_float32(p) for p in self.outer.parameters]
         return group_size
 
     def forget_pending(self) -> None:
@@ -787,8 +815,9 @@ class OuterLoop:
         if self._pending is not None:
             self._release(self._pending[0])
         self._take(None)
-        self._pending, self._base = None, None
+        self._pending, self._base, self._settled, self._unsent = None, None, None, None
         self.samples_since_anchor = 0
+        self.settled.set()
 
     def cancel_rounds(self) -> None:
         """Cancel every round this peer has begun (it is leaving)."""

@@ -110,6 +110,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.host_grads: Optional[HostGradients] = None
         self.device_accumulation = device_accumulation
         self.outer_loop: Optional[OuterLoop] = None
+        self._diloco = diloco is not None
         self._downloaded: Optional[tuple[Optional[str], int]] = None  # DiLoCo: (donor, rounds) at the last download
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
@@ -139,6 +140,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean")
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
+        # a state served while this peer's round awaits its outer step is one step behind the swarm's: the newcomer
+        # that loads it loses its first group's vote and downloads again (OuterLoop.apply_finished). A donor waits
+        # for the step, at most the round's time (serve_wait: the swarm's matchmaking time + averaging timeout).
+        self.state_averager.before_serving = functools.partial(self.outer_loop.settled.wait,
+                                                               self.state_averager.serve_wait)
         outer.bind(self._offloaded_parameters())
         if host_gradients:
             self.host_grads = self._host_gradients_into_offloaded_optimizer()
@@ -224,6 +230,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
+            serve_wait=self.matchmaking_time + self.averaging_timeout if self._diloco else 0.0,
             start=True,
             **kwargs,
         )
@@ -261,9 +268,33 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not self.auxiliary:
             if self.local_epoch == epoch:
                 self.steps_in_round += 1
+                self._apply_finished_outer_round()
                 self._maybe_prepare_outer_round()
             self._advance_inner_schedule()
         return result
+
+    def _apply_finished_outer_round(self) -> None:
+        """DiLoCo with --outer_overlap: apply the background round's outer step as soon as its all-reduce is over
+        (:meth:`OuterLoop.apply_finished`), so that the state this peer serves is the swarm's; and download the
+        state at once if its group converged on another."""
+        if not self.outer_loop.finished_in_background():
+            return
+        with self.waiting(), self.tracker.performance_ema.pause():
+            self.state_averager.step(wait_for_delayed_updates=True)
+            self.outer_loop.apply_finished()
+            if self.offload_optimizer:
+                self.state_averager._apply_optimizer_parameters_()
+            self._download_if_behind()
+
+    def _download_if_behind(self) -> None:
+        """Download the outer state the last round's group converged on, if this peer's was another."""
+        if not self.outer_loop.behind:
+            return
+        ours, theirs = self.outer_loop.outer_steps_behind
+        logger.info(f"This peer's outer state ({ours} outer steps) differs from the one {len(self.outer_loop.donors)} "
+                    f"groupmate(s) hold ({theirs}): downloading theirs")
+        self.outer_loop.behind = False
+        self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors())
 
     def _maybe_prepare_outer_round(self) -> None:
         """DiLoCo: begin the outer round's matchmaking once the swarm is expected to end the round within the
@@ -273,7 +304,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             return
         expected = self.tracker.estimated_next_update_time
         if expected - get_dht_time() <= self.matchmaking_time:
-            self.outer_loop.prepare(expected)
+            self.outer_loop.prepare(expected, self.tracker.performance_ema.samples_per_second)
 
     def _advance_inner_schedule(self) -> None:
         """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""
@@ -294,12 +325,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._end_outer_round()
             self._advance_epoch(grad_scaler)
             self.steps_in_round = 0
-            if self.outer_loop.behind:  # e.g. it stepped in another group of the last round (a split)
-                ours, theirs = self.outer_loop.outer_steps_behind
-                logger.info(f"This peer's outer state ({ours} outer steps) differs from the one "
-                            f"{len(self.outer_loop.donors)} groupmate(s) hold ({theirs}): downloading theirs")
-                self.outer_loop.behind = False
-                self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors())
+            self._download_if_behind()  # e.g. it stepped in another group of the last round (a split)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         self.grad_averager.epoch_for_gather = self.local_epoch
@@ -382,6 +408,8 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         with self.waiting():
+            if self.outer_loop is not None:  # its rounds go on without it, and no downloader waits for them to settle
+                self.outer_loop.forget_pending()
             adopted = self.state_averager.adopted_count
             super().load_state_from_peers(**kwargs)
             # the swarm's epoch counted again from the records last read, with this peer's new epoch and without the

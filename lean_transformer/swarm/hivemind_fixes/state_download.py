@@ -153,9 +153,17 @@ class ValidatedStateSharing:
 
     ``download_check`` (set by the swarm optimizer, :mod:`lean_transformer.swarm.averaging.state_check`): called once
     per download, it returns a function of a fitting state's tensors that says why this peer should not adopt it
-    (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried."""
+    (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried.
+    ``before_serving`` (set by the swarm optimizer in DiLoCo mode): called before each snapshot a peer downloads, it
+    may wait for a better moment, up to ``serve_wait`` seconds: the swarm's setting, which a downloader adds to its
+    wait for a donor's first part."""
 
     download_check: Optional[Callable[[], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
+    before_serving: Optional[Callable[[], Any]] = None
+
+    def __init__(self, *args: Any, serve_wait: float = 0.0, **kwargs: Any):
+        self.serve_wait = serve_wait  # set before hivemind starts the averager's process, where downloads run
+        super().__init__(*args, **kwargs)
 
     def _declare_as_donor(self, sharing: bool) -> MPFuture:
         """Store this peer's entry in the DHT's list of donors (``None`` takes it off), valid for two periods."""
@@ -191,6 +199,8 @@ class ValidatedStateSharing:
     def get_current_state(self):
         """Executed in the host process for a peer that downloads our state: a snapshot between two optimizer steps,
         copied, so that streaming it cannot tear, with the tensor count that lets the receiver detect a cut."""
+        if self.before_serving is not None:
+            self.before_serving()
         with self.lock_optimizer:
             metadata, tensors, infos = super().get_current_state()
             tensors = [tensor.clone() for tensor in tensors]
@@ -334,7 +344,8 @@ class ValidatedStateSharing:
         progress, received_bytes = TransferProgress(f"Downloading the state of {peer}", sum(sizes), PROGRESS_EVERY), 0
         iterator = stream.__aiter__()
         while True:
-            wait = chunk_timeout if deadline is None else min(chunk_timeout, max(0.0, deadline - time.monotonic()))
+            wait = chunk_timeout + (self.serve_wait if metadata is None and not tensors and not parts else 0.0)
+            wait = wait if deadline is None else min(wait, max(0.0, deadline - time.monotonic()))
             try:
                 message = await asyncio.wait_for(iterator.__anext__(), timeout=wait)
             except StopAsyncIteration:
