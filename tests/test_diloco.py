@@ -430,13 +430,7 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
     than the matchmaking time. Begun at each peer's end, the round splits: a and b average as two, c finds nobody
     and misses it, and the anchors part. Prepared MATCHMAKING s before T (OuterLoop.prepare, as SwarmOptimizer does
     when the swarm's expected end of the round is that near), the three form one group and it waits for c."""
-    results = {}
-    for mode in ("unprepared", "prepared"):
-        (tmp_path / mode).mkdir()
-        outputs = run_peers({name: [mode] for name in "abc"}, tmp_path / mode)
-        for code, _, err in outputs.values():
-            assert code == 0, err[-3000:]
-        results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    results = three_peer_results(tmp_path, ["unprepared", "prepared"])
     unprepared, prepared = results["unprepared"], results["prepared"]
     sizes = {mode: [results[mode][name]["group_size"] for name in "abc"] for mode in results}
     assert sizes["unprepared"] == [2, 2, None], unprepared
@@ -457,10 +451,7 @@ def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_wi
     as after a state download) while they wait for its part. c leaves the round to them with weight 0
     (PseudoGradientAverager.release): a and b average as the group of 3 that formed, exactly their own mean. Cancelled
     (before), c's round failed theirs: a and b both missed the round."""
-    outputs = run_peers({name: ["released"] for name in "abc"}, tmp_path)
-    for code, _, err in outputs.values():
-        assert code == 0, err[-3000:]
-    results = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    results = three_peer_results(tmp_path, ["released"])["released"]
     assert [results[name]["group_size"] for name in "abc"] == [3, 3, None], results
     mean = (0.5 + 0.25) / 2  # c counts for nothing
     for name in "ab":
@@ -479,13 +470,7 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
     (OuterLoop.apply_finished, between two local steps), and a state asked for while the round is in flight waits
     for that (OuterLoop.settled): c sends the swarm's fingerprint, and the three anchors are bit-identical after
     round 2; b, which applied the step only at its end of round 2, holds the same anchor."""
-    results = {}
-    for mode in ("deferred", "applied"):
-        (tmp_path / mode).mkdir()
-        outputs = run_peers({name: [mode] for name in "abc"}, tmp_path / mode)
-        for code, _, err in outputs.values():
-            assert code == 0, err[-3000:]
-        results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    results = three_peer_results(tmp_path, ["deferred", "applied"])
     deferred, applied = results["deferred"], results["applied"]
     assert [deferred[name]["behind"] for name in "abc"] == [False, False, True], deferred
     assert [applied[name]["behind"] for name in "abc"] == [False, False, False], applied
@@ -493,6 +478,19 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
     assert applied["a"]["anchor"] == applied["b"]["anchor"] == applied["c"]["anchor"]
     report("newcomer c loaded a's state after a's round 1 was over: served before the step applied, c was behind "
            "its group after round 2; with the step applied at once, all three in step, anchors bit-identical")
+
+
+def three_peer_results(root: Path, modes: list) -> dict:
+    """Runs peers a, b and c once per mode, each time in a folder of its own; by mode, each peer's last printed line
+    (JSON)."""
+    results = {}
+    for mode in modes:
+        (root / mode).mkdir()
+        outputs = run_peers({name: [mode] for name in "abc"}, root / mode)
+        for code, _, err in outputs.values():
+            assert code == 0, err[-3000:]
+        results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+    return results
 
 
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
@@ -528,6 +526,18 @@ def start_dht(role: str) -> "hivemind.DHT":
         return dht
     wait_until(address_file.exists, timeout=60, what="the first peer's address", interval=0.05)
     return hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address_file.read_text()])
+
+
+def common_time(role: str) -> float:
+    """A DHT time that all peers of a test share: the first peer's now + 8 s (the others' DHTs start meanwhile)."""
+    from hivemind.utils import get_dht_time
+
+    common = Path(os.environ["RENDEZVOUS"]) / "time"
+    if role == "first":
+        common.with_suffix(".tmp").write_text(str(get_dht_time() + 8.0))
+        common.with_suffix(".tmp").rename(common)
+    wait_until(common.exists, timeout=60, what="the common time", interval=0.05)
+    return float(common.read_text())
 
 
 def sparse_delta(name: str, round_index: int) -> torch.Tensor:
@@ -628,12 +638,8 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
     dht = start_dht(role)
-    common = Path(os.environ["RENDEZVOUS"]) / "time"
-    if role == "first":
-        common.with_suffix(".tmp").write_text(str(get_dht_time() + 8.0))  # the others' DHTs start meanwhile
-        common.with_suffix(".tmp").rename(common)
-    wait_until(common.exists, timeout=60, what="the common time", interval=0.05)
-    end = float(common.read_text())
+    rendezvous = Path(os.environ["RENDEZVOUS"])
+    end = common_time(role)
     weight = torch.nn.Parameter(torch.full((3,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_staggered", [weight.shape], matchmaking_time=MATCHMAKING,
@@ -649,11 +655,11 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     if mode == "released" and name == "c":  # as after a state download, with a and b waiting for it
         rounds.forget_pending()
         group_size = None
-        wait_until(lambda: all((common.parent / f"{other}.done").exists() for other in "ab"), timeout=60,
+        wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "ab"), timeout=60,
                    what="a and b's round", interval=0.05)
     else:
         group_size = rounds.end_round()
-        (common.parent / f"{name}.done").touch()
+        (rendezvous / f"{name}.done").touch()
     print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist())), flush=True)
     averager.shutdown()
     dht.shutdown()
@@ -670,13 +676,8 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
     dht = start_dht(role)
-    rendezvous = Path(os.environ["RENDEZVOUS"])
-    common, served = rendezvous / "time", rendezvous / "served.pt"
-    if role == "first":
-        common.with_suffix(".tmp").write_text(str(get_dht_time() + 8.0))
-        common.with_suffix(".tmp").rename(common)
-    wait_until(common.exists, timeout=60, what="the common time", interval=0.05)
-    start = float(common.read_text())
+    served = Path(os.environ["RENDEZVOUS"]) / "served.pt"
+    start = common_time(role)
     weight = torch.nn.Parameter(torch.full((3,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_newcomer", [weight.shape], matchmaking_time=MATCHMAKING,

@@ -44,6 +44,33 @@ def test_a_donor_stays_listed_between_its_declarations(report):
            f"{'still on it' if theirs['listed_after_leaving'] else 'expired meanwhile'}")
 
 
+def test_a_declaration_that_times_out_logs_no_traceback():
+    """A donor's DHT store that outlasts its period (a DHT under load): the fire-and-forget task that bounds it ends in
+    a TimeoutError, which asyncio reports as "Task exception was never retrieved" with a traceback unless the
+    outcome is read (read_declaration_outcome)."""
+    import asyncio
+    import gc
+
+    from lean_transformer.swarm.hivemind_fixes.state_download import read_declaration_outcome
+
+    reported = {}
+    for read in (False, True):
+        loop, errors = asyncio.new_event_loop(), []
+        loop.set_exception_handler(lambda _loop, context: errors.append(context["message"]))
+
+        async def declare() -> None:
+            task = asyncio.create_task(asyncio.wait_for(asyncio.get_running_loop().create_future(), timeout=0.01))
+            if read:
+                task.add_done_callback(read_declaration_outcome)
+            await asyncio.sleep(0.1)
+
+        loop.run_until_complete(declare())
+        loop.close()
+        gc.collect()
+        reported[read] = errors
+    assert reported == {False: ["Task exception was never retrieved"], True: []}, reported
+
+
 def main(variant: str) -> None:
     import hivemind
     import torch
