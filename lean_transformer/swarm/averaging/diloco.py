@@ -476,14 +476,12 @@ class PseudoGradientAverager:
     def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None,
               prepared: Any = None) -> Any:
         """Begin the round (see the class); ``prepared``: the round :meth:`prepare` began for it, used if it is
-        still waiting (else cancelled, and a round begins now)."""
+        still waiting (if it ended meanwhile, e.g. no group formed, a round begins now)."""
         if self.auxiliary:
             return self.averager.step(timeout=self.timeout, wait=False)
         if samples <= 0:
             raise ValueError(f"samples must be positive, got {samples}")
-        usable = prepared is not None and not prepared.done() and not prepared.triggered
-        if prepared is not None and not usable and not prepared.done():
-            prepared.cancel()
+        usable = prepared is not None and not prepared.done()  # only this method triggers it
         with self.averager.get_tensors() as buffers:
             for buffer, delta in zip(buffers, pseudo_gradients):
                 buffer.copy_(delta)
@@ -643,16 +641,19 @@ class OuterLoop:
                 self._take(None)
                 return self._applied(deltas, 1)
             tag = self.fingerprint()
-            self._cancel_released()
-            self.settled.clear()
             try:
-                control = self.averager.start(deltas, max(1, self.samples_since_anchor), tag,
-                                              prepared=self._take(tag))
-                result = self.averager.finish(control)
+                result = self.averager.finish(self._start_round(deltas, self.samples_since_anchor, tag))
                 return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
             finally:
                 self.settled.set()
         return self._end_overlapped_round(alone)
+
+    def _start_round(self, deltas: Sequence[torch.Tensor], samples: int, tag: list) -> Any:
+        """Send ``deltas`` in this round (the prepared one if it was prepared with ``tag``); until its outer step
+        is applied, the state this peer would serve waits (:attr:`settled`)."""
+        self._cancel_released()
+        self.settled.clear()
+        return self.averager.start(deltas, max(1, samples), tag, prepared=self._take(tag))
 
     def prepare(self, scheduled_time: float, samples_per_second: float = 0.0) -> None:
         """Begin the matchmaking of the round the swarm is expected to end at ``scheduled_time`` (DHT time), as
@@ -661,9 +662,11 @@ class OuterLoop:
         current local step, and each reads the swarm's samples a refresh late. benchmarks/internet.py (6 trainers,
         0.07-0.55 cores each, 5 s matchmaking): peers saw rounds end 4-6 s apart, 15 of 58 groups held 2 peers, and
         the groups' different averages sent the smaller groups' members to download the state at their next round.
-        Matchmaking gathers the fingerprint this peer will send; with ``overlap`` that is the anchor after the round
-        in flight, so a peer whose round is still in flight prepares nothing, and :meth:`end_round` uses a prepared
-        round only if the fingerprint it sends still matches (else it releases it and matches afresh)."""
+        Matchmaking gathers the fingerprint this peer will send; with ``overlap`` that depends on the round in
+        flight, so a peer whose round is not yet applied (:meth:`apply_finished`) prepares nothing; with
+        ``samples_per_second``, it gathers the samples expected at the end (:func:`expected_samples`).
+        :meth:`end_round` uses a prepared round only if the fingerprint it sends still matches (else it releases it
+        and matches afresh)."""
         if self.averager.auxiliary or self._prepared is not None or self._released_running():
             return
         if self.overlap and self._pending is not None:  # the fingerprint it will send depends on that round
@@ -760,7 +763,7 @@ class OuterLoop:
         round, lost its group's vote and downloaded again, round after round (benchmarks/internet.py, 6 DiLoCo
         trainers, 120 s: 9 of the 15 downloads on a lost vote came one outer step behind, in chains that began with
         a download; tests/test_diloco.py). A state asked for while the all-reduce runs waits for the step
-        (:attr:`settled`; SwarmOptimizer waits a few seconds at most)."""
+        (:attr:`settled`; SwarmOptimizer waits at most the round's time)."""
         samples = self.samples_since_anchor  # this round's, which _applied would reset
         self._settle_pending()
         self.samples_since_anchor = samples
@@ -801,10 +804,7 @@ class OuterLoop:
             self.samples_since_anchor = samples
             return self._applied(progress, 1)
         tag = self.fingerprint()
-        self._cancel_released()
-        control = self.averager.start(progress, max(1, samples), tag, prepared=self._take(tag))
-        self._pending = (control, progress, samples, tag)
-        self.settled.clear()
+        self._pending = (self._start_round(progress, samples, tag), progress, samples, tag)
         self.samples_since_anchor = 0
         self._base = [host_float32(p) for p in self.outer.parameters]
         return group_size
