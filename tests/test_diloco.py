@@ -325,6 +325,23 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
         torch.testing.assert_close(weight.data, torch.full((3,), -4.0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_held_outer_loop_serves_nothing_until_the_caller_lets_go(overlap):
+    """SwarmOptimizer advances its epoch after the round's outer step, holding the served state back meanwhile
+    (``OuterLoop.unsettled``). Before, ``settled`` was set as the round ended and a donor served the new anchor
+    with the old epoch. With overlap, the round sent stays in flight after the hold, until it is settled."""
+    with lone_outer_loop(overlap=overlap) as (weight, outer, rounds):
+        with torch.no_grad():
+            weight.sub_(1.0)
+        rounds.add_samples(8)
+        with rounds.unsettled():
+            assert rounds.end_round() is None  # a round was sent; no group formed
+            assert not rounds.settled.is_set()
+        assert rounds.settled.is_set() != overlap
+        rounds.cancel_rounds()
+        assert rounds.settled.is_set()
+
+
 @pytest.mark.swarm
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_an_overlapped_peer_left_alone_steps_with_its_own_progress_from_the_anchor(device):

@@ -117,17 +117,19 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
     swarm_rows = [row for row in rows if "alive_peers" in row]  # the others: checkpoints' validation losses
     assert any(row["alive_peers"] == 2 for row in swarm_rows), rows
     assert all(math.isfinite(row["validation_loss"]) for row in rows if "validation_loss" in row), rows
-    epoch, checkpoint = CheckpointDir(root / "checkpoints", keep_last=3).checkpoints()[-1]
-    state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
-    assert state["epoch"] == epoch and len(state["outer"]) > 0
-    # the checkpoint's weights are the swarm's anchor at that epoch, which every trainer backed up
-    model = load_file(checkpoint / "model.safetensors")
-    anchor = state["outer"][:len(state["outer"]) // 2]
-    trainer_anchors = [anchor_of(backup(root, name, epoch)) for name in ("t1", "t2")
-                       if backup(root, name, epoch).exists()]
-    assert any(all(torch.equal(a, b) for a, b in zip(anchor, theirs)) for theirs in trainer_anchors)
-    assert any(torch.equal(weight.float(), anchor[0]) for weight in model.values() if weight.shape == anchor[0].shape)
-    assert epoch in [saved["epoch"] for saved in aux.events("checkpoint")]
+    for epoch, checkpoint in CheckpointDir(root / "checkpoints", keep_last=3).checkpoints():
+        state = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=True)
+        assert state["epoch"] == epoch and len(state["outer"]) > 0
+        # the checkpoint's weights are the swarm's anchor at that epoch, which a trainer backed up (a state served
+        # between a round's outer step and the epoch's advance once paired epoch 8 with epoch 9's anchor)
+        model = load_file(checkpoint / "model.safetensors")
+        anchor = state["outer"][:len(state["outer"]) // 2]
+        trainer_anchors = [anchor_of(backup(root, name, epoch)) for name in ("t1", "t2")
+                           if backup(root, name, epoch).exists()]
+        assert any(all(torch.equal(a, b) for a, b in zip(anchor, theirs)) for theirs in trainer_anchors), epoch
+        assert any(torch.equal(weight.float(), anchor[0]) for weight in model.values()
+                   if weight.shape == anchor[0].shape)
+        assert epoch in [saved["epoch"] for saved in aux.events("checkpoint")]
 
 
 def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, tmp_path: Path):

@@ -44,7 +44,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -623,9 +623,11 @@ class OuterLoop:
         self._unsent: Optional[tuple] = None  # overlap: (progress, samples) of a failed round, to fold into the next
         self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
         self._released: List[Any] = []  # rounds left to their groups (_release) that may still run
-        # set while no round this peer sent awaits its outer step: the outer state it would serve is the swarm's
+        # set while no round this peer sent awaits its outer step (and no caller holds it clear: unsettled): the
+        # outer state it would serve is the swarm's
         self.settled = threading.Event()
         self.settled.set()
+        self._held = False
 
     def add_samples(self, samples: int) -> None:
         self.samples_since_anchor += samples
@@ -645,8 +647,27 @@ class OuterLoop:
                 result = self.averager.finish(self._start_round(deltas, self.samples_since_anchor, tag))
                 return None if result is None else self._applied(*result, sent_tag=tag, own=deltas)
             finally:
-                self.settled.set()
+                self._update_settled()
         return self._end_overlapped_round(alone)
+
+    @contextlib.contextmanager
+    def unsettled(self) -> Iterator[None]:
+        """Hold :attr:`settled` clear while the caller changes what a served state holds beside the outer state:
+        SwarmOptimizer advances its epoch after the round's outer step. Set as soon as the step was applied, a state
+        served in between paired the old epoch with the new anchor: an aux peer checkpointed epoch 8 with epoch 9's
+        anchor (tests/test_diloco_swarm.py), and a newcomer that loaded such a state sent a fingerprint its group
+        did not hold."""
+        self._held = True
+        self.settled.clear()
+        try:
+            yield
+        finally:
+            self._held = False
+            self._update_settled()
+
+    def _update_settled(self) -> None:
+        if not self._held and self._pending is None:
+            self.settled.set()
 
     def _start_round(self, deltas: Sequence[torch.Tensor], samples: int, tag: list) -> Any:
         """Send ``deltas`` in this round (the prepared one if it was prepared with ``tag``); until its outer step
@@ -785,7 +806,7 @@ class OuterLoop:
         else:
             self._base = [anchor.clone() for anchor in self.outer.anchor]  # the parameters: this anchor - progress
         self._settled = (group_size,)
-        self.settled.set()
+        self._update_settled()
         return progress
 
     def _end_overlapped_round(self, alone: bool) -> Optional[int]:
@@ -817,7 +838,7 @@ class OuterLoop:
         self._take(None)
         self._pending, self._base, self._settled, self._unsent = None, None, None, None
         self.samples_since_anchor = 0
-        self.settled.set()
+        self._update_settled()
 
     def cancel_rounds(self) -> None:
         """Cancel every round this peer has begun (it is leaving)."""

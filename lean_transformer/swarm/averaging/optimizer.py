@@ -322,8 +322,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._align_epoch_with_group(epoch)
             return
         with self.waiting():
-            self._end_outer_round()
-            self._advance_epoch(grad_scaler)
+            with self.outer_loop.unsettled():  # a state served meanwhile would pair the new anchor with the old epoch
+                self._end_outer_round()
+                self._advance_epoch(grad_scaler)
             self.steps_in_round = 0
             self._download_if_behind()  # e.g. it stepped in another group of the last round (a split)
 
