@@ -17,6 +17,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from lean_transformer.swarm.averaging.answer_check import (GROSS_RATIO, MAX_RATIO, MIN_CHECKED, PART_MAX_RATIO,
                                                            PART_MIN_CHECKED, CheckedParts, gross_problem,
                                                            share_problem, sparse_share_problem, sparse_sums)
+from lean_transformer.swarm.averaging.diloco import OUTER_MAX_RATIO, OUTER_MIN_COSINE
 from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions
 from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip
 from lean_transformer.swarm.monitoring.events import close_events, emit, open_events, read_events
@@ -198,6 +199,28 @@ def test_small_zero_and_not_finite_shares():
     assert "part 0" in share_problem([torch.ones(MIN_CHECKED - 1)], [-1000 * torch.ones(MIN_CHECKED - 1)])
     assert share_problem([torch.zeros(SIZE)], [1000 * torch.ones(SIZE)]) is None  # nothing to compare with
     assert share_problem([torch.ones(SIZE)], [torch.full((SIZE,), float("nan"))]) == "not finite"
+
+
+def answer_at_cosine(own: torch.Tensor, cosine: float) -> torch.Tensor:
+    """An answer of ``own``'s norm whose cosine with ``own`` is ``cosine`` (the rest orthogonal to it)."""
+    other = torch.randn(own.shape, generator=torch.Generator().manual_seed(1))
+    other -= (other @ own) / (own @ own) * own
+    return cosine * own + (1 - cosine ** 2) ** 0.5 * other * own.norm() / other.norm()
+
+
+def test_diloco_answers_fail_the_direction_check_only_below_the_outer_bound():
+    """DiLoCo's honest pseudo-gradients can anticorrelate with their group's average (cosine -0.127 seen in step with
+    the group); a flipped answer sat at -0.65 to -0.92. The dense and the sparse rule both take the bound."""
+    own = torch.randn(SIZE, generator=torch.Generator().manual_seed(0))
+    indices = torch.arange(SIZE)
+    for cosine, fails_outer in ((-0.127, False), (-0.29, False), (-0.31, True), (-0.65, True)):
+        answer = answer_at_cosine(own, cosine)
+        assert "does not correlate" in share_problem([own], [answer - own])  # gradient averaging: at 0
+        outer = share_problem([own], [answer - own], max_ratio=OUTER_MAX_RATIO, min_cosine=OUTER_MIN_COSINE)
+        sparse = sparse_share_problem((indices, own), (indices, answer), max_ratio=OUTER_MAX_RATIO,
+                                      min_cosine=OUTER_MIN_COSINE)
+        assert outer == sparse and (outer is not None) == fails_outer, (cosine, outer)
+    assert share_problem([own], [answer_at_cosine(own, 0.05) - own], min_cosine=OUTER_MIN_COSINE) is None
 
 
 def checked_container(tensors: list, return_deltas: bool, excluded: bool = False) -> tuple[CheckedParts, list]:

@@ -38,7 +38,9 @@ DiLoCo's sparse all-reduce (:mod:`.sparse_allreduce`) checks each reducer's spar
 (:func:`sparse_share_problem`, over the entries sent and answered), with no reference from earlier rounds. In both
 DiLoCo all-reduces the norm bound is the outer average's (10, ``diloco.OUTER_MAX_RATIO``), not 4: a newcomer, and
 a peer that had just downloaded a state, saw honest answers 4.1-4.6x their own values (tests/test_diloco_faults.py);
-the direction test is what catches a flipped, zeroed or swapped answer there, and a scaled one stays bounded.
+the direction test is what catches a flipped or swapped answer there (zeros: the gross check), and a scaled one
+stays bounded. Its bound there is a cosine of -0.3, not 0 (``diloco.OUTER_MIN_COSINE``: honest pseudo-gradients
+in step with their group anticorrelated with an honest answer at -0.127).
 
 In DiLoCo's same-result all-reduce a share replaced by the own values would leave this peer's anchor apart from its
 group's. There a rejected share fails the round for this peer, without a retry (``diloco._Averager``; the others of
@@ -108,10 +110,12 @@ def inner_products(own: torch.Tensor, delta: torch.Tensor) -> tuple[float, float
     return sums
 
 
-def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0, max_ratio: float = MAX_RATIO
-            ) -> Optional[str]:
+def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0, max_ratio: float = MAX_RATIO,
+            min_cosine: float = 0.0) -> Optional[str]:
     """The rule on the inner products ``<x, x>, <d, d>, <x, d>`` of a share of ``size`` values (see the module
-    docstring); ``reference``: the norm the share's accepted average had in the previous round (0: none)."""
+    docstring); ``reference``: the norm the share's accepted average had in the previous round (0: none);
+    ``min_cosine`` (at most 0): an average whose cosine with the own values is not above it fails (0: the rule's
+    ``<x, v> > 0``)."""
     if size < MIN_CHECKED or not 0 < xx < math.inf:
         return None
     if not math.isfinite(dd) or not math.isfinite(xd):
@@ -123,7 +127,8 @@ def verdict(xx: float, dd: float, xd: float, size: int, reference: float = 0.0, 
                 f"of it and the last average's (at most {max_ratio:g})")
     if xx + xd <= 0:
         cosine = (xx + xd) / (x_norm * max(math.sqrt(max(xx + 2 * xd + dd, 0.0)), 1e-300))
-        return f"the average does not correlate with the own values (cosine {cosine:.3g})"
+        if cosine <= min_cosine:
+            return f"the average does not correlate with the own values (cosine {cosine:.3g})"
     return None
 
 
@@ -162,12 +167,12 @@ def sparse_sums(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tens
 
 
 def sparse_share_problem(own: tuple[torch.Tensor, torch.Tensor], answer: tuple[torch.Tensor, torch.Tensor],
-                         max_ratio: float = MAX_RATIO, sums: Optional[tuple[float, float, float, int]] = None
-                         ) -> Optional[str]:
+                         max_ratio: float = MAX_RATIO, sums: Optional[tuple[float, float, float, int]] = None,
+                         min_cosine: float = 0.0) -> Optional[str]:
     """The rule (:func:`verdict`) for one reducer's share of DiLoCo's sparse all-reduce (see :func:`sparse_sums`;
     ``sums``: theirs, where already computed)."""
     xx, vv, xv, size = sparse_sums(own, answer) if sums is None else sums
-    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, size, max_ratio=max_ratio)
+    return verdict(xx, max(vv - 2 * xv + xx, 0.0), xv - xx, size, max_ratio=max_ratio, min_cosine=min_cosine)
 
 
 def share_sums(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> List[tuple[float, float, float]]:
@@ -177,7 +182,8 @@ def share_sums(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> 
 
 def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                   references: Optional[Sequence[float]] = None, max_ratio: float = MAX_RATIO,
-                  sums: Optional[Sequence[tuple[float, float, float]]] = None) -> Optional[str]:
+                  sums: Optional[Sequence[tuple[float, float, float]]] = None, min_cosine: float = 0.0
+                  ) -> Optional[str]:
     """Why the answers ``owns[i] + deltas[i]`` for one reducer's share (its parts, in order) are not a plausible
     average, or None: the rule on the whole share, and each part's norm within ``PART_MAX_RATIO``.
     ``references``: each part's norm in the previous round's accepted average (0: unknown); ``sums``: the parts'
@@ -187,7 +193,8 @@ def share_problem(owns: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
     references = [0.0] * len(owns) if references is None else references
     sums = share_sums(owns, deltas) if sums is None else sums
     reason = verdict(*(sum(part[index] for part in sums) for index in range(3)), sum(own.numel() for own in owns),
-                     reference=math.sqrt(sum(reference ** 2 for reference in references)), max_ratio=max_ratio)
+                     reference=math.sqrt(sum(reference ** 2 for reference in references)), max_ratio=max_ratio,
+                     min_cosine=min_cosine)
     if reason is not None:
         return reason
     for index, ((xx, dd, _), own, reference) in enumerate(zip(sums, owns, references)):
@@ -212,6 +219,7 @@ class CheckedParts(TensorPartContainer):
     unchecked: bool = False
     replace_excluded: bool = True  # an excluded reducer's answers: replaced unchecked (else checked as any other)
     max_ratio: float = MAX_RATIO  # the norm bound of the rule
+    min_cosine: float = 0.0  # and its direction bound
     gross_only: bool = False  # only the gross check (gross_problem), as every DiLoCo peer that does not check does
     gross_ratio: float = GROSS_RATIO
     drop_gross: bool = False  # a share that fails the gross check: zeros, and the round goes on (DiLoCo)
@@ -249,7 +257,8 @@ class CheckedParts(TensorPartContainer):
         if not gross and not self.gross_only:
             infos = [info for _, info in self._input_parts_by_peer[peer_index]]
             references = [self.reference.get(info.key, 0.0) * own.numel() ** 0.5 for own, info in zip(owns, infos)]
-            reason = share_problem(owns, deltas, references, max_ratio=self.max_ratio, sums=sums)
+            reason = share_problem(owns, deltas, references, max_ratio=self.max_ratio, sums=sums,
+                                   min_cosine=self.min_cosine)
         if reason is not None:
             self.on_rejected(peer_index, reason, gross)
             return self._replace_held(peer_index, zeros=gross and self.drop_gross)
@@ -300,12 +309,13 @@ class ChecksAnswers:
     goes on: every member takes the same zeros, so their anchors stay one, and the other shares' averages count."""
 
     def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None,
-                 replace_excluded: bool = True, max_ratio: float = MAX_RATIO, gross_only: bool = False,
-                 gross_ratio: float = GROSS_RATIO, drop_gross: bool = False, **kwargs: Any):
+                 replace_excluded: bool = True, max_ratio: float = MAX_RATIO, min_cosine: float = 0.0,
+                 gross_only: bool = False, gross_ratio: float = GROSS_RATIO, drop_gross: bool = False,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         container = self.tensor_part_container
         container.__class__ = CheckedParts
-        container.replace_excluded, container.max_ratio = replace_excluded, max_ratio
+        container.replace_excluded, container.max_ratio, container.min_cosine = replace_excluded, max_ratio, min_cosine
         container.gross_only, container.gross_ratio, container.drop_gross = gross_only, gross_ratio, drop_gross
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
         learned = {} if answer_norms is None else answer_norms

@@ -347,7 +347,8 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
         else:
             runner_class, robust = _CheckedSameResultRunner, dict(
                 exclusions=self.exclusions, replace_excluded=False, answer_norms=self.answer_norms,
-                max_ratio=OUTER_MAX_RATIO, gross_only=not checked, gross_ratio=gross, drop_gross=True)
+                max_ratio=OUTER_MAX_RATIO, min_cosine=OUTER_MIN_COSINE, gross_only=not checked, gross_ratio=gross,
+                drop_gross=True)
         runner = runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                               group_id=group_id, ordered_peer_ids=group_info.peer_ids, **robust, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
@@ -400,7 +401,7 @@ class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded
                                  total_size=self.total_size, weight=weight, timeout=self._allreduce_timeout,
                                  aggregation=self.aggregation, exclusions=self.exclusions,
                                  check_answers=check_answers, gross_ratio=gross_ratio, opened=self._streams_opened,
-                                 max_ratio=OUTER_MAX_RATIO)
+                                 max_ratio=OUTER_MAX_RATIO, min_cosine=OUTER_MIN_COSINE)
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
             await runner.run(None, None)
@@ -560,6 +561,13 @@ OUTER_MAX_RATIO = 10.0  # an outer average this many times larger than every ref
 # 23x its own (13 trainers, benchmarks/byzantine.py's honest swarm)
 OUTER_FIRST_RATIO = 100.0
 OUTER_MIN_CHECKED = 1024  # tensors of fewer values are checked only within the whole
+# a reducer's answer fails the direction check where its cosine with the own pseudo-gradient is at most this, not 0:
+# honest pseudo-gradients in step with their group can anticorrelate (each peer's inner optimizer carries its own
+# momentum into the round). An honest trainer with 80 of a group's 344 samples saw an honest answer at cosine -0.127
+# over 151040 values (tests/test_lying_reducer.py, in CI) and failed its round; a flipped answer is minus an honest
+# one: -0.65 to -0.92 in the same run. Where the honest cosine is below 0.3 a flip passes this peer's check (the
+# norm bound still holds it), but not the check of groupmates whose own values correlate better.
+OUTER_MIN_COSINE = -0.3
 
 
 def implausible_average(average: Sequence[torch.Tensor], references: Sequence[float],

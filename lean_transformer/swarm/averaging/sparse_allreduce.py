@@ -189,9 +189,10 @@ class SparseAllReduce:
                  total_size: int, weight: float, timeout: float, aggregation: str = "mean",
                  exclusions: Optional[Exclusions] = None, check_answers: bool = False,
                  opened: Optional[Dict[PeerID, float]] = None, absent_after: float = ABSENT_AFTER,
-                 max_ratio: float = MAX_RATIO, gross_ratio: Optional[float] = None):
+                 max_ratio: float = MAX_RATIO, gross_ratio: Optional[float] = None, min_cosine: float = 0.0):
         self.aggregation = check_aggregation(aggregation)
         self.exclusions, self.check_answers, self.max_ratio = exclusions, check_answers, max_ratio
+        self.min_cosine = min_cosine
         self.gross_ratio = gross_ratio
         self.rejected = False  # an answer failed the check (check_answers)
         if exclusions is not None:
@@ -292,7 +293,8 @@ class SparseAllReduce:
             reason = None if self.gross_ratio is None else gross_problem(xx, vv, size, self.gross_ratio)
             gross = reason is not None
             if not gross and self.check_answers:
-                reason = sparse_share_problem(own, average, max_ratio=self.max_ratio, sums=sums)
+                reason = sparse_share_problem(own, average, max_ratio=self.max_ratio, sums=sums,
+                                              min_cosine=self.min_cosine)
             if reason is None:
                 continue
             self.rejected = True
