@@ -22,9 +22,9 @@ Reported (benchmarks/results/internet.json and a plot of peers alive / averaging
 peers' event files: the DHT's connectivity (each trainer's progress events name the peers whose records it sees; per
 10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
 than one); per trainer the fraction of its epochs (DiLoCo: outer rounds) in which it averaged with at least one other
-peer; group sizes; newcomers' time from start to their first averaged round; state downloads and their time; bytes
-sent per sample (link counters); compute utilization; RAM and CPU per peer; crashes (peers not stopped on purpose
-that exited non-zero, or whose log holds a traceback).
+peer; group sizes; newcomers' time from start to their first averaged round; state downloads (why, and their
+time); bytes sent per sample (link counters); compute utilization; RAM and CPU per peer; crashes (peers not
+stopped on purpose that exited non-zero, or whose log holds a traceback).
 
 Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
 Each mode takes --seconds plus about a minute to start and stop. Needs root, ``ip``, ``tc``, ``nft`` and the cgroup
@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -346,6 +347,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
             buckets.append({"time": bucket_start - start, "reporting": len(views),
                             "components": components(list(views), views)})
     per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
+    reasons: Counter = Counter()  # why trainers downloaded (the state_downloaded event's reason)
     for slot in trainers:
         if slot.name not in events:
             continue
@@ -357,6 +359,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         got = [e for e in stream if e["event"] == "state_downloaded"]
         group_sizes += [e["group_size"] for e in averaged]
         downloads += [e.get("seconds") for e in got]
+        reasons.update(e.get("reason") or "unknown" for e in got)
         transitions = max(0, len(epochs) - 1)
         rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
@@ -405,7 +408,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "median_group_size": statistics.median(group_sizes) if group_sizes else None,
         "averaged_fraction_median": statistics.median(fractions) if fractions else None,
         "trainers_at_least_90pct": sum(f >= 0.9 for f in fractions), "trainers_with_rounds": len(fractions),
-        "state_downloads": len(downloads),
+        "state_downloads": len(downloads), "downloads_by_reason": dict(reasons.most_common()),
         "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
         "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
         "samples": total_samples,
@@ -500,7 +503,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"{r['max_components']}); group sizes {r['group_sizes']} (median {r['median_group_size']}); "
                       f"{r['trainers_at_least_90pct']}/{r['trainers_with_rounds']} trainers averaged in >= 90% of "
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
-                      f"downloads (median {r['download_seconds_median']:.1f} s); newcomers' seconds to first "
+                      f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s); "
+                      f"newcomers' seconds to first "
                       f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
                       f"utilization {r['utilization_mean']:.1%}; crashes: {r['crashes'] or 'none'}; never joined: "
                       f"{r['never_joined'] or 'none'}. RTT measured "
@@ -565,7 +569,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.append(run_mode(mode, args, output / mode))
             r = results[-1]
             progress(f"  splits {r['dht_splits']}, groups {r['group_sizes']}, averaged fraction median "
-                     f"{r['averaged_fraction_median']}, downloads {r['state_downloads']}, crashes {len(r['crashes'])}")
+                     f"{r['averaged_fraction_median']}, downloads {r['state_downloads']} {r['downloads_by_reason']}, "
+                     f"crashes {len(r['crashes'])}")
             path.write_text(json.dumps(report(results, args, command), indent=1, default=str) + "\n")  # each mode
             plot(results, path.parent / "internet.png")
     except KeyboardInterrupt:

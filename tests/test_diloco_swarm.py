@@ -92,6 +92,10 @@ def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
         downloads = trainer.events("state_downloaded")
         for before, after in zip(downloads, downloads[1:]):
             assert after["scored"] or after["source"] == before["source"], downloads
+        # each says why; only a joining trainer's download precedes its joined event
+        joined = trainer.events("joined")[0]["time"]
+        assert all(d["reason"] == "join" if d["time"] <= joined else d["reason"] in ("epoch", "outer_state")
+                   for d in downloads), downloads
 
 
 def test_logs_hold_no_traceback_and_no_tracker_chatter(diloco_run):
@@ -130,6 +134,7 @@ def test_aux_peer_logs_metrics_and_checkpoints_the_anchor(diloco_run):
         assert any(torch.equal(weight.float(), anchor[0]) for weight in model.values()
                    if weight.shape == anchor[0].shape)
         assert epoch in [saved["epoch"] for saved in aux.events("checkpoint")]
+    assert {download["reason"] for download in aux.events("state_downloaded")} == {"checkpoint"}
 
 
 def test_resume_from_the_aux_checkpoint_with_the_aux_peer_assisting(diloco_run, tmp_path: Path):

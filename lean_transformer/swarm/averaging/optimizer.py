@@ -294,7 +294,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         logger.info(f"This peer's outer state ({ours} outer steps) differs from the one {len(self.outer_loop.donors)} "
                     f"groupmate(s) hold ({theirs}): downloading theirs")
         self.outer_loop.behind = False
-        self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors())
+        self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors(), reason="outer_state")
 
     def _maybe_prepare_outer_round(self) -> None:
         """DiLoCo: begin the outer round's matchmaking once the swarm is expected to end the round within the
@@ -407,12 +407,14 @@ class SwarmOptimizer(hivemind.Optimizer):
             count += isinstance(speed, (int, float)) and speed > 1e-9
         return count
 
-    def load_state_from_peers(self, **kwargs: Any) -> None:
+    def load_state_from_peers(self, reason: str = "epoch", **kwargs: Any) -> None:
+        """hivemind's download, ``reason`` (for the ``state_downloaded`` event) defaulting to hivemind's own:
+        this peer's epoch fell behind the swarm's."""
         with self.waiting():
             if self.outer_loop is not None:  # its rounds go on without it, and no downloader waits for them to settle
                 self.outer_loop.forget_pending()
             adopted = self.state_averager.adopted_count
-            super().load_state_from_peers(**kwargs)
+            super().load_state_from_peers(reason=reason, **kwargs)
             # the swarm's epoch counted again from the records last read, with this peer's new epoch and without the
             # donors refused meanwhile. Else hivemind's once-per-epoch check compares the new epoch with a view read
             # before the download: a newcomer whose donors stepped meanwhile downloaded the same state again

@@ -142,5 +142,5 @@ class NoGradientDownload:
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **{**kwargs, "allow_state_sharing": False})
 
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None) -> None:
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None, **_unused: Any) -> None:
         return None

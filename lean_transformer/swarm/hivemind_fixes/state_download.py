@@ -229,13 +229,14 @@ class ValidatedStateSharing:
     adopted_count = 0  # states adopted so far
 
     def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (),
-                              trusted: Sequence[str] = (), **_unused) -> None:
+                              trusted: Sequence[str] = (), reason: str = "", **_unused) -> None:
         """Load the best state that a peer serves, that fits this peer (see the module's docstring) and that passes
         :attr:`download_check`; keep the current state if none does within ``timeout`` seconds (default:
         ``request_timeout`` per part). ``donors`` (peer IDs) are tried first, and their states fit at any epoch: e.g.
         DiLoCo's groupmates whose outer state the group converged on. The states of ``trusted`` peers skip
         :attr:`download_check` (the layout checks still apply): e.g. the donor a DiLoCo newcomer joined from, one
-        outer step on (see ``SwarmOptimizer._trusted_donors``)."""
+        outer step on (see ``SwarmOptimizer._trusted_donors``). ``reason`` (why it downloads) goes into the
+        ``state_downloaded`` event."""
         layout = self._local_layout()
         deadline = None if timeout is None else time.monotonic() + timeout
         check = None if self.download_check is None else self.download_check()
@@ -258,7 +259,8 @@ class ValidatedStateSharing:
                 unscored = "" if scored or check is None else " (its last download's donor, a round on: not scored)"
                 logger.info(f"Downloaded a state of epoch {metadata['epoch']} from {source} in {seconds:.3f} s"
                             f"{unscored}")
-                emit("state_downloaded", epoch=metadata["epoch"], source=source, seconds=seconds, scored=scored)
+                emit("state_downloaded", epoch=metadata["epoch"], source=source, seconds=seconds, scored=scored,
+                     reason=reason)
                 self._adopt(metadata, tensors)
                 self.adopted_from, self.adopted_count = source, self.adopted_count + 1
                 return

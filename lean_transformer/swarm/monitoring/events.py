@@ -26,7 +26,9 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       ``kind``, ``epoch``, ``reason`` (``cancelled``, ``served its group with weight 0``, or the error)
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
 ``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``,
-                      ``scored`` (whether the loss check scored it)
+                      ``scored`` (whether the loss check scored it), ``reason``: ``join`` (a trainer joining),
+                      ``epoch`` (its epoch fell behind the swarm's), ``outer_state`` (DiLoCo: its last group
+                      converged on another outer state), ``checkpoint`` (an aux peer's copy)
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
 ``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
                       averager's prefix)

@@ -82,7 +82,7 @@ class AuxiliaryOptimizer(SwarmOptimizer):
         averager.allow_state_sharing = False  # the tensors are about to be replaced
         averager.local_epoch = -1  # accept a state of any epoch; stays -1 when nothing was loaded
         try:
-            averager.load_state_from_peers(timeout=self.load_state_timeout)
+            averager.load_state_from_peers(timeout=self.load_state_timeout, reason="checkpoint")
         except TimeoutError:
             logger.warning(f"Loading the swarm's state took longer than {self.load_state_timeout:g} s")
         loaded_epoch = averager.local_epoch if averager.local_epoch >= 0 else None

@@ -139,7 +139,7 @@ def join_swarm(model: PreTrainedModel, optimizer: SwarmOptimizer, checkpoint: Op
         logger.info(f"Loaded local checkpoint {checkpoint} (epoch {epoch})")
     downloads = EventReader(events_path)
     list(downloads.new())  # skip what earlier runs wrote; the averager's process reports the download
-    optimizer.load_state_from_peers()
+    optimizer.load_state_from_peers(reason="join")
     logger.info(f"Joined the swarm at epoch {optimizer.local_epoch}")
     emit("joined", epoch=optimizer.local_epoch, client_mode=client_mode,
          initial_peers=[] if client_mode else visible_maddrs(dht), from_swarm=any(downloads.new("state_downloaded")))
