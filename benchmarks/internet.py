@@ -23,8 +23,8 @@ peers' event files: the DHT's connectivity (each trainer's progress events name 
 10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
 than one); per trainer the fraction of its epochs (DiLoCo: outer rounds) in which it averaged with at least one other
 peer; group sizes; newcomers' time from start to their first averaged round; state downloads (why, and their
-time); bytes sent per sample (link counters); compute utilization; RAM and CPU per peer; crashes (peers not
-stopped on purpose that exited non-zero, or whose log holds a traceback).
+time) and DiLoCo catch-ups; bytes sent per sample (link counters); compute utilization; RAM and CPU per peer;
+crashes (peers not stopped on purpose that exited non-zero, or whose log holds a traceback).
 
 Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
 Each mode takes --seconds plus about a minute to start and stop. Needs root, ``ip``, ``tc``, ``nft`` and the cgroup
@@ -348,6 +348,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
                             "components": components(list(views), views)})
     per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
     reasons: Counter = Counter()  # why trainers downloaded (the state_downloaded event's reason)
+    catch_ups = 0  # DiLoCo: missed outer steps replayed from a groupmate's history instead of a download
     for slot in trainers:
         if slot.name not in events:
             continue
@@ -360,6 +361,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         group_sizes += [e["group_size"] for e in averaged]
         downloads += [e.get("seconds") for e in got]
         reasons.update(e.get("reason") or "unknown" for e in got)
+        catch_ups += sum(e["event"] == "outer_caught_up" for e in stream)
         transitions = max(0, len(epochs) - 1)
         rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
@@ -409,6 +411,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "averaged_fraction_median": statistics.median(fractions) if fractions else None,
         "trainers_at_least_90pct": sum(f >= 0.9 for f in fractions), "trainers_with_rounds": len(fractions),
         "state_downloads": len(downloads), "downloads_by_reason": dict(reasons.most_common()),
+        "catch_ups": catch_ups,
         "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
         "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
         "samples": total_samples,
@@ -503,7 +506,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"{r['max_components']}); group sizes {r['group_sizes']} (median {r['median_group_size']}); "
                       f"{r['trainers_at_least_90pct']}/{r['trainers_with_rounds']} trainers averaged in >= 90% of "
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
-                      f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s); "
+                      f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s), "
+                      f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history; "
                       f"newcomers' seconds to first "
                       f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
                       f"utilization {r['utilization_mean']:.1%}; crashes: {r['crashes'] or 'none'}; never joined: "

@@ -325,6 +325,37 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
         torch.testing.assert_close(weight.data, torch.full((3,), -4.0), rtol=0, atol=0)
 
 
+def test_the_outer_history_keeps_the_last_sparse_averages_within_its_budget():
+    from lean_transformer.swarm.averaging.outer_history import HISTORY_ROUNDS, OuterHistory
+
+    shapes = [torch.Size([30, 10]), torch.Size([100])]
+    history, generator = OuterHistory(shapes), torch.Generator().manual_seed(0)
+    sparse = [torch.zeros(shape) for shape in shapes]
+    sparse[0][3, 4], sparse[1][7] = 0.5, -2.0  # a top-k average: few non-zero values
+    for steps in range(HISTORY_ROUNDS + 1):
+        history.record([float(steps), 11 * steps], sparse)
+    served = history.parse(*history.snapshot())
+    assert sorted(served) == [(float(steps), 11 * steps) for steps in range(1, HISTORY_ROUNDS + 1)]  # the last ones
+    assert served[(1.0, 11)].indices.tolist() == [34, 307]
+    assert all(torch.equal(a, b) for a, b in zip(history.dense(served[(1.0, 11)]), sparse))
+    history.record([9.0, 99], [torch.randn(shape, generator=generator) for shape in shapes])  # dense: not kept
+    assert sorted(history.parse(*history.snapshot())) == sorted(served)
+    wide = [torch.zeros(shape) for shape in shapes]
+    wide[0].view(-1)[:132] = 1.0  # 132 x 12 bytes: with any other entry, over the budget (one anchor: 400 x 4)
+    history.record([10.0, 7], wide)
+    assert list(history.parse(*history.snapshot())) == [(10.0, 7)]
+    metadata, tensors = history.snapshot()
+    for bad_metadata, bad_tensors, problem in (
+            ({"outer_history": [[9.0, "x"]]}, tensors, "not an outer-state fingerprint"),
+            (metadata, [tensors[0], tensors[1].double()], "not 1-D int64 and float32"),
+            (metadata, [tensors[0], tensors[1][:-1]], "132 indices"),
+            (metadata, [torch.tensor([0, 400]), torch.ones(2)], "not each within"),
+            ({"outer_history": [[float(i), i] for i in range(HISTORY_ROUNDS + 1)]}, tensors, "at most"),
+            ("junk", [], "not an outer history")):
+        with pytest.raises(ValueError, match=problem):
+            history.parse(bad_metadata, bad_tensors)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_held_outer_loop_serves_nothing_until_the_caller_lets_go(overlap):
     """SwarmOptimizer advances its epoch after the round's outer step, holding the served state back meanwhile
@@ -495,6 +526,23 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
     assert applied["a"]["anchor"] == applied["b"]["anchor"] == applied["c"]["anchor"]
     report("newcomer c loaded a's state after a's round 1 was over: served before the step applied, c was behind "
            "its group after round 2; with the step applied at once, all three in step, anchors bit-identical")
+
+
+@pytest.mark.swarm
+def test_a_peer_that_missed_a_round_catches_up_from_a_groupmates_history(tmp_path, report):
+    """Top-k rounds (sparse averages, as with the slow-link flags): a and b average round 1 while c misses it (as
+    after a failed all-reduce); all three average round 2. c's outer state is one step behind the group's: before, it
+    applied round 2 on its own anchor, lost the group's vote and downloaded the whole state. Now it replays round 1's
+    average from a or b's history (OuterLoop._catch_up), then round 2: two outer steps, and the three anchors
+    bit-identical."""
+    results = three_peer_results(tmp_path, ["catch_up"])["catch_up"]
+    assert [results[name]["group_sizes"] for name in "abc"] == [[2, 3], [2, 3], [None, 3]], results
+    assert not any(results[name]["behind"] for name in "abc"), results
+    assert [results[name]["steps"] for name in "abc"] == [2, 2, 2], results
+    assert results["a"]["anchor_sha256"] == results["b"]["anchor_sha256"] == results["c"]["anchor_sha256"], results
+    assert results["c"]["caught_up"] == 1 and results["a"]["caught_up"] == results["b"]["caught_up"] == 0
+    report("c missed round 1 of a and b, then averaged round 2 with them: it replayed round 1 from a groupmate's "
+           "history, anchors bit-identical, no download")
 
 
 def three_peer_results(root: Path, modes: list) -> dict:
@@ -740,6 +788,41 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
+def catch_up_peer(name: str, role: str) -> None:
+    """A peer of the catch-up test: a and b end rounds at T and T + 8 s, c at T + 8 s only; all wait for the others'
+    results before leaving (c's catch-up reads a or b's history)."""
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
+
+    dht = start_dht(role)
+    rendezvous = Path(os.environ["RENDEZVOUS"])
+    open_events(rendezvous / f"{name}.events.jsonl", role="trainer")
+    start = common_time(role)
+    weight = torch.nn.Parameter(torch.full((SPARSE_SIZE,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_catch_up", [weight.shape], matchmaking_time=MATCHMAKING,
+                                      allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION)
+    rounds = OuterLoop(outer, averager)
+    group_sizes = []
+    for index, end in enumerate([start, start + 8.0]):
+        with torch.no_grad():
+            weight.sub_(sparse_delta(name, index))
+        rounds.add_samples(4)
+        time.sleep(max(0.0, end - get_dht_time()))
+        group_sizes.append(None if name == "c" and index == 0 else rounds.end_round())
+    (rendezvous / f"{name}.done").touch()
+    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "abc"), timeout=60,
+               what="the others' rounds", interval=0.05)
+    close_events()
+    caught_up = len(read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up"))
+    print(json.dumps(dict(group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps), caught_up=caught_up,
+                          anchor_sha256=hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest())), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
 def peer(name: str, compression: str, role: str) -> None:
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
     from lean_transformer.swarm.averaging.optimizer import make_compression
@@ -776,6 +859,8 @@ if __name__ == "__main__":
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "released"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
+    elif sys.argv[2] == "catch_up":
+        catch_up_peer(sys.argv[1], sys.argv[3])
     else:
         peer(sys.argv[1], sys.argv[2], sys.argv[3])
 

@@ -66,6 +66,8 @@ from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessa
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
+from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, OuterHistory, ServesOuterHistory,
+                                                            history_key)
 from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 from lean_transformer.swarm.monitoring.events import emit
@@ -304,8 +306,8 @@ def gross_ratio(own_weight: float, weights: Sequence[Any]) -> float:
     return GROSS_RATIO * max(1.0, statistics.median(claimed) / own_weight)
 
 
-class _Averager(ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded, AnswersBeforeLeaving,
-               DecentralizedAverager):
+class _Averager(ServesOuterHistory, ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded,
+               AnswersBeforeLeaving, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, answering its
     groupmates before it shuts down, every peer getting the same average (same wire format), and all of it or
     nothing; with ``topk_fraction``, the sparse all-reduce of
@@ -461,7 +463,7 @@ class PseudoGradientAverager:
         self.averager = averager_class([torch.zeros(shape) for shape in self.shapes], dht, start=True, prefix=prefix,
                                        min_matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout,
                                        compression=compression, topk_fraction=topk_fraction, **averager_opts)
-        self.timeout = matchmaking_time + allreduce_timeout
+        self.timeout, self.matchmaking_time = matchmaking_time + allreduce_timeout, matchmaking_time
         self.auxiliary = averager_opts.get("auxiliary", False)
 
     def prepare(self, scheduled_time: float, samples: int, tag: Any = None) -> Any:
@@ -520,6 +522,16 @@ class PseudoGradientAverager:
 
     def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int, tag: Any = None) -> Optional[tuple]:
         return self.finish(self.start(pseudo_gradients, samples, tag))
+
+    def serve_history(self, history: OuterHistory) -> None:
+        """Serve ``history`` to groupmates catching up (:mod:`.outer_history`)."""
+        self.averager.outer_history = history
+
+    def fetch_history(self, peer: str, history: OuterHistory) -> dict:
+        """``peer``'s outer history, parsed against ``history``'s shapes, within the all-reduce's timeout; raises
+        on a failure or a malformed answer."""
+        max_bytes = 2 * HISTORY_BYTES_PER_VALUE * history.total + (1 << 20)  # twice what an honest peer keeps
+        return history.parse(*self.averager.fetch_history(peer, self.timeout - self.matchmaking_time, max_bytes))
 
     def shutdown(self) -> None:
         self.averager.shutdown()
@@ -636,6 +648,9 @@ class OuterLoop:
         self.settled = threading.Event()
         self.settled.set()
         self._held = False
+        self.history = OuterHistory([anchor.shape for anchor in outer.anchor])  # served to groupmates catching up
+        if averager is not None:
+            averager.serve_history(self.history)
 
     def add_samples(self, samples: int) -> None:
         self.samples_since_anchor += samples
@@ -770,14 +785,55 @@ class OuterLoop:
                 return None
         tags = tags or {}
         winner = converged_state(tags) if sent_tag is not None else None
-        self.behind = winner is not None and list(sent_tag) != winner
-        self.donors = [peer for peer, tag in tags.items() if self.behind and fingerprint_of(tag) == winner]
+        behind = winner is not None and list(sent_tag) != winner
+        self.donors = [peer for peer, tag in tags.items() if behind and fingerprint_of(tag) == winner]
+        self.behind = behind and not self._catch_up(sent_tag, winner, keep)
         self.outer_steps_behind = (int(sent_tag[0]), int(winner[0])) if self.behind else None
-        with self.lock:
-            self.outer.step(averaged, keep=keep)
-        self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
+        self._step(averaged, list(sent_tag) if sent_tag is not None and not behind else self.fingerprint(), keep)
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
         return group_size
+
+    def _step(self, averaged: Sequence[torch.Tensor], before: list,
+              keep: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Apply one outer step to the state whose fingerprint is ``before``, and keep it in the history."""
+        with self.lock:
+            self.outer.step(averaged, keep=keep)
+        self.history.record(before, averaged)
+        self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
+
+    def _catch_up(self, ours: list, winner: list, keep: Optional[Sequence[torch.Tensor]]) -> bool:
+        """Replay the outer steps from this peer's fingerprint ``ours`` to its group's ``winner`` from a donor's
+        history (:mod:`.outer_history`); whether this peer now holds ``winner``. A donor whose history lacks a step
+        is skipped; a replay that ends elsewhere leaves the state to the download that follows."""
+        missing = int(winner[0]) - int(ours[0])
+        if not 0 < missing <= self.history.rounds:
+            return False
+        for donor in self.donors:
+            started = time.monotonic()
+            try:
+                entries = self.averager.fetch_history(donor, self.history)
+            except Exception as error:  # a peer's answer, or none: the next donor, then the download
+                logger.info(f"No outer history from {donor}: {error!r}")
+                continue
+            replayed, fingerprint = 0, list(ours)
+            while fingerprint != winner and replayed < missing and history_key(fingerprint) in entries:
+                averaged = self.history.dense(entries[history_key(fingerprint)])
+                known = self.applied_norms or [float(momentum.norm()) for momentum in self.outer.momenta]
+                reason = implausible_average(averaged, known) if self.check_averages else None
+                if reason is not None:
+                    logger.warning(f"Not replaying {donor}'s outer history: {reason}")
+                    break
+                self._step(averaged, fingerprint, keep)
+                replayed, fingerprint = replayed + 1, self.fingerprint()
+            if fingerprint == winner:
+                seconds = time.monotonic() - started
+                logger.info(f"Caught up {replayed} outer step(s) from {donor}'s history in {seconds:.2f} s, "
+                            f"instead of downloading the state")
+                emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds)
+                return True
+            if replayed:  # the state moved: only a download restores it
+                return False
+        return False
 
     def finished_in_background(self) -> bool:
         """Overlap: whether the background round is over and :meth:`apply_finished` would settle it."""

@@ -29,6 +29,9 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       ``scored`` (whether the loss check scored it), ``reason``: ``join`` (a trainer joining),
                       ``epoch`` (its epoch fell behind the swarm's), ``outer_state`` (DiLoCo: its last group
                       converged on another outer state), ``checkpoint`` (an aux peer's copy)
+``outer_caught_up``   (DiLoCo) replayed the outer steps it missed from a groupmate's history instead of downloading
+                      the state (:mod:`lean_transformer.swarm.averaging.outer_history`): ``source``, ``rounds``,
+                      ``seconds``
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
 ``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
                       averager's prefix)
@@ -70,7 +73,8 @@ from typing import Any, Iterator, List, Optional, Union
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
-          "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected")
+          "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected",
+          "outer_caught_up")
 
 
 class EventLog:
