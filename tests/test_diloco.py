@@ -920,12 +920,14 @@ def test_the_gross_bound_widens_for_a_peer_of_little_weight():
     assert gross_ratio(0.0, [8, 8]) == math.inf == gross_ratio(8, [None, "8"])  # no own weight, no claims
 
 
-@pytest.mark.parametrize("absent", [False, True])
+@pytest.mark.parametrize("absent", [False, True, "left"])
 def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_after(absent):
     """Three real P2P peers form a sparse all-reduce group (each reduces a third); the third never starts its round
     (its round was cancelled after the leader counted it in: benchmarks/internet.py saw a group of 6 wait 47 s for
     one). The two others fail after ``absent_after`` (2 s), naming it, instead of the round's timeout (30 s); with all
-    three present the same settings give all three the same average."""
+    three present the same settings give all three the same average. A third that ``left`` (its handlers gone) fails
+    the round as unreachable, an AllreduceException (logged as one line), not a P2P error that hivemind logged as an
+    ERROR traceback (benchmarks/internet.py: "protocols not supported")."""
     from hivemind.averaging.allreduce import AllreduceException, AveragingMode
     from hivemind.p2p import P2P
 
@@ -950,7 +952,8 @@ def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_afte
             servicers = [ReducerServicer() for _ in peers]
             present = peers[:2] if absent else peers
             for p2p, servicer in zip(peers, servicers):
-                await servicer.add_p2p_handlers(p2p)
+                if absent != "left" or p2p is not peers[2]:
+                    await servicer.add_p2p_handlers(p2p)
                 if p2p in present:
                     servicer.runner = SparseAllReduce(
                         p2p=p2p, servicer_type=ReducerServicer, prefix=None, group_id=b"group",
@@ -970,4 +973,5 @@ def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_afte
         return
     assert seconds < 10, seconds  # 2 s and the answers, not the 30 s timeout
     assert all(isinstance(result, AllreduceException) for result in results), results
-    assert any(f"not in this round: {missing}" in str(result) for result in results), results
+    problem = f"reducer {missing} is unreachable" if absent == "left" else f"not in this round: {missing}"
+    assert any(problem in str(result) for result in results), results

@@ -76,3 +76,22 @@ def test_a_resource_sharer_that_is_gone_is_one_info_line(caplog, capsys, hivemin
     except FileNotFoundError:
         quiet_logs._excepthook(*sys.exc_info())
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_the_dhts_resource_sharer_error_is_one_info_line(caplog, hivemind_level):
+    """hivemind's DHT loop logs a sharer that left as an ERROR traceback (``logger.exception``): one INFO line."""
+    hivemind_level(logging.INFO)
+    quiet_logs.install()
+    try:
+        _ResourceSharer.get_connection(("/nonexistent/resource-sharer-socket", b""))
+    except FileNotFoundError as error:
+        logging.getLogger(quiet_logs.DHT_LOGGER).exception(error)  # as hivemind.dht.dht.DHT._run does
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and record.exc_info is None and "FileNotFoundError" in record.getMessage()
+    caplog.clear()
+    try:
+        raise FileNotFoundError("not from the resource sharer")
+    except FileNotFoundError as error:
+        logging.getLogger(quiet_logs.DHT_LOGGER).exception(error)
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR and record.exc_info is not None

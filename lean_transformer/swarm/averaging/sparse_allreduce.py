@@ -51,6 +51,7 @@ import torch
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
@@ -255,15 +256,19 @@ class SparseAllReduce:
                 raise AllreduceException(f"own part: {error}") from None
             return await asyncio.shield(self._result)
         stub = self.servicer_type.get_stub(self.p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_aggregate_part(as_aiter(
-            averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
-                                        weight=self.weight, tensor_part=_serialize(part[0])),
-            averaging_pb2.AveragingData(tensor_part=_serialize(part[1]))))
         answers = []
-        async for answer in stream:
-            answers.append(answer)
-            if len(answers) > 2:  # a reducer that goes on sending: no need to read it all
-                break
+        try:
+            stream = await stub.rpc_aggregate_part(as_aiter(
+                averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                            weight=self.weight, tensor_part=_serialize(part[0])),
+                averaging_pb2.AveragingData(tensor_part=_serialize(part[1]))))
+            async for answer in stream:
+                answers.append(answer)
+                if len(answers) > 2:  # a reducer that goes on sending: no need to read it all
+                    break
+        except (P2PDaemonError, P2PHandlerError, ConnectionError) as error:
+            # e.g. it left the swarm mid-round ("protocols not supported"): a failed round, not a bug to trace
+            raise AllreduceException(f"reducer {peer} is unreachable: {error}") from None
         if len(answers) != 2 or answers[0].code != averaging_pb2.AVERAGED_PART:
             codes = [averaging_pb2.MessageCode.Name(answer.code) for answer in answers]
             raise AllreduceException(f"reducer {peer} answered {codes} instead of a sparse average")

@@ -8,8 +8,9 @@ broke when nothing did.
   ``round_missed`` event carries the same (:mod:`lean_transformer.swarm.averaging.round_events`).
 - A peer process that exits while another still fetches a tensor it shared (torch shares tensors between hivemind's
   processes through ``multiprocessing.resource_sharer``): the sharer's thread prints ``ConnectionResetError`` /
-  ``FileNotFoundError`` / ``EOFError`` tracebacks through ``sys.excepthook`` at the DHT's shutdown. Here: one INFO
-  line.
+  ``FileNotFoundError`` / ``EOFError`` tracebacks through ``sys.excepthook`` at the DHT's shutdown, and the DHT's own
+  loop logs them as ERROR tracebacks (``hivemind.dht.dht._run``: a peer that left while a trainer stopped, in
+  benchmarks/internet.py). Here: one INFO line.
 
 With ``HIVEMIND_LOGLEVEL=DEBUG`` both keep their tracebacks. Anything else is left as it is: a traceback still means a
 bug. Reproduced by the logs of ``tests/test_large_swarm.py`` (8 trainers) and of a DiLoCo journey with top-k and
@@ -29,6 +30,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.averaging.matchmaking import MatchmakingException
 
 AVERAGER_LOGGER = "hivemind.averaging.averager"
+DHT_LOGGER = "hivemind.dht.dht"
 EXPECTED_ROUND_ERRORS = (AllreduceException, MatchmakingException, asyncio.CancelledError, asyncio.TimeoutError,
                          TimeoutError)
 SHUTDOWN_ERRORS = (ConnectionResetError, BrokenPipeError, FileNotFoundError, EOFError)
@@ -54,6 +56,19 @@ def _from_resource_sharer(trace: Optional[TracebackType]) -> bool:
     return any("multiprocessing/resource_sharer.py" in frame.filename for frame in traceback.extract_tb(trace))
 
 
+class SharerShutdown(logging.Filter):
+    """On hivemind's DHT logger: a resource sharer's shutdown error (see the module's docstring) as one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error, trace = (record.exc_info[1], record.exc_info[2]) if record.exc_info else (None, None)
+        if isinstance(error, SHUTDOWN_ERRORS) and _from_resource_sharer(trace) and not _debugging():
+            record.msg, record.args = (f"A process left while a tensor it shared was being fetched "
+                                       f"({type(error).__name__}): expected when peers shut down"), ()
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def _excepthook(kind: type, error: BaseException, trace: Optional[TracebackType]) -> None:
     if isinstance(error, SHUTDOWN_ERRORS) and _from_resource_sharer(trace) and not _debugging():
         logging.getLogger(__name__).info(f"A process left while a tensor it shared was being fetched "
@@ -67,8 +82,9 @@ _previous_excepthook = sys.excepthook
 
 def install() -> None:
     global _previous_excepthook
-    logger = logging.getLogger(AVERAGER_LOGGER)
-    if not any(isinstance(existing, ExpectedRoundFailures) for existing in logger.filters):
-        logger.addFilter(ExpectedRoundFailures())
+    for name, kind in ((AVERAGER_LOGGER, ExpectedRoundFailures), (DHT_LOGGER, SharerShutdown)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, kind) for existing in logger.filters):
+            logger.addFilter(kind())
     if sys.excepthook is not _excepthook:
         _previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
