@@ -3,7 +3,7 @@ missed, taken from a groupmate's short history, instead of downloading the whole
 
 Why: in benchmarks/internet.py (6 DiLoCo trainers + aux, 120 s, 20-100 Mbit/s links, 20-150 ms, NAT, churn),
 ``outer_state`` downloads (a group converged on another outer state than the peer's) were 14 of the 19 downloads
-after joining, and in 12 of the 17 groups that outvoted a peer it was 1-3 outer steps behind: a missed round, or a
+after joining, and in 11 of the 17 groups that outvoted a peer it was 1-3 outer steps behind: a missed round, or a
 downloaded state that landed as the swarm took its next step. Each then fetched the whole state (parameters, outer
 anchor and momentum, the inner optimizer's statistics) where what it lacked is a few averages: with top-k, 1% of
 the values per group member and round.
