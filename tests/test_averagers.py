@@ -182,7 +182,7 @@ def main(variant: str, case: str) -> None:
         stop_outside_the_update_lock(dhts[0].pid)
         try:
             control.cancel()
-            time.sleep(1.0)  # the clean-up now awaits A's DHT
+            time.sleep(3.0)  # the clean-up now awaits A's DHT (1 s was too short twice under the full suite's load)
             future = MPFuture()
             a._outer_pipe.send(("_collect_garbage", [], dict(future=future)))
             future.result(30)
