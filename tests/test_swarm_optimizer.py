@@ -55,45 +55,56 @@ def run_lone_peers() -> dict:
     return result
 
 
+def swarm_peer(dht, run_id: str, seed: int = 0, **options):
+    """A SwarmOptimizer over a small linear model, in gradient-averaging mode."""
+    import functools
+
+    import torch
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    return SwarmOptimizer(dht=dht, run_id=run_id, target_batch_size=1000, batch_size_per_step=4,
+                          params=[dict(params=list(model.parameters()))], offload_optimizer=True,
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                          **dict(dict(matchmaking_time=0.5, averaging_timeout=5.0, load_state_timeout=20), **options))
+
+
+def move_to(peer, epoch: int) -> None:
+    """Sets a peer's epoch and publishes it, as a step to ``epoch`` would."""
+    peer.state_averager.local_epoch = epoch
+    peer.state_averager.state_sharing_priority = epoch
+    peer.tracker.report_local_progress(epoch, samples_accumulated=1)  # hivemind publishes no record without samples
+
+
+def two_dhts() -> list:
+    import hivemind
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    return [first, hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                initial_peers=first.get_visible_maddrs())]
+
+
 def run_stale_newcomer() -> dict:
     """A donor at epoch 1, a newcomer whose tracker reads that and then not again for a minute; the donor moves to
     epoch 2 and the newcomer downloads. hivemind checks once per epoch that a peer's epoch equals the swarm's, and
     took the stale 1 for the swarm's: the newcomer downloaded the same state again at its first step (seen in a
     DiLoCo swarm: "Joined the swarm at epoch 15", "Peer is out of sync", a second state of epoch 15 0.2 s later)."""
-    import functools
-
-    import hivemind
-    import torch
     from hivemind.utils import get_dht_time
 
-    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
     from lean_transformer.swarm.peers.processes import wait_until
 
-    def optimizer(dht: "hivemind.DHT", **tracker_opts: float) -> SwarmOptimizer:
-        model = torch.nn.Linear(4, 3)
-        return SwarmOptimizer(dht=dht, run_id="stale_view", target_batch_size=1000, batch_size_per_step=4,
-                              params=[dict(params=list(model.parameters()))], offload_optimizer=True,
-                              optimizer=functools.partial(torch.optim.SGD, lr=0.1), matchmaking_time=0.5,
-                              averaging_timeout=5.0, load_state_timeout=20, tracker_opts=tracker_opts)
-
-    def move_to(peer: SwarmOptimizer, epoch: int) -> None:
-        peer.state_averager.local_epoch = epoch
-        peer.state_averager.state_sharing_priority = epoch
-        peer.tracker.report_local_progress(epoch, samples_accumulated=1)  # hivemind publishes no record without samples
-
-    def published_epochs(peer: SwarmOptimizer) -> set:
+    def published_epochs(peer) -> set:
         entry = peer.dht.get(peer.tracker.training_progress_key, latest=True)
         return {record.value.get("epoch") for record in (entry.value.values() if entry is not None else ())}
 
-    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                             initial_peers=dhts[0].get_visible_maddrs()))
-    peers = []
+    dhts, peers = two_dhts(), []
     try:
-        donor = optimizer(dhts[0])
+        donor = swarm_peer(dhts[0], "stale_view")
         peers.append(donor)
         move_to(donor, 1)
-        newcomer = optimizer(dhts[1], default_refresh_period=0.5)
+        newcomer = swarm_peer(dhts[1], "stale_view", tracker_opts=dict(default_refresh_period=0.5))
         peers.append(newcomer)
         tracker = newcomer.tracker
         wait_until(lambda: tracker.fetched_global_progress_this_epoch.is_set() and tracker.global_epoch == 1,
@@ -107,6 +118,43 @@ def run_stale_newcomer() -> dict:
         newcomer.load_state_from_peers()
         result = dict(epoch=newcomer.local_epoch, view=newcomer.tracker.global_epoch,
                       downloads_again=newcomer._should_load_state_from_peers())
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
+    return result
+
+
+def run_label_taker() -> dict:
+    """Two peers averaging parameters every 2 epochs. A stepped to epoch 4 and began that epoch's parameter round;
+    B took the same step under its label 3 (it averaged gradients with A one label lower), so it takes A's label 4
+    without a download (``_should_load_state_from_peers``). Before B joined the round A began, A's round found no
+    group and the two ended apart (CI: a pair's last round, "could not find a group", parameters 0.02 apart)."""
+    import torch
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    dhts, peers = two_dhts(), []
+    try:
+        # each its own key: in one process both would sign with hivemind's process-wide one and share one record
+        a, b = (swarm_peer(dht, "label_taker", seed, average_state_every=2, averaging_timeout=15.0,
+                           tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5,
+                                             private_key=RSAPrivateKey())) for seed, dht in enumerate(dhts))
+        peers += [a, b]
+        mean = [(pa + pb) / 2 for pa, pb in zip(a.state_averager.main_parameters, b.state_averager.main_parameters)]
+        move_to(a, 4)
+        move_to(b, 3)
+        b._group_epoch = 4  # as _align_epoch_with_group notes after a round whose groupmates gathered a label ahead
+        wait_until(lambda: b.tracker.global_epoch == 4 and b.tracker.global_progress.num_peers == 2, 30,
+                   "B's tracker reads A's epoch 4", interval=0.1)
+        a.state_averager.step(averaging_round=True, delay_averaging=True, averaging_opts=dict(timeout=15.0))
+        downloads = b._should_load_state_from_peers()
+        for peer in peers:
+            peer.state_averager.step(wait_for_delayed_updates=True)  # the rounds' results, applied
+        params = [peer.state_averager.main_parameters for peer in peers]
+        result = dict(downloads=downloads, epochs=[peer.local_epoch for peer in peers],
+                      agree=all(torch.allclose(pa, pb, rtol=1e-4, atol=1e-5) for pa, pb in zip(*params)),
+                      averaged=all(torch.allclose(pa, m, rtol=1e-4, atol=1e-5) for pa, m in zip(params[0], mean)))
     finally:
         for each in (*peers, *dhts):
             each.shutdown()
@@ -129,6 +177,13 @@ def test_a_newcomer_whose_view_predates_its_download_does_not_download_again():
 
 
 @pytest.mark.swarm
+def test_a_peer_that_takes_its_groups_epoch_label_joins_that_epochs_parameter_round():
+    result = run_script("label")
+    # no download, both at epoch 4, and the round A began averaged both peers' parameters
+    assert result == dict(downloads=False, epochs=[4, 4], agree=True, averaged=True), result
+
+
+@pytest.mark.swarm
 def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
     result = run_script()
     # gradient averaging: no state of its own, the drifted parameters stay (hivemind's own state is all there is)
@@ -143,4 +198,5 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_stale_newcomer() if sys.argv[1:] == ["stale"] else run_lone_peers()), flush=True)
+    scripts = dict(stale=run_stale_newcomer, label=run_label_taker)
+    print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

@@ -367,9 +367,26 @@ class SwarmOptimizer(hivemind.Optimizer):
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
                 self.grad_averager.state_sharing_priority = self.local_epoch
+            self._join_group_state_round()
         if group_epoch is not None and self.local_epoch != group_epoch - 1:
             self._group_epoch = None  # taken, or moved on (the next round notes its own)
         return super()._should_load_state_from_peers()
+
+    def _join_group_state_round(self) -> None:
+        """After taking the group's epoch label: the group's step to that epoch began hivemind's parameter-averaging
+        round if the epoch is one of --average_state_every's (``_update_global_epoch``). This peer took the same step
+        under its lower label, so it joins that round as if it had stepped to the label itself: else its groupmates
+        average without it, or not at all (seen on CI: a pair's last round found no group, and the pair ended 0.02
+        apart)."""
+        epoch = self.local_epoch
+        if (epoch % self.average_state_every or self.tracker.global_progress.num_peers <= 1
+                or self.state_averager.averaging_in_progress):
+            return
+        control, self.scheduled_state = self.scheduled_state, None  # pre-scheduled for this epoch (gather=epoch)
+        if control is not None and (control.triggered or control.done()):
+            control = None
+        self.state_averager.step(averaging_round=True, delay_averaging=self.delay_state_averaging,
+                                 averaging_control=control, averaging_opts=dict(timeout=self.averaging_timeout))
 
     def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         """hivemind's epoch update (in DiLoCo mode after the outer round)."""
