@@ -39,8 +39,8 @@ DiLoCo's sparse all-reduce (:mod:`.sparse_allreduce`) checks each reducer's spar
 DiLoCo all-reduces the norm bound is the outer average's (10, ``diloco.OUTER_MAX_RATIO``), not 4: a newcomer, and
 a peer that had just downloaded a state, saw honest answers 4.1-4.6x their own values (tests/test_diloco_faults.py);
 the direction test is what catches a flipped or swapped answer there (zeros: the gross check), and a scaled one
-stays bounded. Its bound there is a cosine of -0.3, not 0 (``diloco.OUTER_MIN_COSINE``: honest pseudo-gradients
-in step with their group anticorrelated with an honest answer at -0.127).
+stays bounded. Its bound there is a cosine of -0.5, not 0 (``diloco.OUTER_MIN_COSINE``: honest pseudo-gradients
+in step with their group anticorrelated with an honest answer at -0.127 and -0.307; flipped ones: -0.65 to -0.99).
 
 In DiLoCo's same-result all-reduce a share replaced by the own values would leave this peer's anchor apart from its
 group's. There a rejected share fails the round for this peer, without a retry (``diloco._Averager``; the others of

@@ -575,11 +575,12 @@ OUTER_FIRST_RATIO = 100.0
 OUTER_MIN_CHECKED = 1024  # tensors of fewer values are checked only within the whole
 # a reducer's answer fails the direction check where its cosine with the own pseudo-gradient is at most this, not 0:
 # honest pseudo-gradients in step with their group can anticorrelate (each peer's inner optimizer carries its own
-# momentum into the round). An honest trainer with 80 of a group's 344 samples saw an honest answer at cosine -0.127
-# over 151040 values (tests/test_lying_reducer.py, in CI) and failed its round; a flipped answer is minus an honest
-# one: -0.65 to -0.92 in the same run. Where the honest cosine is below 0.3 a flip passes this peer's check (the
-# norm bound still holds it), but not the check of groupmates whose own values correlate better.
-OUTER_MIN_COSINE = -0.3
+# momentum into the round). Honest trainers saw honest answers at cosine -0.127 (80 of a group's 344 samples, over
+# 151040 values) and -0.307 (tests/test_lying_reducer.py, in CI, at bounds 0 and -0.3) and failed their rounds; a
+# flipped answer is minus an honest one: -0.65 to -0.99 in three runs (the honest ones there: 0.50 to 0.99). Where
+# the honest cosine is below 0.5 a flip passes this peer's check (the norm bound still holds it), but not the check
+# of groupmates whose own values correlate better.
+OUTER_MIN_COSINE = -0.5
 
 
 def implausible_average(average: Sequence[torch.Tensor], references: Sequence[float],
