@@ -23,7 +23,9 @@ peers' event files: the DHT's connectivity (each trainer's progress events name 
 10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
 than one); per trainer the fraction of its epochs (DiLoCo: outer rounds) in which it averaged with at least one other
 peer; group sizes; newcomers' time from start to their first averaged round; state downloads (why, and their
-time) and DiLoCo catch-ups; bytes sent per sample (link counters); compute utilization; RAM and CPU per peer;
+time) and DiLoCo catch-ups; bytes sent per sample (link counters); compute utilization, with the share of the wall
+time spent waiting for the swarm and the share of the compute time the training thread ran (on this shared box the
+rest went to other processes); RAM and CPU per peer;
 crashes (peers not stopped on purpose that exited non-zero, or whose log holds a traceback).
 
 Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
@@ -366,8 +368,11 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
         progress_events = [e for e in stream if e["event"] == "progress"]
-        utilization = (progress_events[-1]["compute_seconds"] / progress_events[-1]["wall_seconds"]
-                       if progress_events and progress_events[-1]["wall_seconds"] > 0 else None)
+        last = progress_events[-1] if progress_events and progress_events[-1]["wall_seconds"] > 0 else None
+        utilization = last["compute_seconds"] / last["wall_seconds"] if last else None
+        waiting = last.get("waiting_seconds", math.nan) / last["wall_seconds"] if last else None
+        cpu_share = (last.get("compute_cpu_seconds", math.nan) / last["compute_seconds"]
+                     if last and last["compute_seconds"] > 0 else None)
         samples = progress_events[-1]["samples"] if progress_events else 0
         tracebacks = tracebacks_before(slot.process.stdout, stop)
         code = slot.process.returncode
@@ -391,6 +396,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
             "rtt_ms": slot.rtt_ms, "measured_rtt_ms": slot.measured_rtt_ms, "joined_at_s": slot.joins_at,
             "stop": slot.stop_signal, "epochs": transitions, "averaged": len(averaged), "missed": len(missed),
             "averaged_fraction": fraction, "downloads": len(got), "samples": samples, "utilization": utilization,
+            "waiting": waiting, "compute_cpu_share": cpu_share,
             "peak_pss_mb": slot.usage.get("peak_pss_mb"),
             "cpu_per_second": slot.usage.get("cpu_seconds", 0.0) / alive if alive > 0 else None,
             "exit": code, "joined": joined, "tracebacks": tracebacks})
@@ -415,8 +421,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
         "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
         "samples": total_samples,
-        "utilization_mean": statistics.mean([t["utilization"] for t in per_trainer if t["utilization"] is not None]
-                                            or [math.nan]),
+        **{f"{key}_mean": statistics.mean([t[key] for t in per_trainer if t[key] is not None] or [math.nan])
+           for key in ("utilization", "waiting", "compute_cpu_share")},
         "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
         "timeline": timeline_of(events, slots, start, stop, kind),
     }
@@ -510,8 +516,10 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history; "
                       f"newcomers' seconds to first "
                       f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
-                      f"utilization {r['utilization_mean']:.1%}; crashes: {r['crashes'] or 'none'}; never joined: "
-                      f"{r['never_joined'] or 'none'}. RTT measured "
+                      f"utilization {r['utilization_mean']:.1%} (waiting for the swarm "
+                      f"{r.get('waiting_mean', math.nan):.1%}; the rest is the box's: data, logging, and the "
+                      f"training thread ran {r.get('compute_cpu_share_mean', math.nan):.0%} of its compute time); "
+                      f"crashes: {r['crashes'] or 'none'}; never joined: {r['never_joined'] or 'none'}. RTT measured "
                       f"with a TCP echo through the peer's delay relay (a relay delays TCP only; no ping).")})
     return {"benchmark": "internet", "command": command,
             "machine": f"{os.cpu_count()} CPU cores (x86_64), {psutil.virtual_memory().total / 2 ** 30:.0f} GB RAM, no GPU",

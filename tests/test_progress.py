@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from types import SimpleNamespace
 
 import hivemind
@@ -85,6 +86,26 @@ def test_time_waiting_inside_computing_is_not_compute(monkeypatch):
     with progress.waiting():  # outside computing(): nothing to take back
         clock[0] += 1.0
     assert progress.compute_seconds == pytest.approx(1.5) and progress.utilization() == pytest.approx(1.5 / 5.5)
+    assert progress.waiting_seconds == pytest.approx(4.0)  # the nested wait once
+
+
+def test_compute_cpu_seconds_are_the_training_threads_and_leave_out_waits():
+    """The training thread's CPU time inside computing(), less the waits within: a busy wait of 0.3 s inside
+    waiting() would take it past the 0.1 s of compute wall time, which no thread's CPU time can exceed."""
+    def busy(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    progress = ProgressLine(every_seconds=5.0)
+    started = time.monotonic()
+    with progress.computing():
+        busy(0.05)
+        with progress.waiting():
+            busy(0.3)
+        busy(0.05)
+    assert 0.1 <= progress.compute_cpu_seconds <= progress.compute_seconds < time.monotonic() - started
+    assert progress.waiting_seconds >= 0.3
 
 
 @pytest.mark.cuda

@@ -318,7 +318,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.outer_loop is None:
             epoch, self._group_epochs, self._group_epoch = self.local_epoch, None, None
             self.grad_averager.epoch_for_gather = epoch  # a round that starts now (none was pre-scheduled)
-            self._advance_epoch(grad_scaler)
+            with self.waiting():  # the all-reduce, and hivemind's optimizer step after it
+                self._advance_epoch(grad_scaler)
             self._align_epoch_with_group(epoch)
             return
         with self.waiting():

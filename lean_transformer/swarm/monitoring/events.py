@@ -16,8 +16,10 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       ``samples``, ``mini_steps``, ``skipped``, ``compute_seconds`` and ``wall_seconds`` (since start)
 ``progress``          (trainer) with each progress line: ``epoch``, ``peers`` (in the swarm, as hivemind sees it),
                       and since the training loop started: ``samples`` (computed), ``compute_seconds``,
-                      ``wall_seconds``, ``loss_sum`` and ``losses`` (over the micro-batches trained on); ``visible``:
-                      the peer IDs in the training-progress records of its last DHT fetch
+                      ``compute_cpu_seconds`` (the training thread's CPU time in them), ``waiting_seconds`` (for the
+                      swarm: outer rounds, downloads), ``wall_seconds``, ``loss_sum`` and ``losses`` (over the
+                      micro-batches trained on); ``visible``: the peer IDs in the training-progress records of its
+                      last DHT fetch
 ``round_started``     an averager began an averaging round (it looks for a group): ``kind`` (``gradients``,
                       ``parameters`` or ``outer``), ``epoch`` (the round's, where the averager knows it, else ``null``)
 ``averaged``          the round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``, ``bytes``

@@ -6,7 +6,12 @@ backward and inner optimizer steps (the rest is waiting for the swarm: averaging
 the compute and wall seconds behind it and the mean loss of the micro-batches trained on so far (cumulative since the
 loop started, so that a benchmark can take the difference of two lines: compute utilization, samples and mean loss
 over any window). Each progress event also names the peers whose training-progress records this peer's last DHT
-fetch saw (``visible``): which peer sees which is how a benchmark tells one DHT from a split one."""
+fetch saw (``visible``): which peer sees which is how a benchmark tells one DHT from a split one.
+
+Where the rest of the wall time goes, so that a benchmark on a shared box can tell the swarm's cost from the box's
+(issue 23): ``waiting_seconds``, the time inside ``waiting()`` (state downloads; DiLoCo's outer rounds; in
+gradient-averaging mode the epoch's all-reduce and the optimizer step that follows it), and ``compute_cpu_seconds``, the training thread's CPU time inside ``computing()``. With one torch thread,
+the compute seconds it did not run were seconds the box gave to other processes."""
 from __future__ import annotations
 
 import logging
@@ -38,9 +43,11 @@ class ProgressLine:
         self.every_seconds, self.device = every_seconds, device
         self.last_report = self.started = time.monotonic()
         self.tokens = self.samples = 0
-        self.compute_seconds = 0.0
+        self.compute_seconds = self.compute_cpu_seconds = self.waiting_seconds = 0.0
         self.loss_sum, self.losses = 0.0, 0
         self._computing_since: Optional[float] = None  # inside computing() and not inside waiting()
+        self._computing_cpu_since = 0.0  # the training thread's CPU time then
+        self._waiting_since: Optional[float] = None  # inside waiting()
 
     def start_clock(self) -> None:
         self.last_report = self.started = time.monotonic()
@@ -55,28 +62,40 @@ class ProgressLine:
 
     @contextmanager
     def computing(self) -> Iterator[None]:
-        if self._computing_since is not None:  # nested: the outer block counts
+        if self._computing_since is not None or self._waiting_since is not None:  # nested: the outer block counts
             yield
             return
-        self._computing_since = time.monotonic()
+        self._start_computing()
         try:
             yield
         finally:
-            self.compute_seconds += time.monotonic() - self._computing_since
-            self._computing_since = None
+            self._stop_computing()
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
-        """Time inside is not compute, also within ``computing()``."""
-        if self._computing_since is None:
+        """Time inside is waiting for the swarm (``waiting_seconds``), not compute, also within ``computing()``."""
+        if self._waiting_since is not None:  # nested: the outer block counts
             yield
             return
-        self.compute_seconds += time.monotonic() - self._computing_since
-        self._computing_since = None
+        computing = self._computing_since is not None
+        if computing:
+            self._stop_computing()
+        self._waiting_since = time.monotonic()
         try:
             yield
         finally:
-            self._computing_since = time.monotonic()
+            self.waiting_seconds += time.monotonic() - self._waiting_since
+            self._waiting_since = None
+            if computing:
+                self._start_computing()
+
+    def _start_computing(self) -> None:
+        self._computing_since, self._computing_cpu_since = time.monotonic(), time.thread_time()
+
+    def _stop_computing(self) -> None:
+        self.compute_seconds += time.monotonic() - self._computing_since
+        self.compute_cpu_seconds += time.thread_time() - self._computing_cpu_since
+        self._computing_since = None
 
     def wall_seconds(self) -> float:
         """Seconds since construction."""
@@ -102,7 +121,8 @@ class ProgressLine:
             peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
         line = format_progress(optimizer, mean_loss, tokens_per_second, peak_gpu_bytes)
         emit("progress", epoch=optimizer.local_epoch, peers=optimizer.tracker.global_progress.num_peers,
-             samples=self.samples, compute_seconds=self.compute_seconds, wall_seconds=now - self.started,
+             samples=self.samples, compute_seconds=self.compute_seconds, compute_cpu_seconds=self.compute_cpu_seconds,
+             waiting_seconds=self.waiting_seconds, wall_seconds=now - self.started,
              loss_sum=self.loss_sum, losses=self.losses, visible=visible_peers(optimizer.tracker))
         mean_loss_text = f"{self.loss_sum / self.losses:.4f}" if self.losses else "n/a"
         logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%} "
