@@ -541,6 +541,8 @@ def test_a_peer_that_missed_a_round_catches_up_from_a_groupmates_history(tmp_pat
     assert [results[name]["steps"] for name in "abc"] == [2, 2, 2], results
     assert results["a"]["anchor_sha256"] == results["b"]["anchor_sha256"] == results["c"]["anchor_sha256"], results
     assert results["c"]["caught_up"] == 1 and results["a"]["caught_up"] == results["b"]["caught_up"] == 0
+    # the outer averagers serve their history by peer ID and declare nothing in the DHT (hivemind_fixes.store_outcomes)
+    assert not any(results[name]["listed_as_donor"] for name in "abc"), results
     report("c missed round 1 of a and b, then averaged round 2 with them: it replayed round 1 from a groupmate's "
            "history, anchors bit-identical, no download")
 
@@ -817,7 +819,9 @@ def catch_up_peer(name: str, role: str) -> None:
                what="the others' rounds", interval=0.05)
     close_events()
     caught_up = len(read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up"))
+    donors = dht.get("test_diloco_catch_up.all_averagers", latest=True)  # hivemind's list: the history needs none
     print(json.dumps(dict(group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps), caught_up=caught_up,
+                          listed_as_donor=donors is not None and bool(donors.value),
                           anchor_sha256=hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest())), flush=True)
     averager.shutdown()
     dht.shutdown()

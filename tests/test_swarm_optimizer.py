@@ -92,6 +92,7 @@ def run_stale_newcomer() -> dict:
     took the stale 1 for the swarm's: the newcomer downloaded the same state again at its first step (seen in a
     DiLoCo swarm: "Joined the swarm at epoch 15", "Peer is out of sync", a second state of epoch 15 0.2 s later)."""
     from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
 
     from lean_transformer.swarm.peers.processes import wait_until
 
@@ -101,10 +102,11 @@ def run_stale_newcomer() -> dict:
 
     dhts, peers = two_dhts(), []
     try:
-        donor = swarm_peer(dhts[0], "stale_view")
+        donor = swarm_peer(dhts[0], "stale_view", tracker_opts=dict(private_key=RSAPrivateKey()))
         peers.append(donor)
         move_to(donor, 1)
-        newcomer = swarm_peer(dhts[1], "stale_view", tracker_opts=dict(default_refresh_period=0.5))
+        newcomer = swarm_peer(dhts[1], "stale_view", tracker_opts=dict(
+            min_refresh_period=0.1, max_refresh_period=0.5, private_key=RSAPrivateKey()))
         peers.append(newcomer)
         tracker = newcomer.tracker
         wait_until(lambda: tracker.fetched_global_progress_this_epoch.is_set() and tracker.global_epoch == 1,

@@ -35,6 +35,7 @@ from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, Oute
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck
+from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
 
 if TYPE_CHECKING:
@@ -70,13 +71,14 @@ class ParametersOnly(AdaptiveCompressionBase):
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-class TrustedProgress(IgnoresRefusedDonors, ProgressTracker):
-    """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`)."""
+class TrustedProgress(IgnoresRefusedDonors, ReadsStoreOutcomes, ProgressTracker):
+    """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`), its
+    stores' outcomes read."""
 
 
-class TrustedRoundProgress(IgnoresRefusedDonors, RoundProgress):
+class TrustedRoundProgress(IgnoresRefusedDonors, ReadsStoreOutcomes, RoundProgress):
     """DiLoCo's progress tracker (:class:`.diloco.RoundProgress`), blind to the donors whose states this peer
-    refused."""
+    refused, its stores' outcomes read."""
 
 
 class SwarmOptimizer(hivemind.Optimizer):

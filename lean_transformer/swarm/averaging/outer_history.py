@@ -140,6 +140,11 @@ class ServesOuterHistory:
 
     outer_history: Optional[OuterHistory] = None
 
+    async def _declare_for_download_periodically(self) -> None:
+        """Executed in the averager's process: nothing. A history is fetched from a groupmate by its peer ID, never
+        from the DHT's list of donors, where hivemind's loop would store this averager every period for nothing (and
+        log a traceback for each store that outlives its period: ``hivemind_fixes.store_outcomes``)."""
+
     def get_current_state(self) -> Tuple[dict, List[torch.Tensor], None]:
         """Executed in the host process, for a peer that downloads this averager's state: the outer history."""
         if self.outer_history is None:

@@ -30,6 +30,11 @@ that the swarm code uses explicitly.
   answers had gone out, and a groupmate kept its own values there; the averager's shutdown now waits for its
   handlers (``tests/test_averagers.py``, case ``leave``; seen in CI as a pair whose final parameters differed).
   Drop when hivemind reads a request to its end before closing and finishes its handlers before it shuts down.
+- :mod:`.store_outcomes`: hivemind's progress tracker bounds each store of its record by a task whose outcome
+  nobody reads, so a store that times out (a peer starved of CPU) logs an ERROR traceback; DiLoCo's outer averager
+  did the same with hivemind's declaration loop, and now declares nothing. Reproduced by
+  ``tests/test_state_declaration.py`` and ``tests/test_diloco.py`` (the catch-up case). Drop when hivemind reads
+  its store tasks' outcomes.
 - :mod:`.rpc_names`: hivemind names an averager's RPCs after its Python class, so a trainer with host gradients (a
   GPU) and one without (a CPU, or an aux peer assisting) never averaged gradients together. Reproduced by
   ``tests/test_averagers.py`` and ``tests/test_trainer_host_gradients.py``. Drop when hivemind names RPCs by protocol.

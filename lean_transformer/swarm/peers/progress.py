@@ -50,7 +50,9 @@ class ProgressLine:
         self._waiting_since: Optional[float] = None  # inside waiting()
 
     def start_clock(self) -> None:
+        """Wall time counts from now, and so does the time waiting (a joining peer's download is before)."""
         self.last_report = self.started = time.monotonic()
+        self.waiting_seconds = 0.0
 
     def count_tokens(self, tokens: int, samples: int = 0) -> None:
         self.tokens += tokens
