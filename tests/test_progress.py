@@ -90,21 +90,20 @@ def test_time_waiting_inside_computing_is_not_compute(monkeypatch):
 
 
 def test_compute_cpu_seconds_are_the_training_threads_and_leave_out_waits():
-    """The training thread's CPU time inside computing(), less the waits within: a busy wait of 0.3 s inside
-    waiting() would take it past the 0.1 s of compute wall time, which no thread's CPU time can exceed."""
+    """The training thread's CPU time inside computing(), less the waits within: 0.1 s of busy compute, not the
+    0.3 s busy inside waiting() (each busy loop runs until the thread has used that much CPU)."""
     def busy(seconds: float) -> None:
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             pass
 
     progress = ProgressLine(every_seconds=5.0)
-    started = time.monotonic()
     with progress.computing():
         busy(0.05)
         with progress.waiting():
             busy(0.3)
         busy(0.05)
-    assert 0.1 <= progress.compute_cpu_seconds <= progress.compute_seconds < time.monotonic() - started
+    assert 0.1 <= progress.compute_cpu_seconds < 0.2 and progress.compute_seconds >= 0.1
     assert progress.waiting_seconds >= 0.3
 
 
