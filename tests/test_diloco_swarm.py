@@ -60,11 +60,13 @@ def diloco_run(tmp_path_factory):
                                        "--keep_backups", "100", "--output_dir", str(root / name)], root, ENV)
                     for name in ("t1", "t2")]
         peers += trainers
-        wait_until(lambda: all(len(epochs_after_outer_steps(trainer, 2)) >= ROUNDS for trainer in trainers),
-                   timeout=150, what=f"{ROUNDS} outer steps of both trainers together", peers=trainers)
+        # the aux peer checkpoints from a trainer's served state, so the trainers train on until it has one: stopped
+        # as soon as they had taken their rounds, they left in the middle of its first download (CI), and it had
+        # nobody left to download from
+        wait_until(lambda: all(len(epochs_after_outer_steps(trainer, 2)) >= ROUNDS for trainer in trainers)
+                   and CheckpointDir(root / "checkpoints", keep_last=3).checkpoints(), timeout=150,
+                   what=f"{ROUNDS} outer steps of both trainers together, and an aux checkpoint", peers=trainers)
         assert stop_all(trainers) == [0, 0], [trainer.stderr[-3000:] for trainer in trainers]
-        wait_until(lambda: CheckpointDir(root / "checkpoints", keep_last=3).checkpoints(), timeout=30,
-                   what="an aux checkpoint")
         assert aux.stop() == 0, aux.stderr[-3000:]
         yield root, aux, trainers
     finally:
