@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 PERIOD = 1.0
 
 
-def test_a_donor_stays_listed_between_its_declarations(report):
+def run_variants(*script_args: str) -> dict:
+    """This file as a script, hivemind's variant and ours side by side, each in its own process: their JSON lines."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    processes = {variant: subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
+    processes = {variant: subprocess.Popen([sys.executable, __file__, *script_args, variant], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
                  for variant in ("hivemind", "lean_transformer")}
     results = {}
@@ -33,6 +34,11 @@ def test_a_donor_stays_listed_between_its_declarations(report):
         stdout, stderr = process.communicate(timeout=120)
         assert process.returncode == 0, f"{variant}:\n{stderr[-3000:]}"
         results[variant] = json.loads(stdout.strip().splitlines()[-1])
+    return results
+
+
+def test_a_donor_stays_listed_between_its_declarations(report):
+    results = run_variants()
     ours, theirs = results["lean_transformer"], results["hivemind"]
     assert ours["polls"] > 50 and ours["missing"] == 0 and ours["least_left"] > 0.5 * PERIOD, ours
     assert theirs["least_left"] < 0.2 * PERIOD, theirs  # hivemind's entry runs out before it is renewed
@@ -76,15 +82,7 @@ def test_a_progress_record_whose_store_times_out_logs_no_traceback():
     each store of its record by a fire-and-forget ``wait_for``, whose TimeoutError asyncio reports as "Task exception
     was never retrieved" with a traceback (hivemind_fixes.store_outcomes). Here the DHT's process is stopped
     (SIGSTOP) for 2.5 s while the tracker reports every 0.5 s, each store bounded by 1 s."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    processes = {variant: subprocess.Popen([sys.executable, __file__, "tracker", variant], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-                 for variant in ("hivemind", "lean_transformer")}
-    results = {}
-    for variant, process in processes.items():
-        stdout, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0, f"{variant}:\n{stderr[-3000:]}"
-        results[variant] = json.loads(stdout.strip().splitlines()[-1])
+    results = run_variants("tracker")
     assert results["hivemind"]["unretrieved"] >= 1, results  # the control: hivemind's tracker logs them
     assert results["lean_transformer"]["unretrieved"] == 0, results
 
