@@ -53,11 +53,11 @@ def test_a_donor_stays_listed_between_its_declarations(report):
 def test_a_declaration_that_times_out_logs_no_traceback():
     """A donor's DHT store that outlasts its period (a DHT under load): the fire-and-forget task that bounds it ends in
     a TimeoutError, which asyncio reports as "Task exception was never retrieved" with a traceback unless the
-    outcome is read (read_declaration_outcome)."""
+    outcome is read (store_outcomes.read_store_outcome)."""
     import asyncio
     import gc
 
-    from lean_transformer.swarm.hivemind_fixes.state_download import read_declaration_outcome
+    from lean_transformer.swarm.hivemind_fixes.store_outcomes import read_store_outcome
 
     reported = {}
     for read in (False, True):
@@ -67,7 +67,7 @@ def test_a_declaration_that_times_out_logs_no_traceback():
         async def declare() -> None:
             task = asyncio.create_task(asyncio.wait_for(asyncio.get_running_loop().create_future(), timeout=0.01))
             if read:
-                task.add_done_callback(read_declaration_outcome)
+                task.add_done_callback(read_store_outcome)
             await asyncio.sleep(0.1)
 
         loop.run_until_complete(declare())

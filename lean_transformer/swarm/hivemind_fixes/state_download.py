@@ -58,6 +58,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from lean_transformer.swarm.averaging.state_check import REFUSE_FOR
+from lean_transformer.swarm.hivemind_fixes.store_outcomes import read_store_outcome
 from lean_transformer.swarm.monitoring.events import emit
 from lean_transformer.swarm.monitoring.transfer import TransferProgress
 
@@ -148,14 +149,6 @@ def rank_donors(priorities: dict, own: PeerID, donors: Sequence[str] = ()) -> li
     return sorted(ranked, key=ranked.get, reverse=True)
 
 
-def read_declaration_outcome(task: asyncio.Task) -> None:
-    """A donor's declaration that timed out (a DHT under load) is renewed at the next period: read its outcome, or
-    asyncio logs "Task exception was never retrieved" with a traceback as an ERROR (benchmarks/internet.py, 16
-    trainers: 26 in one slow trainer's log; hivemind's own declaration loop does the same)."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug(f"Declaring this peer as a donor failed: {task.exception()!r}")
-
-
 class ValidatedStateSharing:
     """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in.
 
@@ -186,8 +179,10 @@ class ValidatedStateSharing:
         while True:
             if self.allow_state_sharing or sharing_was_allowed:  # a peer that stops sharing overwrites its entry
                 store = self._declare_as_donor(self.allow_state_sharing)
+                # a declaration that timed out (a DHT under load) is renewed at the next period: its outcome is read,
+                # or asyncio logs it as an ERROR traceback (benchmarks/internet.py: 26 in one slow trainer's log)
                 asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period)).add_done_callback(
-                    read_declaration_outcome)
+                    read_store_outcome)
                 sharing_was_allowed = self.allow_state_sharing
             self._state_updated.clear()
             try:

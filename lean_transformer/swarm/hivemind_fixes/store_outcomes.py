@@ -4,8 +4,8 @@ outcome. A store that outlives that bound (a peer starved of CPU) ends in ``Time
 "Task exception was never retrieved", with a traceback, when the task is collected. The record is stored again at
 the next report either way. benchmarks/internet.py, 16 trainers on 2 cores at CPU quotas of 0.02-0.25 cores: 8 such
 tracebacks in one run, and 14 from DiLoCo's outer averager, whose hivemind declaration loop does the same (that
-averager now declares nothing: ``outer_history.ServesOuterHistory``; the state averager reads its outcomes:
-:func:`.state_download.read_declaration_outcome`).
+averager now declares nothing: ``outer_history.ServesOuterHistory``; the state averager's own declaration loop
+reads its outcomes with :func:`read_store_outcome`, :mod:`.state_download`).
 
 :class:`ReadsStoreOutcomes`, mixed in front of the tracker, reads the outcome of every ``wait_for`` task that its
 event loop creates from then on: a failure is one DEBUG line. Reproduced by ``tests/test_state_declaration.py``
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def read_store_outcome(task: asyncio.Task) -> None:
     """A done-callback: the task's failure, read (so that asyncio does not report it) and logged at DEBUG."""
     if not task.cancelled() and task.exception() is not None:
-        logger.debug(f"A DHT store failed (renewed at the next report): {task.exception()!r}")
+        logger.debug(f"A DHT store failed (it is renewed at the next period): {task.exception()!r}")
 
 
 def _reading_wait_for(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: Any) -> asyncio.Task:

@@ -10,8 +10,9 @@ fetch saw (``visible``): which peer sees which is how a benchmark tells one DHT 
 
 Where the rest of the wall time goes, so that a benchmark on a shared box can tell the swarm's cost from the box's
 (issue 23): ``waiting_seconds``, the time inside ``waiting()`` (state downloads; DiLoCo's outer rounds; in
-gradient-averaging mode the epoch's all-reduce and the optimizer step that follows it), and ``compute_cpu_seconds``, the training thread's CPU time inside ``computing()``. With one torch thread,
-the compute seconds it did not run were seconds the box gave to other processes."""
+gradient-averaging mode the epoch's all-reduce and the optimizer step that follows it), and
+``compute_cpu_seconds``, the training thread's CPU time inside ``computing()``. With one torch thread, the compute
+seconds it did not run were seconds the box gave to other processes."""
 from __future__ import annotations
 
 import logging
