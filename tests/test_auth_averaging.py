@@ -172,7 +172,10 @@ async def _aggregate(node, member: str, service: str) -> str:
     part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"a group of my own",
                                        peer_id=node.peer_id.to_bytes(), weight=1.0)
     stream = await stub.rpc_aggregate_part(as_aiter(part))
-    message = await asyncio.wait_for(anext(stream), CALL_TIMEOUT)
+    try:
+        message = await asyncio.wait_for(anext(stream), CALL_TIMEOUT)
+    finally:
+        await stream.aclose()  # answered: close first, as the members do (hivemind_fixes.stream_answers)
     return averaging_pb2.MessageCode.Name(message.code)
 
 

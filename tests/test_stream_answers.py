@@ -4,7 +4,8 @@ Run as a script, this file is one variant of the scenario, in its own process wi
 a handler answers a streamed request at once without reading it (as an averager refusing a tensor part does) while
 the caller is still sending ``PART_BYTES`` of parts; the caller reads its answer only after it has sent everything.
 Variant ``hivemind``: the handler returns right after answering. Variant ``lean_transformer``: the handler's answers
-go through :func:`answer_then_drain`.
+go through :func:`answer_then_drain`. Variants ``caller_closes`` and ``caller_reads_to_end``: which end of an answered
+stream closes first (:class:`CallerClosesFirst` against hivemind's own caller, which reads until the handler closes).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ async def _scenario(variant: str) -> dict:
                 outcomes.append("empty stream")
             except ConnectionError as e:
                 outcomes.append(type(e).__name__)
+            finally:
+                await answers.aclose()
         return dict(outcomes=outcomes)
     finally:
         await client.shutdown()
@@ -73,14 +76,14 @@ def _run_side_by_side(*variants: str) -> list:
         finally:
             process.kill()
         assert process.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1])["outcomes"])
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_a_refusal_reaches_a_caller_that_is_still_sending(report):
-    upstream, fixed = _run_side_by_side("hivemind", "lean_transformer")
+    upstream, fixed = (result["outcomes"] for result in _run_side_by_side("hivemind", "lean_transformer"))
     lost = [outcome for outcome in upstream if outcome != "PROTOCOL_VIOLATION"]
     # when hivemind delivers these answers itself, this fails: drop stream_answers (see its docstring)
     assert len(lost) >= CALLS // 2, f"hivemind 1.1.12 lost only {len(lost)} of {CALLS} answers: {upstream}"
@@ -89,8 +92,73 @@ def test_a_refusal_reaches_a_caller_that_is_still_sending(report):
            f"lost {len(lost)} of {CALLS} ({sorted(set(lost))}); with answer_then_drain, {CALLS} of {CALLS} arrived")
 
 
+ANSWERS, LINGER = 3, 4.0  # answers per call; the handler's bound on waiting for its caller to close (seconds)
+
+
+async def _close_order(variant: str) -> dict:
+    """One call answered with ``ANSWERS`` parts: how the handler ended ("cancelled": the caller's close ended it;
+    "linger": it closed first, after ``LINGER`` s), the caller's answers and the seconds its call took."""
+    import time
+
+    from hivemind.p2p import P2P
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import as_aiter
+
+    from lean_transformer.swarm.hivemind_fixes.stream_answers import CallerClosesFirst, answer_then_drain
+
+    ended = asyncio.get_running_loop().create_future()
+
+    async def averaged(stream, context):
+        async def answers():
+            async for _ in stream:  # one answer per part, as hivemind's reducer
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+        try:
+            async for answer in answer_then_drain(answers(), stream, linger=LINGER):
+                yield answer
+            ended.set_result("linger")
+        except asyncio.CancelledError:
+            ended.set_result("cancelled")
+            raise
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+    try:
+        await server.add_protobuf_handler("part", averaged, averaging_pb2.AveragingData, stream_input=True,
+                                          stream_output=True)
+
+        class Stub:  # what ServicerBase.get_stub returns, for this one handler
+            async def rpc_aggregate_part(self, requests):
+                return await client.iterate_protobuf_handler(server.peer_id, "part", requests,
+                                                             averaging_pb2.AveragingData)
+
+        stub = CallerClosesFirst(Stub()) if variant == "caller_closes" else Stub()
+        part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group")
+        start = time.monotonic()
+        answers = [averaging_pb2.MessageCode.Name(answer.code)
+                   async for answer in await stub.rpc_aggregate_part(as_aiter(*[part] * ANSWERS))]
+        seconds = time.monotonic() - start
+        return dict(ended=await asyncio.wait_for(ended, 2 * LINGER), answers=answers, seconds=seconds)
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_the_caller_closes_an_answered_stream_first(report):
+    closes, reads = _run_side_by_side("caller_closes", "caller_reads_to_end")
+    assert closes["answers"] == reads["answers"] == ["AVERAGED_PART"] * ANSWERS, (closes, reads)
+    # the handler's end stays open until the caller, holding every answer, closes its own
+    assert closes["ended"] == "cancelled" and closes["seconds"] < LINGER / 2, closes
+    # hivemind's caller reads until the handler closes: the handler closes first, after its bound
+    assert reads["ended"] == "linger" and reads["seconds"] >= LINGER, reads
+    report(f"{ANSWERS} answers: a caller that closes once answered ended the handler's wait in "
+           f"{closes['seconds']:.2f} s; hivemind's caller waited {reads['seconds']:.1f} s for the handler to close")
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(_scenario(sys.argv[1]))))
+    scenario = _scenario if sys.argv[1] in ("hivemind", "lean_transformer") else _close_order
+    print(json.dumps(asyncio.run(scenario(sys.argv[1]))))
 
 
 def test_draining_a_request_stream_that_the_handler_still_reads_is_quiet():
@@ -116,7 +184,7 @@ def test_draining_a_request_stream_that_the_handler_still_reads_is_quiet():
 
         reading = asyncio.create_task(reader())
         await asyncio.sleep(0.01)  # the reader is inside the generator, waiting for the next part
-        answered = [answer async for answer in answer_then_drain(answers(), stream, timeout=1.0)]
+        answered = [answer async for answer in answer_then_drain(answers(), stream, timeout=1.0, linger=0.0)]
         release.set()
         return [answered, await reading]
 

@@ -63,7 +63,7 @@ from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.averaging.answer_check import GROSS_RATIO, ChecksAnswers
 from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry, serving_only
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
-from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersBeforeLeaving
+from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
 from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, OuterHistory, ServesOuterHistory,
@@ -307,9 +307,9 @@ def gross_ratio(own_weight: float, weights: Sequence[Any]) -> float:
 
 
 class _Averager(ServesOuterHistory, ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded,
-               AnswersBeforeLeaving, DecentralizedAverager):
-    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, answering its
-    groupmates before it shuts down, every peer getting the same average (same wire format), and all of it or
+               AnswersDelivered, DecentralizedAverager):
+    """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, its answers delivered
+    (also before it shuts down), every peer getting the same average (same wire format), and all of it or
     nothing; with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
 

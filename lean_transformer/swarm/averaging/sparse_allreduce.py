@@ -59,7 +59,6 @@ from lean_transformer.swarm.averaging.answer_check import (MAX_RATIO, gross_prob
                                                            sparse_sums)
 from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
-from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
 # a sender that opened no stream to a reducer this long after its group formed is taken as absent: time for the
@@ -346,12 +345,9 @@ class SparseAllReduce:
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """A sender's part of this peer's range (two messages: indices with the weight, then values); answers the
-        range's sparse average once every sender's part arrived. A bad part fails the round for the whole group."""
-        async for answer in answer_then_drain(self._answer(stream, context.remote_id), stream):
-            yield answer
-
-    async def _answer(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender: PeerID
-                      ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        range's sparse average once every sender's part arrived. A bad part fails the round for the whole group.
+        The averager's handler, which calls this one, delivers the answers (``AnswersDelivered``)."""
+        sender = context.remote_id
         self.opened[sender] = time.monotonic()
         try:
             head = await asyncio.wait_for(anext(stream), self.timeout)

@@ -29,7 +29,10 @@ that the swarm code uses explicitly.
   in an 8-trainer swarm). Also, an averager shut down right after its round stopped its handler before the last
   answers had gone out, and a groupmate kept its own values there; the averager's shutdown now waits for its
   handlers (``tests/test_averagers.py``, case ``leave``; seen in CI as a pair whose final parameters differed).
-  Drop when hivemind reads a request to its end before closing and finishes its handlers before it shuts down.
+  And a handler's end that closes first can reset the stream inside p2pd before the caller has read its answers
+  (rare; CI: an empty refusal, a share one part short): the caller now closes first, once answered, and the handler
+  waits for that (``test_the_caller_closes_an_answered_stream_first``). Drop when hivemind reads a request to its
+  end before closing, finishes its handlers before it shuts down and p2pd closes a stream without a reset.
 - :mod:`.store_outcomes`: hivemind's progress tracker bounds each store of its record by a task whose outcome
   nobody reads, so a store that times out (a peer starved of CPU) logs an ERROR traceback; DiLoCo's outer averager
   did the same with hivemind's declaration loop, and now declares nothing. Reproduced by
