@@ -351,6 +351,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
     per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
     reasons: Counter = Counter()  # why trainers downloaded (the state_downloaded event's reason)
     catch_ups = 0  # DiLoCo: missed outer steps replayed from a groupmate's history instead of a download
+    catch_up_failures: Counter = Counter()  # DiLoCo: why a peer behind could not replay them
     for slot in trainers:
         if slot.name not in events:
             continue
@@ -364,6 +365,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         downloads += [e.get("seconds") for e in got]
         reasons.update(e.get("reason") or "unknown" for e in got)
         catch_ups += sum(e["event"] == "outer_caught_up" for e in stream)
+        catch_up_failures.update(e.get("kind") or "unknown" for e in stream if e["event"] == "catch_up_failed")
         transitions = max(0, len(epochs) - 1)
         rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
@@ -417,7 +419,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "averaged_fraction_median": statistics.median(fractions) if fractions else None,
         "trainers_at_least_90pct": sum(f >= 0.9 for f in fractions), "trainers_with_rounds": len(fractions),
         "state_downloads": len(downloads), "downloads_by_reason": dict(reasons.most_common()),
-        "catch_ups": catch_ups,
+        "catch_ups": catch_ups, "catch_up_failures": dict(catch_up_failures.most_common()),
         "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
         "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
         "samples": total_samples,
@@ -513,7 +515,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"{r['trainers_at_least_90pct']}/{r['trainers_with_rounds']} trainers averaged in >= 90% of "
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
                       f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s), "
-                      f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history; "
+                      f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history "
+                      f"({sum(r.get('catch_up_failures', {}).values())} failed); "
                       f"newcomers' seconds to first "
                       f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
                       f"utilization {r['utilization_mean']:.1%} (waiting for the swarm "

@@ -805,16 +805,22 @@ class OuterLoop:
     def _catch_up(self, ours: list, winner: list, keep: Optional[Sequence[torch.Tensor]]) -> bool:
         """Replay the outer steps from this peer's fingerprint ``ours`` to its group's ``winner`` from a donor's
         history (:mod:`.outer_history`); whether this peer now holds ``winner``. A donor whose history lacks a step
-        is skipped; a replay that ends elsewhere leaves the state to the download that follows."""
+        is skipped; a replay that ends elsewhere leaves the state to the download that follows. A peer behind that
+        could not catch up says why (``catch_up_failed``): at 16 trainers, three peers one step behind
+        downloaded the state and no line said why the replay had not helped."""
         missing = int(winner[0]) - int(ours[0])
-        if not 0 < missing <= self.history.rounds:
+        if missing <= 0:  # not behind: another state at the same step, which no history replays
             return False
+        if missing > self.history.rounds:
+            return self._catch_up_failed(missing, "too_far", f"histories keep {self.history.rounds} outer step(s)")
+        misses = []
         for donor in self.donors:
             started = time.monotonic()
             try:
                 entries = self.averager.fetch_history(donor, self.history)
             except Exception as error:  # a peer's answer, or none: the next donor, then the download
                 logger.info(f"No outer history from {donor}: {error!r}")
+                misses.append(f"{donor}: no history")
                 continue
             replayed, fingerprint = 0, list(ours)
             while fingerprint != winner and replayed < missing and history_key(fingerprint) in entries:
@@ -833,7 +839,16 @@ class OuterLoop:
                 emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds)
                 return True
             if replayed:  # the state moved: only a download restores it
-                return False
+                return self._catch_up_failed(missing, "replayed_elsewhere",
+                                             f"{donor}'s history led {replayed} step(s) to another state")
+            misses.append(f"{donor}: {len(entries)} step(s), none from this peer's state")
+        return self._catch_up_failed(missing, "not_in_history" if misses else "no_donor",
+                                     "; ".join(misses) or "no groupmate to ask")
+
+    @staticmethod
+    def _catch_up_failed(missing: int, kind: str, reason: str) -> bool:
+        logger.info(f"Could not replay the {missing} outer step(s) this peer is behind ({reason}): downloading")
+        emit("catch_up_failed", rounds=missing, kind=kind, reason=reason)
         return False
 
     def finished_in_background(self) -> bool:

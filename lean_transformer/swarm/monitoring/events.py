@@ -34,6 +34,9 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``outer_caught_up``   (DiLoCo) replayed the outer steps it missed from a groupmate's history instead of downloading
                       the state (:mod:`lean_transformer.swarm.averaging.outer_history`): ``source``, ``rounds``,
                       ``seconds``
+``catch_up_failed``   (DiLoCo) was behind its group and no groupmate's history replayed the outer steps it missed
+                      (it downloads the state): ``rounds`` (steps behind), ``kind`` (``too_far``, ``no_donor``,
+                      ``not_in_history`` or ``replayed_elsewhere``), ``reason`` (for each donor asked)
 ``state_rejected``    refused a donor's state: ``source``, ``reason``
 ``peer_refused``      an averager refused a peer (authorized swarms): ``source``, ``reason``, ``service`` (the
                       averager's prefix)
@@ -76,7 +79,7 @@ SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
           "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected",
-          "outer_caught_up")
+          "outer_caught_up", "catch_up_failed")
 
 
 class EventLog:
