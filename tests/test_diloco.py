@@ -285,6 +285,27 @@ def test_an_outer_loop_under_centered_clip_does_not_apply_an_implausible_average
     assert unchecked._applied([own[0] * 1000], 4, own=own) == 4
 
 
+def test_a_peer_behind_that_cannot_replay_its_missed_steps_says_why(tmp_path):
+    """A peer whose outer state is behind its group's and that no history can bring there emits catch_up_failed with
+    the reason (a 16-trainer run had three such peers download with no word); a peer at the group's step count with
+    another anchor (a group split) is not behind: nothing to replay, no event."""
+    from lean_transformer.swarm.averaging.diloco import OuterLoop
+    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
+
+    rounds = OuterLoop(OuterNesterov([torch.nn.Parameter(torch.zeros(8))]), averager=None)
+    ours = rounds.fingerprint()
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        assert not rounds._catch_up(ours, [int(ours[0]), "another anchor"], keep=None)
+        assert not rounds._catch_up(ours, [int(ours[0]) + rounds.history.rounds + 1, "far"], keep=None)
+        assert not rounds._catch_up(ours, [int(ours[0]) + 1, "next"], keep=None)  # no groupmate holds it
+    finally:
+        close_events()
+    failed = read_events(tmp_path / "events.jsonl", "catch_up_failed")
+    assert [(event["rounds"], event["kind"]) for event in failed] == [
+        (rounds.history.rounds + 1, "too_far"), (1, "no_donor")], failed
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bound_to", ["the model's parameters", "host copies"])
