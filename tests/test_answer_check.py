@@ -20,6 +20,7 @@ from lean_transformer.swarm.averaging.answer_check import (GROSS_RATIO, MAX_RATI
 from lean_transformer.swarm.averaging.diloco import OUTER_MAX_RATIO, OUTER_MIN_COSINE
 from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions
 from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip
+from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 from lean_transformer.swarm.monitoring.events import close_events, emit, open_events, read_events
 from lean_transformer.swarm.monitoring.peer_table import PeerTable, excluded_keys, summary
 from lean_transformer.swarm.peers.reporting import MetricsReporter
@@ -484,7 +485,7 @@ def test_sparse_answers_honest_pass_and_lies_fail(senders):
     assert sparse_share_problem(top_k(gradients(1, 0.5)[0], MIN_CHECKED - 1), (union, -average)) is None  # too few
 
 
-class ReducerServicer(ServicerBase):
+class _Reducer(ServicerBase):
     """Serves one sparse all-reduce ``runner``'s range; with ``lie``, its answers' values multiplied by it; with no
     runner (a peer counted into the group that never started its round), it holds every stream unanswered for
     ``HOLD`` seconds, as hivemind's averager waits for a group it never registers."""
@@ -506,6 +507,11 @@ class ReducerServicer(ServicerBase):
                     tensor_part=serialize_torch_tensor(lie, runtime_pb2.CompressionType.NONE))
             index += 1
             yield answer
+
+
+class ReducerServicer(AnswersDelivered, _Reducer):
+    """The reducer, its answers delivered as DiLoCo's averager delivers them (it serves the runner through
+    ``AnswersDelivered``): the caller closes first, once answered."""
 
 
 def test_the_sparse_all_reduce_fails_the_round_for_a_peer_that_catches_a_lying_reducer(tmp_path):
