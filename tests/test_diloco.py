@@ -994,6 +994,7 @@ def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_afte
 
     missing, results, seconds = asyncio.run(round_of_three())
     if not absent:
+        assert all(isinstance(result, torch.Tensor) for result in results), results
         assert all(torch.equal(result, results[0]) for result in results), results
         return
     assert seconds < 10, seconds  # 2 s and the answers, not the 30 s timeout
