@@ -1,8 +1,6 @@
 """SwarmOptimizer's own interface, on a lone peer in each mode: what a checkpoint holds besides hivemind's state, and
 restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
-a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a peer
-that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
-has found no group."""
+a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again."""
 from __future__ import annotations
 
 import json
@@ -165,40 +163,6 @@ def run_label_taker() -> dict:
     return result
 
 
-def run_leaver(cancel: bool) -> dict:
-    """A peer whose delayed step holds this epoch's parameter round while no one averages parameters with it leaves.
-    hivemind's shutdown waits for that round (it looks for a group until its timeout); ours gives it up. ``cancel``:
-    whether the shutdown knows the round (False: as hivemind, the control)."""
-    import time
-
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    from lean_transformer.swarm.peers.processes import wait_until
-
-    dhts, peers = two_dhts(), []
-    try:
-        a, b = (swarm_peer(dht, "leaver", seed, average_state_every=2, matchmaking_time=5.0, averaging_timeout=8.0,
-                           tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5,
-                                             private_key=RSAPrivateKey())) for seed, dht in enumerate(dhts))
-        peers += [a, b]
-        for peer in peers:
-            move_to(peer, 2)
-        wait_until(lambda: a.tracker.global_progress.num_peers == 2, 30, "A's tracker sees B", interval=0.1)
-        a.scheduled_state = control = a.state_averager.schedule_step(gather=2, timeout=8.0)
-        a._join_group_state_round()  # hands the round to the delayed step; B takes no part in it
-        wait_until(lambda: control.stage.name == "LOOKING_FOR_GROUP", 10, "A's round to look for a group",
-                   interval=0.05)
-        if not cancel:
-            a._state_round = None
-        started = time.monotonic()
-        a.shutdown()
-        peers.remove(a)
-        return dict(cancelled=control.cancelled(), seconds=time.monotonic() - started)
-    finally:
-        for each in (*peers, *dhts):
-            each.shutdown()
-
-
 def run_script(*args: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=120, env=env)
@@ -235,17 +199,6 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
                                     no_rounds_in_flight=True)
 
 
-@pytest.mark.swarm
-def test_a_leaving_peer_gives_up_its_parameter_round_that_has_no_group_yet(report):
-    hivemind, ours = run_script("leave", "keep"), run_script("leave", "cancel")
-    # hivemind's shutdown waits for the round's matchmaking (5 s) and more; ours cancels it and leaves at once
-    assert not hivemind["cancelled"] and hivemind["seconds"] >= 5.0, hivemind
-    assert ours["cancelled"] and ours["seconds"] < 5.0, ours
-    report(f"leaving with a parameter round still looking for a group: hivemind's shutdown took "
-           f"{hivemind['seconds']:.1f} s, ours {ours['seconds']:.1f} s (the round cancelled)")
-
-
 if __name__ == "__main__":
-    scripts = dict(stale=run_stale_newcomer, label=run_label_taker,
-                   leave=lambda: run_leaver(sys.argv[2] == "cancel"))
+    scripts = dict(stale=run_stale_newcomer, label=run_label_taker)
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

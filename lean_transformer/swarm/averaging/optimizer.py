@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Option
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.control import StepControl
 from hivemind.compression import (BlockwiseQuantization, CompressionBase, CompressionInfo, Float16Compression,
                                   NoCompression, Quantile8BitQuantization, ScaledFloat16Compression,
                                   SizeAdaptiveCompression, TensorRole, Uniform8BitQuantization)
@@ -116,7 +116,6 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._downloaded: Optional[tuple[Optional[str], int]] = None  # DiLoCo: (donor, rounds) at the last download
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
-        self._state_round: Optional[StepControl] = None  # the parameter round last handed to the delayed step
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
@@ -389,17 +388,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         control, self.scheduled_state = self.scheduled_state, None  # pre-scheduled for this epoch (gather=epoch)
         if control is not None and (control.triggered or control.done()):
             control = None
-        self._state_round = control
         self.state_averager.step(averaging_round=True, delay_averaging=self.delay_state_averaging,
                                  averaging_control=control, averaging_opts=dict(timeout=self.averaging_timeout))
 
     def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
-        """hivemind's epoch update (in DiLoCo mode after the outer round); notes the pre-scheduled parameter round it
-        hands to its delayed step, if it does (see :meth:`shutdown`)."""
-        scheduled = self.scheduled_state
+        """hivemind's epoch update (in DiLoCo mode after the outer round)."""
         super()._update_global_epoch(grad_scaler)
-        if scheduled is not None and self.scheduled_state is None:  # handed over, or cancelled (then done)
-            self._state_round = scheduled
 
     def _end_outer_round(self) -> None:
         with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
@@ -534,13 +528,6 @@ class SwarmOptimizer(hivemind.Optimizer):
                 setattr(self, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError
 
     def shutdown(self) -> None:
-        """Also gives up a parameter round that the delayed step still holds in matchmaking: hivemind cancels a
-        pre-scheduled round that has found no group yet, but waits for the one its delayed step holds, up to the
-        matchmaking and averaging timeouts (a trainer whose partner had just left took 20 s to exit, CI)."""
-        control = self._state_round
-        if control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-            logger.info("Leaving: the parameter-averaging round in flight has no group yet, cancelling it")
-            control.cancel()
         if self.outer_loop is not None:
             if self.host_grads is not None:
                 self.host_grads.remove_hooks()

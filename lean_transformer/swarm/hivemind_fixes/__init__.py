@@ -58,10 +58,7 @@ that the swarm code uses explicitly.
 - Leaving during a round (in
   :meth:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer.cancel_rounds_in_flight`): hivemind's
   ``Optimizer.shutdown`` cancels the pre-scheduled round again and raises ``InvalidStateError`` if we cancelled it
-  first; we forget it after cancelling. Covered by the SIGTERM tests (``tests/test_trainer_swarm.py``). And it
-  cancels a pre-scheduled round still looking for a group, but waits, up to its timeouts, for the one its delayed
-  step holds; ``SwarmOptimizer.shutdown`` gives that one up too (``tests/test_swarm_optimizer.py``, the leaver).
-  Drop when hivemind's shutdown cancels its delayed step's round while it has no group.
+  first; we forget it after cancelling. Covered by the SIGTERM tests (``tests/test_trainer_swarm.py``).
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
