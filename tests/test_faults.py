@@ -62,6 +62,29 @@ def test_gradients_are_finite_finds_one_bad_value(dtype, bad):
     assert gradients_are_finite(model) == (bad is None)
 
 
+def test_a_kill_waits_until_both_peers_are_past_the_round_they_shared():
+    """Recorded in CI (times shifted): the victim averaged the round it shared with steady and began its next one
+    while steady still waited for that round's results; killing it then landed in no round of steady's."""
+    from swarm_utils import in_one_round, open_round
+
+    def events(*timeline):
+        return [dict(event=name, epoch=epoch, time=time, **({} if name == "epoch" else {"kind": "gradients"}))
+                for name, epoch, time in timeline]
+
+    victim = events(("round_started", 4, 2.22), ("averaged", 4, 5.69), ("epoch", 5, 5.73),
+                    ("round_started", 5, 5.85))
+    steady = events(("epoch", 5, 2.22), ("round_started", 5, 2.37))
+    mine, theirs = open_round(victim, "gradients"), open_round(steady, "gradients")
+    assert (mine.epoch, theirs.epoch) == (5, 5), "both are in an open round of epoch 5 ..."
+    assert not in_one_round(mine, theirs), "... but steady's is the one the victim has left"
+    steady += events(("averaged", 5, 5.88), ("epoch", 6, 5.90), ("round_started", 6, 6.01))
+    assert not in_one_round(mine, open_round(steady, "gradients")), "the victim began before steady's round ended"
+    victim += events(("averaged", 5, 9.10), ("epoch", 6, 9.12), ("round_started", 6, 9.30))
+    steady += events(("averaged", 6, 9.15), ("epoch", 7, 9.17), ("round_started", 7, 9.25))
+    assert in_one_round(open_round(victim, "gradients"), open_round(steady, "gradients"))
+    assert open_round(steady[:-1], "gradients") is None
+
+
 def swarm_args(run_id: str, **overrides) -> List[str]:
     options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", **{**SWARM, **overrides})
     return command_line(options)
