@@ -1,6 +1,8 @@
 """SwarmOptimizer's own interface, on a lone peer in each mode: what a checkpoint holds besides hivemind's state, and
 restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
-a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again."""
+a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a peer
+that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
+has found no group."""
 from __future__ import annotations
 
 import json
@@ -163,6 +165,55 @@ def run_label_taker() -> dict:
     return result
 
 
+def run_leaver(order: str) -> dict:
+    """A peer leaves while its delayed step has this epoch's parameter round, which no one else takes part in.
+    ``order``: "held" (the delayed step holds the round, looking for a group), "queued" (the delayed step waits
+    behind another job of its thread, and the leave lands before it takes the round: it then begins a new one), or
+    "hivemind" (held, and hivemind's shutdown alone, which waits for that round's matchmaking)."""
+    import threading
+    import time
+
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    dhts, peers = two_dhts(), []
+    try:
+        a, b = (swarm_peer(dht, "leaver", seed, average_state_every=2, matchmaking_time=5.0, averaging_timeout=8.0,
+                           tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5,
+                                             private_key=RSAPrivateKey())) for seed, dht in enumerate(dhts))
+        peers += [a, b]
+        for peer in peers:
+            move_to(peer, 2)
+        wait_until(lambda: a.tracker.global_progress.num_peers == 2, 30, "A's tracker sees B", interval=0.1)
+        averager, released = a.state_averager, threading.Event()
+        if order == "queued":
+            averager.step_executor.submit(released.wait, 30)  # the delayed step's one thread is busy
+            leave = averager.leave
+
+            def leave_then_release() -> int:
+                given_up = leave()
+                released.set()
+                return given_up
+            averager.leave = leave_then_release
+        elif order == "hivemind":
+            averager.leave = lambda: 0
+        a.scheduled_state = control = averager.schedule_step(gather=2, timeout=8.0)
+        wait_until(lambda: control.stage.name == "LOOKING_FOR_GROUP", 10, "A's round to look for a group",
+                   interval=0.05)
+        a._join_group_state_round()  # hands the round to the delayed step
+        if order != "queued":
+            wait_until(lambda: control.triggered, 10, "the delayed step to take the round", interval=0.05)
+        held = control.triggered  # False when queued: the leave lands before the step takes the round
+        started = time.monotonic()
+        a.shutdown()
+        peers.remove(a)
+        return dict(held=held, cancelled=control.cancelled(), seconds=time.monotonic() - started)
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
+
+
 def run_script(*args: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=120, env=env)
@@ -199,6 +250,19 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
                                     no_rounds_in_flight=True)
 
 
+@pytest.mark.swarm
+def test_a_leaving_peer_gives_up_its_parameter_round_that_has_no_group_yet(report):
+    hivemind, held, queued = run_script("leave", "hivemind"), run_script("leave", "held"), run_script("leave", "queued")
+    # hivemind's shutdown waits for the round's matchmaking (5 s) and more; ours gives it up and leaves at once,
+    # also when the delayed step takes the round after the leave (and begins another round, also given up)
+    assert hivemind["held"] and not hivemind["cancelled"] and hivemind["seconds"] >= 5.0, hivemind
+    assert held["held"] and held["cancelled"] and held["seconds"] < 5.0, held
+    assert not queued["held"] and queued["cancelled"] and queued["seconds"] < 5.0, queued
+    report(f"leaving with a parameter round still looking for a group: hivemind's shutdown took "
+           f"{hivemind['seconds']:.1f} s; ours {held['seconds']:.1f} s with the round held by the delayed step, "
+           f"{queued['seconds']:.1f} s with the step still to take it")
+
+
 if __name__ == "__main__":
-    scripts = dict(stale=run_stale_newcomer, label=run_label_taker)
+    scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]))
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

@@ -10,7 +10,7 @@ from hivemind.optim import grad_averager, state_averager
 
 from lean_transformer.swarm.averaging.robust import Aggregated
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
-from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, NoGradientDownload
+from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, LeavesUngrouped, NoGradientDownload
 from lean_transformer.swarm.hivemind_fixes.rpc_names import NamedRPCs
 from lean_transformer.swarm.hivemind_fixes.state_download import ValidatedStateSharing
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
@@ -35,6 +35,6 @@ class GradientAverager(ReportsRounds, NamedRPCs, NoGradientDownload, CancelSafe,
 
 
 class TrainingStateAverager(ReportsRounds, CancelSafe, AnswersDelivered, ValidatedStateSharing,
-                            state_averager.TrainingStateAverager):
+                            state_averager.TrainingStateAverager, LeavesUngrouped):
     """hivemind's TrainingStateAverager (same RPC names), safe to cancel, its answers delivered, sharing consistent
-    states and loading only states that fit."""
+    states and loading only states that fit; a leaver gives up its rounds without a group (``leave``)."""

@@ -528,6 +528,13 @@ class SwarmOptimizer(hivemind.Optimizer):
                 setattr(self, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError
 
     def shutdown(self) -> None:
+        """Also gives up the parameter rounds that have found no group
+        (:class:`~lean_transformer.swarm.hivemind_fixes.averagers.LeavesUngrouped`): hivemind's
+        shutdown waits for the one its delayed step holds, up to its timeouts."""
+        if self.state_averager.leave():
+            logger.info("Leaving: gave up the parameter-averaging round that had no group yet")
+        if self.scheduled_state is not None and self.scheduled_state.done():
+            self.scheduled_state = None  # else hivemind's shutdown cancels it again: InvalidStateError
         if self.outer_loop is not None:
             if self.host_grads is not None:
                 self.host_grads.remove_hooks()

@@ -9,7 +9,11 @@ that the swarm code uses explicitly.
 - :mod:`.averagers`: a cancelled averaging round can (a) be garbage-collected half-way and leave the peer out of
   every later round, and (b) average anyway with weight 1 and stale buffers. Reproduced deterministically by
   ``tests/test_averagers.py`` against hivemind's own averagers. Drop when hivemind keeps its cancelled matchmaking
-  tasks referenced and marks a step cancelled before signalling its averager.
+  tasks referenced and marks a step cancelled before signalling its averager. And (c) a leaving trainer waits, up to
+  the round's timeouts, for the parameter round its delayed step holds or is about to begin (CI: 20 s to exit);
+  ``SwarmOptimizer.shutdown`` gives up every round without a group, also those begun after it
+  (:class:`.averagers.LeavesUngrouped`; ``tests/test_swarm_optimizer.py``, the leaver, in both orders). Drop when
+  hivemind's shutdown stops its delayed step.
 - :mod:`.quiet_logs`: hivemind logs a round that found no group, was cancelled or lost a groupmate, and torch's
   resource sharer a peer that left during the DHT's shutdown, as ERROR tracebacks; here they are one line each
   (tracebacks with ``HIVEMIND_LOGLEVEL=DEBUG``). Checked by the log assertions of ``tests/test_large_swarm.py`` and

@@ -1,5 +1,5 @@
-"""Fixes of hivemind's averagers: three bugs of a cancelled averaging round (:class:`CancelSafe`), and a gradient
-download nobody uses (:class:`NoGradientDownload`). The averagers the swarm runs combine them with the other fixes in
+"""Fixes of hivemind's averagers: three bugs of a cancelled averaging round (:class:`CancelSafe`), a gradient
+download nobody uses (:class:`NoGradientDownload`), and a leaver that waits for a group (:class:`LeavesUngrouped`). The averagers the swarm runs combine them with the other fixes in
 :mod:`lean_transformer.swarm.averaging.averagers`.
 
 hivemind.Optimizer cancels a pre-scheduled gradient-averaging round whenever it then finds itself alone, so rounds
@@ -34,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 from concurrent.futures import InvalidStateError
 from contextvars import ContextVar
-from typing import Any, Coroutine, Iterator, Optional, Sequence, Set
+from typing import Any, Coroutine, Iterator, List, Optional, Sequence, Set
 
 import torch
-from hivemind.averaging.control import StepControl
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils.mpfuture import MPFuture
 
@@ -144,3 +146,48 @@ class NoGradientDownload:
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None, **_unused: Any) -> None:
         return None
+
+
+class LeavesUngrouped(DecentralizedAverager):
+    """Put after hivemind's ``TrainingStateAverager`` in the bases, so that the rounds its own code begins
+    (``schedule_step``, and the delayed step's ``_do``) pass through :meth:`step`: :meth:`leave` gives up every round
+    that has found no group yet, and every round begun after it, at once.
+
+    hivemind's ``Optimizer.shutdown`` waits for its delayed state-averaging step, whose parameter round looks for a
+    group until its timeout: a trainer whose partner had just left took 20 s to exit (CI). Cancelling the round that
+    was handed to the delayed step is not enough: if the cancel lands before ``_do`` takes the round, ``_do`` discards
+    it as failed and begins a new one, which looks for a group as long (CI: cancelled, still 8 s). Reproduced for both
+    orders by ``tests/test_swarm_optimizer.py`` (the leaver). Drop when hivemind's shutdown stops its delayed step."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._rounds_lock = threading.Lock()
+        self._rounds: List[StepControl] = []
+        self._leaving = False
+        super().__init__(*args, **kwargs)
+
+    def step(self, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+        if wait:
+            return super().step(*args, wait=True, **kwargs)
+        control = super().step(*args, wait=False, **kwargs)
+        with self._rounds_lock:
+            self._rounds = [each for each in self._rounds if not each.done()] + [control]
+            leaving = self._leaving
+        if leaving:
+            _give_up(control)
+        return control
+
+    def leave(self) -> int:
+        """Give up the rounds without a group now and those begun from now on; returns how many were given up."""
+        with self._rounds_lock:
+            self._leaving = True
+            rounds = list(self._rounds)
+        return sum(_give_up(control) for control in rounds)
+
+
+def _give_up(control: StepControl) -> bool:
+    """Cancel a round that has found no group yet (cancelled later, its group runs without it: see CancelSafe)."""
+    if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        return False
+    with contextlib.suppress(InvalidStateError):  # cancelled meanwhile by another thread (a shutdown watchdog)
+        control.cancel()
+    return True
