@@ -26,9 +26,11 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # the loss falls by ~0.7 nats in the first 3 epochs on either peer kind (the tests want 0.2)
 PAIR_EPOCHS, FP16_EPOCHS = 3, 3
 DILOCO_EPOCHS = 4  # outer rounds of the lone DiLoCo trainers
-# a pair's epoch must outlast the 3 s matchmaking window: 256 samples take a few seconds on 2 CPU cores, but on an
-# H100 each trainer makes ~400 samples/s, and with 256 one trainer ran its 3 epochs before it saw the other
-PAIR_TARGET_BATCH = 4096 if torch.cuda.is_available() else 256
+# a pair's epoch must outlast the 3 s matchmaking window, whatever the machine: each of its micro-batches (8 samples)
+# first sleeps PAIR_BATCH_SECONDS (tests/slow_trainer.py), so the pair makes at most ~53 samples/s and an epoch of
+# PAIR_TARGET_BATCH lasts >= 4.8 s. Without a bound, trainers ran their 3 epochs alone: one at ~400 samples/s on an
+# H100, and both on this CPU in CI (324 samples/s, epochs of 0.8 s, each round "no other peers")
+PAIR_TARGET_BATCH, PAIR_BATCH_SECONDS = 256, "0.3"
 
 
 def trainer_argv(run_id: str, name: str, root, initial_peers: list[str], epochs: int, target_batch: int,
@@ -54,7 +56,8 @@ def peers(tmp_path_factory) -> dict[str, PeerProcess]:
         initial = boot.wait_for(r"Full list of visible multiaddresses: (.+)$", 60).group(1).split()
         for name, kind in (("a", ["--model_dtype", "bfloat16"]), ("b", ["--offload_gradients", "false"])):
             argv = trainer_argv("pair", name, root, initial, PAIR_EPOCHS, PAIR_TARGET_BATCH, *kind)
-            started[name] = start_peer(name, argv, root, ENV)
+            started[name] = start_peer(name, ["tests/slow_trainer.py", *argv], root,
+                                       dict(ENV, SLOW_BATCH_SECONDS=PAIR_BATCH_SECONDS))
         for name in ("a", "b", "fp16"):
             started[name].wait(300)
         return started

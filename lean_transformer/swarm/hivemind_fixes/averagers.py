@@ -185,7 +185,8 @@ class LeavesUngrouped(DecentralizedAverager):
 
 
 def _give_up(control: StepControl) -> bool:
-    """Cancel a round that has found no group yet (cancelled later, its group runs without it: see CancelSafe)."""
+    """Cancel a round that has found no group yet (one that finds its group meanwhile serves it with weight 0: see
+    :class:`CancelSafe`)."""
     if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
         return False
     with contextlib.suppress(InvalidStateError):  # cancelled meanwhile by another thread (a shutdown watchdog)
