@@ -1,6 +1,6 @@
 """Fixes of hivemind's averagers: three bugs of a cancelled averaging round (:class:`CancelSafe`), a gradient
-download nobody uses (:class:`NoGradientDownload`), and a leaver that waits for a group (:class:`LeavesUngrouped`). The averagers the swarm runs combine them with the other fixes in
-:mod:`lean_transformer.swarm.averaging.averagers`.
+download nobody uses (:class:`NoGradientDownload`), and a leaver that waits for a group (:class:`LeavesUngrouped`).
+The averagers the swarm runs combine them with the other fixes in :mod:`lean_transformer.swarm.averaging.averagers`.
 
 hivemind.Optimizer cancels a pre-scheduled gradient-averaging round whenever it then finds itself alone, so rounds
 are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 that can go wrong in two ways:
