@@ -4,10 +4,15 @@ A broken state (``tests/bad_state_peer.py``: truncated as by a closed connection
 or well formed and wrong, which only the newcomer's loss check catches) served by the first peer a newcomer asks is
 rejected in one log line; the newcomer trains on, also when the wrong state's server says it is far ahead. On 71fc88d the
 truncated state killed the newcomer with hivemind's uncaught ``IndexError`` (the crash of ``make demo``'s aux peer).
-The server side is checked directly: a served state is a copy taken between two optimizer steps.
+The server side is checked directly: a served state is a copy taken between two optimizer steps, and never between
+an epoch's label and its step.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -69,7 +74,9 @@ class CountingState(ValidatedStateSharing, ServedState):
     """The server side of ValidatedStateSharing over a plain optimizer whose step adds 1 to every parameter."""
 
     def __init__(self, params: list[torch.Tensor]):
+        super().__init__()
         self.params, self.lock_optimizer, self.steps = params, threading.Lock(), 0
+        self.next_chunk_timeout, self.request_timeout = None, 1.0
 
     def step(self) -> None:
         with self.lock_optimizer:
@@ -95,6 +102,79 @@ def test_a_served_state_is_a_copy_taken_between_two_steps():
     server.step()
     assert all(torch.equal(tensor, copy) for tensor, copy in zip(tensors, kept)), "served tensors must be copies"
     assert len(snapshots) > 1
+
+
+def serve_while_the_step_waits() -> dict:
+    """A lone gradient-mode SwarmOptimizer whose epoch step (SGD, lr 1, gradients -1: +1 per step) waits behind
+    another job of hivemind's one-thread step executor, as behind a delayed parameter round: what hivemind's
+    ``get_current_state`` and ours serve meanwhile (ours: after the step; and a step that outlasts the downloader's
+    patience gets an error, not a state)."""
+    import functools
+
+    import hivemind
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+    from lean_transformer.swarm.hivemind_fixes import state_download
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    model = torch.nn.Linear(4, 3)
+    optimizer = SwarmOptimizer(dht=dht, run_id="serve_while_stepping", target_batch_size=1000, batch_size_per_step=4,
+                               params=[dict(params=list(model.parameters()))], offload_optimizer=True,
+                               optimizer=functools.partial(torch.optim.SGD, lr=1.0), matchmaking_time=0.5,
+                               averaging_timeout=5.0)
+    averager, result = optimizer.state_averager, {}
+    state_download.MIN_CHUNK_TIMEOUT = 0.5  # the downloader's patience, in this process only
+
+    def served(get_state) -> dict:
+        started = time.monotonic()
+        try:
+            metadata, tensors, _ = get_state()
+        except TimeoutError as error:
+            return dict(error=str(error), seconds=round(time.monotonic() - started, 1))
+        shift = {round(float((tensor - start).mean()), 4) for tensor, start in zip(tensors, initial)}
+        return dict(epoch=metadata["epoch"], shift=sorted(shift), seconds=round(time.monotonic() - started, 1))
+
+    for case, release_after in ("hivemind", None), ("ours", 0.3), ("outlasting", 2.0):
+        offloaded = [param for group in averager.optimizer.param_groups for param in group["params"]]
+        initial = [param.detach().clone() for param in offloaded]
+        for param in offloaded:
+            param.grad = torch.full_like(param, -1.0)  # what the gradient averager loads there
+        released = threading.Event()
+        averager.step_executor.submit(released.wait, 30)  # the executor's one thread is busy
+        epoch = averager.local_epoch
+        stepping = threading.Thread(target=averager.step, kwargs=dict(increment_epoch=True, optimizer_step=True))
+        stepping.start()
+        wait_until(lambda: averager.local_epoch == epoch + 1, 10, "the label to move on", interval=0.01)
+        if case == "hivemind":
+            result[case] = served(super(state_download.ValidatedStateSharing, averager).get_current_state)
+            released.set()
+        else:
+            threading.Timer(release_after, released.set).start()
+            result[case] = served(averager.get_current_state)
+        stepping.join(30)
+    optimizer.shutdown()
+    dht.shutdown()
+    return result
+
+
+@pytest.mark.swarm
+def test_a_state_asked_for_between_an_epochs_label_and_its_step_is_served_after_the_step(report):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120, env=env)
+    lines = done.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
+    result = json.loads(lines[-1])
+    hivemind, ours, outlasting = result["hivemind"], result["ours"], result["outlasting"]
+    # hivemind: epoch 1's label on the parameters of epoch 0 (what the CI's aux peer wrote as its checkpoint)
+    assert hivemind["epoch"] == 1 and hivemind["shift"] == [0.0], hivemind
+    # ours waits for the step (released after 0.3 s): epoch 2's label on the parameters of epoch 2 (+1 per step)
+    assert ours["epoch"] == 2 and ours["shift"] == [1.0] and ours["seconds"] >= 0.3, ours
+    # a step that outlasts the downloader's patience (0.5 s here): no state, the downloader tries the next peer
+    assert "did not end within 0.5 s" in outlasting.get("error", "") and outlasting["seconds"] < 2.0, outlasting
+    report(f"asked for the state while the epoch's step waited: hivemind served epoch {hivemind['epoch']} with "
+           f"the parameters before the step; ours waited {ours['seconds']} s and served epoch {ours['epoch']} after "
+           f"it; a step longer than the downloader's patience: refused after {outlasting['seconds']} s")
 
 
 def test_state_layout_names_what_does_not_fit():
@@ -190,3 +270,7 @@ def test_a_diloco_peer_trusts_the_donor_it_downloaded_from_for_one_round(donors,
     peer = SimpleNamespace(_downloaded=("a", 2), outer_loop=SimpleNamespace(donors=donors, rounds=rounds))
     assert SwarmOptimizer._trusted_donors(peer) == trusted
     assert SwarmOptimizer._trusted_donors(SimpleNamespace(_downloaded=None, outer_loop=peer.outer_loop)) == []
+
+
+if __name__ == "__main__":
+    print(json.dumps(serve_while_the_step_waits()), flush=True)

@@ -22,9 +22,10 @@ that the swarm code uses explicitly.
   ``averager_opts`` to the state averager only; the swarm optimizer gives them to its gradient averager too. Drop
   when hivemind forwards them to both averagers.
 - :mod:`.state_download`: a state download cut short passes for a whole one (then ``IndexError`` kills the
-  receiver), metadata leaks from one peer to the next, served states can tear while the server steps, and nothing
-  is validated, so a misfitting state makes a newcomer retry forever. Reproduced by ``tests/test_state_download.py``.
-  Drop when hivemind validates downloads and reports cut streams (not in 1.1.12).
+  receiver), metadata leaks from one peer to the next, served states can tear while the server steps or carry the
+  next epoch's label on the parameters before its step, and nothing is validated, so a misfitting state makes a
+  newcomer retry forever. Reproduced by ``tests/test_state_download.py``. Drop when hivemind validates downloads,
+  reports cut streams and moves the epoch with its step (not in 1.1.12).
 - :mod:`.stream_answers`: when a handler of a streamed request answers before reading it all (an averager refusing
   a tensor part), hivemind closes the stream with the caller's data unread, p2pd resets it and the answer is lost:
   the caller sees an empty stream or a broken pipe. Reproduced by ``tests/test_stream_answers.py`` (and, as a rare

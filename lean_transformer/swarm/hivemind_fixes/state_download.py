@@ -13,6 +13,10 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
   next one fails or refuses, so one peer's metadata can be paired with another peer's tensors.
 - **A served state can be torn.** ``get_current_state`` hands out the optimizer's own CPU tensors (``.cpu()`` does not
   copy) and streams them after releasing its lock, while the next optimizer step updates them in place.
+- **A served state can be mislabelled.** ``TrainingStateAverager.step`` moves ``local_epoch`` on, then hands the
+  optimizer step of that epoch to its one-thread executor, behind any delayed parameter round still running there. A
+  state served in between pairs the new epoch with the old parameters: the project's CI saw an aux peer's checkpoint
+  of epoch 11 hold epoch 10's parameters, and a newcomer would stay a step behind the swarm under the swarm's label.
 - **A donor drops off the list at every re-declaration, and stays on it when it leaves.** A peer that shares its
   state stores its entry in the DHT
   with an expiration of ``declare_state_period`` and stores the next one only when that expires, so for the length
@@ -24,23 +28,26 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
   retries forever without saying why.
 
 Here a donor's entry outlives its next re-declaration by one period, and a donor that leaves takes it off; the
-server takes its snapshot under the optimizer's lock and sends copies with their count; the receiver tries peers in
+server takes its snapshot under the optimizer's lock, never between an epoch's label and its step (it waits for the
+step, within the downloader's patience), and sends copies with their count; the receiver tries peers in
 hivemind's order, each with fresh metadata, and checks every state against its own layout (count, shapes, dtypes,
 optimizer structure, finite values, epoch) before it touches the model or optimizer, then with the trainer's own
 check of what the state's parameters are worth (``download_check``, see
 :mod:`lean_transformer.swarm.averaging.state_check`; hivemind has none). A bad state is logged in one line and the
 next peer is tried; no peer with a fitting state leaves the receiver where it was, within the
 download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN, wrongly
-typed, oversized and foreign-structured states, and a peer that steps while it serves) and
+typed, oversized and foreign-structured states, a peer that steps while it serves, and one asked for its state
+while its epoch's step waits behind a parameter round) and
 ``tests/test_state_declaration.py`` (the gap and the leaving donor, against hivemind's own averager). Drop when
-hivemind checks a downloaded state's length, ends a cut stream with an error, overlaps its declarations and unlists a
-leaving donor (not fixed in 1.1.12).
+hivemind checks a downloaded state's length, ends a cut stream with an error, overlaps its declarations, unlists a
+leaving donor and moves the epoch with its step (not fixed in 1.1.12).
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -164,7 +171,35 @@ class ValidatedStateSharing:
 
     def __init__(self, *args: Any, serve_wait: float = 0.0, **kwargs: Any):
         self.serve_wait = serve_wait  # set before hivemind starts the averager's process, where downloads run
+        self._epoch_stepped = threading.Event()  # clear from an epoch's label to the end of its optimizer step
+        self._epoch_stepped.set()
         super().__init__(*args, **kwargs)
+
+    def step(self, *, increment_epoch: bool = False, optimizer_step: bool = False, delay_optimizer_step: bool = False,
+             **kwargs: Any) -> Any:
+        """hivemind's step; one that moves the epoch on and steps the optimizer marks the state as unservable from
+        the label's change (under the optimizer's lock, so no snapshot is in progress) to the step's end (in the
+        background for a delayed step)."""
+        options = dict(increment_epoch=increment_epoch, optimizer_step=optimizer_step,
+                       delay_optimizer_step=delay_optimizer_step, **kwargs)
+        if not (increment_epoch and optimizer_step):
+            return super().step(**options)
+        with self.lock_optimizer:
+            self._epoch_stepped.clear()
+        earlier = set(self.pending_updates)
+        try:
+            return super().step(**options)
+        finally:
+            in_background = set(self.pending_updates) - earlier if delay_optimizer_step else set()
+            for update in in_background:
+                update.add_done_callback(lambda _: self._epoch_stepped.set())
+            if not in_background:
+                self._epoch_stepped.set()
+
+    @property
+    def chunk_timeout(self) -> float:
+        """Seconds a downloader waits for each part of a state (and a server for the step it must not serve within)."""
+        return max(MIN_CHUNK_TIMEOUT, self.next_chunk_timeout or self.request_timeout)
 
     def _declare_as_donor(self, sharing: bool) -> MPFuture:
         """Store this peer's entry in the DHT's list of donors (``None`` takes it off), valid for two periods."""
@@ -205,9 +240,17 @@ class ValidatedStateSharing:
         copied, so that streaming it cannot tear, with the tensor count that lets the receiver detect a cut."""
         if self.before_serving is not None:
             self.before_serving()
-        with self.lock_optimizer:
-            metadata, tensors, infos = super().get_current_state()
-            tensors = [tensor.clone() for tensor in tensors]
+        patience = self.chunk_timeout  # the downloader's, for the first part
+        deadline = time.monotonic() + patience
+        while True:
+            self._epoch_stepped.wait(max(0.0, deadline - time.monotonic()))
+            with self.lock_optimizer:
+                if self._epoch_stepped.is_set():
+                    metadata, tensors, infos = super().get_current_state()
+                    tensors = [tensor.clone() for tensor in tensors]
+                    break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"epoch {self.local_epoch}'s optimizer step did not end within {patience:g} s")
         metadata["num_tensors"] = len(tensors)
         return metadata, tensors, infos
 
@@ -299,7 +342,7 @@ class ValidatedStateSharing:
         """Executed in the averager's process: try the peers that share their state, ``donors`` first, then best
         first, none of ``skip``, until one serves a state that fits ``layout``; resolve ``future`` with (metadata,
         tensors, its peer ID, seconds) or None. ``first``: the first try of this download (it says how many share)."""
-        chunk_timeout = max(MIN_CHUNK_TIMEOUT, self.next_chunk_timeout or self.request_timeout)
+        chunk_timeout = self.chunk_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
