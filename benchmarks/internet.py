@@ -16,7 +16,8 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
   ``--speed_spread`` range (default 10x), scaled so that all trainers' quotas together use ``--trainer_cores`` of the
   machine: the quota, not the fight for 2 cores, sets each peer's speed;
 - churn: ``--leaves`` trainers leave during the window (alternately SIGTERM and SIGKILL, each preferring a peer that
-  is inside an averaging round), ``--joins`` new ones join through a live full peer's ``--initial_peers`` line.
+  is inside an averaging round), ``--joins`` new ones join through two live full peers' ``--initial_peers`` lines
+  (one of them may leave before the newcomer's DHT has reached it).
 
 Reported (benchmarks/results/internet.json and a plot of peers alive / averaging / downloading over time), from the
 peers' event files: the DHT's connectivity (each trainer's progress events name the peers whose records it sees; per
@@ -280,9 +281,10 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
                 joiner = joins.pop(0)
                 donors = [s for s in slots if s.process is not None and s.stopped is None and not s.nat
                           and s.process.returncode is None and s.process.events("joined")]
-                donor = rng.choice(donors)
-                start_peer(joiner, network, mode, donor.process.initial_peers(timeout=5), args, logdir)
-                progress(f"  {elapsed:.0f} s: {joiner.name} joins through {donor.name}")
+                entries = rng.sample(donors, min(2, len(donors)))  # as a user pastes two lines: one may be gone
+                start_peer(joiner, network, mode, [address for entry in entries
+                                                   for address in entry.process.initial_peers(timeout=5)], args, logdir)
+                progress(f"  {elapsed:.0f} s: {joiner.name} joins through {' and '.join(e.name for e in entries)}")
             if now - last_usage > 5:
                 last_usage = now
                 sample_usage(slots)

@@ -783,7 +783,7 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
 
         def serve() -> None:  # as a donor's serving thread does (ValidatedStateSharing.get_current_state)
             if mode == "applied":
-                assert rounds.settled.wait(30)  # SwarmOptimizer's before_serving
+                assert rounds.settled.wait(30)  # SwarmOptimizer's serve_gate
             torch.save([tensor.clone() for tensor in outer.state_tensors()], served.with_suffix(".tmp"))
             served.with_suffix(".tmp").rename(served)
 

@@ -104,6 +104,30 @@ def test_a_served_state_is_a_copy_taken_between_two_steps():
     assert len(snapshots) > 1
 
 
+def test_a_gate_cleared_while_a_snapshot_waits_for_the_lock_holds_it_until_set_again():
+    """DiLoCo's order: clear the gate, apply the outer step under the optimizer's lock, then move the epoch, then set
+    the gate. A snapshot that passed the gate before it was cleared and then waited for the lock must not pair the
+    new parameters with the old epoch (it did while the gate was only waited for, outside the lock)."""
+    server = CountingState([torch.zeros(10) for _ in range(3)])
+    server.serve_gate = threading.Event()
+    server.serve_gate.set()
+    served = []
+    server.lock_optimizer.acquire()  # the owner holds the lock: the snapshot passes the gate and waits for it
+    serving = threading.Thread(target=lambda: served.append(server.get_current_state()))
+    serving.start()
+    time.sleep(0.2)
+    server.serve_gate.clear()
+    for param in server.params:
+        param.add_(1.0)  # the outer step, under the lock
+    server.lock_optimizer.release()
+    time.sleep(0.2)  # the snapshot may take the lock now: the epoch is still the old one
+    server.steps += 1
+    server.serve_gate.set()
+    serving.join(10)
+    (metadata, tensors, _), = served
+    assert metadata["epoch"] == 1 and {float(tensor[0]) for tensor in tensors} == {1.0}, metadata
+
+
 def serve_while_the_step_waits() -> dict:
     """A lone gradient-mode SwarmOptimizer whose epoch step (SGD, lr 1, gradients -1: +1 per step) waits behind
     another job of hivemind's one-thread step executor, as behind a delayed parameter round: what hivemind's
@@ -171,7 +195,7 @@ def test_a_state_asked_for_between_an_epochs_label_and_its_step_is_served_after_
     # ours waits for the step (released after 0.3 s): epoch 2's label on the parameters of epoch 2 (+1 per step)
     assert ours["epoch"] == 2 and ours["shift"] == [1.0] and ours["seconds"] >= 0.3, ours
     # a step that outlasts the downloader's patience (0.5 s here): no state, the downloader tries the next peer
-    assert "did not end within 0.5 s" in outlasting.get("error", "") and outlasting["seconds"] < 2.0, outlasting
+    assert "did not settle within 0.5 s" in outlasting.get("error", "") and outlasting["seconds"] < 2.0, outlasting
     report(f"asked for the state while the epoch's step waited: hivemind served epoch {hivemind['epoch']} with "
            f"the parameters before the step; ours waited {ours['seconds']} s and served epoch {ours['epoch']} after "
            f"it; a step longer than the downloader's patience: refused after {outlasting['seconds']} s")

@@ -145,8 +145,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         # a state served while this peer's round awaits its outer step is one step behind the swarm's: the newcomer
         # that loads it loses its first group's vote and downloads again (OuterLoop.apply_finished). A donor waits
         # for the step, at most the round's time (serve_wait: the swarm's matchmaking time + averaging timeout).
-        self.state_averager.before_serving = functools.partial(self.outer_loop.settled.wait,
-                                                               self.state_averager.serve_wait)
+        self.state_averager.serve_gate = self.outer_loop.settled
         outer.bind(self._offloaded_parameters())
         if host_gradients:
             self.host_grads = self._host_gradients_into_offloaded_optimizer()

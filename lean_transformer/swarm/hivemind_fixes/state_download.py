@@ -162,12 +162,13 @@ class ValidatedStateSharing:
     ``download_check`` (set by the swarm optimizer, :mod:`lean_transformer.swarm.averaging.state_check`): called once
     per download, it returns a function of a fitting state's tensors that says why this peer should not adopt it
     (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried.
-    ``before_serving`` (set by the swarm optimizer in DiLoCo mode): called before each snapshot a peer downloads, it
-    may wait for a better moment, up to ``serve_wait`` seconds: the swarm's setting, which a downloader adds to its
-    wait for a donor's first part."""
+    ``serve_gate`` (set by the swarm optimizer in DiLoCo mode): a snapshot is taken only while it is set, for up to
+    ``serve_wait`` seconds: the swarm's setting, which a downloader adds to its wait for a donor's first part. Both
+    it and the epoch's own gate are checked under the optimizer's lock, so a gate cleared before a change that takes
+    the lock keeps every snapshot either before the change or after the gate is set again."""
 
     download_check: Optional[Callable[[], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
-    before_serving: Optional[Callable[[], Any]] = None
+    serve_gate: Optional[threading.Event] = None
 
     def __init__(self, *args: Any, serve_wait: float = 0.0, **kwargs: Any):
         self.serve_wait = serve_wait  # set before hivemind starts the averager's process, where downloads run
@@ -238,19 +239,19 @@ class ValidatedStateSharing:
     def get_current_state(self):
         """Executed in the host process for a peer that downloads our state: a snapshot between two optimizer steps,
         copied, so that streaming it cannot tear, with the tensor count that lets the receiver detect a cut."""
-        if self.before_serving is not None:
-            self.before_serving()
-        patience = self.chunk_timeout  # the downloader's, for the first part
+        gates = [gate for gate in (self.serve_gate, self._epoch_stepped) if gate is not None]
+        patience = self.serve_wait + self.chunk_timeout  # the downloader's, for the first part
         deadline = time.monotonic() + patience
         while True:
-            self._epoch_stepped.wait(max(0.0, deadline - time.monotonic()))
+            for gate in gates:
+                gate.wait(max(0.0, deadline - time.monotonic()))
             with self.lock_optimizer:
-                if self._epoch_stepped.is_set():
+                if all(gate.is_set() for gate in gates):
                     metadata, tensors, infos = super().get_current_state()
                     tensors = [tensor.clone() for tensor in tensors]
                     break
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"epoch {self.local_epoch}'s optimizer step did not end within {patience:g} s")
+                raise TimeoutError(f"the state at epoch {self.local_epoch} did not settle within {patience:g} s")
         metadata["num_tensors"] = len(tensors)
         return metadata, tensors, infos
 
