@@ -57,6 +57,33 @@ def test_outer_step_matches_a_hand_computed_nesterov_update():
     torch.testing.assert_close(weight.data, torch.full((2, 3), hand_nesterov(1.0, deltas)), rtol=1e-4, atol=1e-5)
 
 
+def test_a_sparse_round_cancelled_while_it_exchanges_logs_no_stray_traceback():
+    """A trainer cancels its round to download the state while the sparse all-reduce's exchanges run: asyncio's
+    plain gather, awaited through wait_for, logs "_GatheringFuture exception was never retrieved" (2 trainers of
+    benchmarks/internet.py's 16-trainer DiLoCo run); the sparse all-reduce's gather logs nothing."""
+    import gc
+
+    from lean_transformer.swarm.averaging.sparse_allreduce import gather_retrieved
+
+    def errors_logged(gather) -> list:
+        logged = []
+
+        async def cancel_a_round() -> None:
+            asyncio.get_running_loop().set_exception_handler(lambda _, context: logged.append(context["message"]))
+            exchanges = asyncio.create_task(asyncio.wait_for(gather(asyncio.sleep(10), asyncio.sleep(10)), 5))
+            await asyncio.sleep(0.05)
+            exchanges.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await exchanges
+            gc.collect()
+
+        asyncio.run(cancel_a_round())
+        return logged
+
+    assert errors_logged(asyncio.gather) == ["_GatheringFuture exception was never retrieved"]
+    assert errors_logged(gather_retrieved) == []
+
+
 def test_the_anchor_fingerprint_is_the_same_for_any_thread_count_and_sees_one_ulp():
     """Peers compare fingerprints to find who is out of date: equal anchors must give equal fingerprints on machines
     with any number of threads (a float64 sum's last digit changed between 4 and 8 threads on these tensors)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Awaitable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
@@ -66,6 +66,16 @@ Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
 # large model); the payloads' transfer, which depends on the links, comes after the stream is open
 ABSENT_AFTER = 20.0
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def gather_retrieved(*awaitables: Awaitable) -> asyncio.Future:
+    """``asyncio.gather`` whose outcome is always retrieved. A gather cancelled from outside ends with a
+    ``CancelledError`` set as its exception (CPython 3.11), and ``wait_for`` re-raises its own cancellation without
+    reading it: asyncio then logs "_GatheringFuture exception was never retrieved" with a traceback as an ERROR. Seen
+    in benchmarks/internet.py (DiLoCo, 16 trainers): trainers that cancelled their round to download the state."""
+    gathered = asyncio.gather(*awaitables)
+    gathered.add_done_callback(lambda future: future.cancelled() or future.exception())
+    return gathered
 
 
 class TopKErrorFeedback:
@@ -231,7 +241,7 @@ class SparseAllReduce:
                 raise AllreduceException("a peer without a part to send (an aux peer) was given one")
             exchanges = [self._exchange(peer, start, end, indices, values)
                          for peer, (start, end) in self.ranges.items()]
-            averages = await asyncio.wait_for(asyncio.gather(*exchanges), self.timeout)
+            averages = await asyncio.wait_for(gather_retrieved(*exchanges), self.timeout)
         except asyncio.TimeoutError:
             raise AllreduceException(f"the sparse all-reduce did not finish within {self.timeout} s") from None
         finally:
