@@ -95,3 +95,23 @@ def test_the_dhts_resource_sharer_error_is_one_info_line(caplog, hivemind_level)
         logging.getLogger(quiet_logs.DHT_LOGGER).exception(error)
     (record,) = caplog.records
     assert record.levelno == logging.ERROR and record.exc_info is not None
+
+
+def test_a_connection_reset_while_receiving_a_request_is_one_info_line(caplog, hivemind_level):
+    """hivemind's p2p handler logs a peer's reset mid-request as a WARNING traceback: one INFO line; another error
+    there keeps its traceback."""
+    hivemind_level(logging.INFO)
+    quiet_logs.install()
+    for error in ConnectionResetError(104, "Connection reset by peer"), ValueError("a bug"):
+        caplog.clear()
+        try:
+            raise error
+        except Exception:
+            logging.getLogger(quiet_logs.P2P_LOGGER).warning("Exception while receiving requests:", exc_info=True)
+        (record,) = caplog.records
+        if isinstance(error, ConnectionResetError):
+            assert (record.levelno, record.exc_info) == (logging.INFO, None)
+            assert record.getMessage() == ("A peer reset its connection during a request: [Errno 104] Connection "
+                                           "reset by peer")
+        else:
+            assert record.levelno == logging.WARNING and record.exc_info is not None

@@ -107,9 +107,10 @@ def test_a_served_state_is_a_copy_taken_between_two_steps():
 def test_a_gate_cleared_while_a_snapshot_waits_for_the_lock_holds_it_until_set_again():
     """DiLoCo's order: clear the gate, apply the outer step under the optimizer's lock, then move the epoch, then set
     the gate. A snapshot that passed the gate before it was cleared and then waited for the lock must not pair the
-    new parameters with the old epoch (it did while the gate was only waited for, outside the lock)."""
+    new parameters with the old epoch (it did while the gate was only waited for, outside the lock). A gate that
+    stays clear longer than serve_wait is passed, as before."""
     server = CountingState([torch.zeros(10) for _ in range(3)])
-    server.serve_gate = threading.Event()
+    server.serve_gate, server.serve_wait = threading.Event(), 5.0
     server.serve_gate.set()
     served = []
     server.lock_optimizer.acquire()  # the owner holds the lock: the snapshot passes the gate and waits for it
@@ -126,6 +127,13 @@ def test_a_gate_cleared_while_a_snapshot_waits_for_the_lock_holds_it_until_set_a
     serving.join(10)
     (metadata, tensors, _), = served
     assert metadata["epoch"] == 1 and {float(tensor[0]) for tensor in tensors} == {1.0}, metadata
+    # a gate that stays clear is waited for serve_wait seconds, then passed: a donor whose DiLoCo round is still in
+    # flight serves its state rather than none
+    server.serve_gate.clear()
+    server.serve_wait = 0.3
+    started = time.monotonic()
+    metadata, _, _ = server.get_current_state()
+    assert metadata["epoch"] == 1 and 0.3 <= time.monotonic() - started < 2.0
 
 
 def serve_while_the_step_waits() -> dict:
@@ -195,7 +203,7 @@ def test_a_state_asked_for_between_an_epochs_label_and_its_step_is_served_after_
     # ours waits for the step (released after 0.3 s): epoch 2's label on the parameters of epoch 2 (+1 per step)
     assert ours["epoch"] == 2 and ours["shift"] == [1.0] and ours["seconds"] >= 0.3, ours
     # a step that outlasts the downloader's patience (0.5 s here): no state, the downloader tries the next peer
-    assert "did not settle within 0.5 s" in outlasting.get("error", "") and outlasting["seconds"] < 2.0, outlasting
+    assert "did not end within 0.5 s" in outlasting.get("error", "") and outlasting["seconds"] < 2.0, outlasting
     report(f"asked for the state while the epoch's step waited: hivemind served epoch {hivemind['epoch']} with "
            f"the parameters before the step; ours waited {ours['seconds']} s and served epoch {ours['epoch']} after "
            f"it; a step longer than the downloader's patience: refused after {outlasting['seconds']} s")

@@ -14,8 +14,9 @@ that the swarm code uses explicitly.
   ``SwarmOptimizer.shutdown`` gives up every round without a group, also those begun after it
   (:class:`.averagers.LeavesUngrouped`; ``tests/test_swarm_optimizer.py``, the leaver, in both orders). Drop when
   hivemind's shutdown stops its delayed step.
-- :mod:`.quiet_logs`: hivemind logs a round that found no group, was cancelled or lost a groupmate, and torch's
-  resource sharer a peer that left during the DHT's shutdown, as ERROR tracebacks; here they are one line each
+- :mod:`.quiet_logs`: hivemind logs a round that found no group, was cancelled or lost a groupmate, torch's
+  resource sharer a peer that left during the DHT's shutdown, and its p2p handler a peer that reset a connection
+  mid-request, with tracebacks; here they are one line each
   (tracebacks with ``HIVEMIND_LOGLEVEL=DEBUG``). Checked by the log assertions of ``tests/test_large_swarm.py`` and
   ``tests/test_diloco_swarm.py``. Drop when hivemind logs expected round failures without a traceback.
 - Averager options (in :class:`lean_transformer.swarm.averaging.optimizer.SwarmOptimizer`): hivemind passes

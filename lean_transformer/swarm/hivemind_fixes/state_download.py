@@ -162,10 +162,11 @@ class ValidatedStateSharing:
     ``download_check`` (set by the swarm optimizer, :mod:`lean_transformer.swarm.averaging.state_check`): called once
     per download, it returns a function of a fitting state's tensors that says why this peer should not adopt it
     (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried.
-    ``serve_gate`` (set by the swarm optimizer in DiLoCo mode): a snapshot is taken only while it is set, for up to
-    ``serve_wait`` seconds: the swarm's setting, which a downloader adds to its wait for a donor's first part. Both
-    it and the epoch's own gate are checked under the optimizer's lock, so a gate cleared before a change that takes
-    the lock keeps every snapshot either before the change or after the gate is set again."""
+    ``serve_gate`` (set by the swarm optimizer in DiLoCo mode): a snapshot waits for it for up to ``serve_wait``
+    seconds (the swarm's setting, which a downloader adds to its wait for a donor's first part), then is taken
+    anyway; the epoch's own gate (its optimizer step) is waited for within the downloader's patience, never passed.
+    Both are checked under the optimizer's lock, so a gate cleared before a change that takes the lock keeps a
+    snapshot either before the change or after the gate is set again."""
 
     download_check: Optional[Callable[[], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
     serve_gate: Optional[threading.Event] = None
@@ -239,19 +240,21 @@ class ValidatedStateSharing:
     def get_current_state(self):
         """Executed in the host process for a peer that downloads our state: a snapshot between two optimizer steps,
         copied, so that streaming it cannot tear, with the tensor count that lets the receiver detect a cut."""
-        gates = [gate for gate in (self.serve_gate, self._epoch_stepped) if gate is not None]
+        gate_deadline = time.monotonic() + self.serve_wait
         patience = self.serve_wait + self.chunk_timeout  # the downloader's, for the first part
         deadline = time.monotonic() + patience
         while True:
-            for gate in gates:
-                gate.wait(max(0.0, deadline - time.monotonic()))
+            if self.serve_gate is not None:
+                self.serve_gate.wait(max(0.0, gate_deadline - time.monotonic()))
+            self._epoch_stepped.wait(max(0.0, deadline - time.monotonic()))
             with self.lock_optimizer:
-                if all(gate.is_set() for gate in gates):
+                gate_open = self.serve_gate is None or self.serve_gate.is_set() or time.monotonic() >= gate_deadline
+                if gate_open and self._epoch_stepped.is_set():
                     metadata, tensors, infos = super().get_current_state()
                     tensors = [tensor.clone() for tensor in tensors]
                     break
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"the state at epoch {self.local_epoch} did not settle within {patience:g} s")
+                raise TimeoutError(f"epoch {self.local_epoch}'s optimizer step did not end within {patience:g} s")
         metadata["num_tensors"] = len(tensors)
         return metadata, tensors, infos
 
