@@ -306,3 +306,29 @@ def test_a_diloco_peer_trusts_the_donor_it_downloaded_from_for_one_round(donors,
 
 if __name__ == "__main__":
     print(json.dumps(serve_while_the_step_waits()), flush=True)
+
+
+def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
+    """DiLoCo's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records: trainers count,
+    an aux peer (no speed) does not, nor a trainer this peer excluded until its exclusion ends."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+
+    own, liar, aux = (PeerID.from_base58(name) for name in (
+        "QmaTNn4hy3td4LG4rVFBXS9QWW58g86UKfctMqLvJwHBaF", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
+        "QmXuPFimLAF4VFrKN6yY8sCKyA4k2hK9trfZ1Jkf6hWaWe"))
+    records = {peer.to_bytes(): ValueWithExpiration(dict(peer_id=peer.to_bytes(), samples_per_second=speed), 1e12)
+               for peer, speed in ((own, 10.0), (liar, 10.0), (aux, 0.0))}
+
+    def trainers(excluded: dict) -> int:
+        peer = SimpleNamespace(dht=SimpleNamespace(get=lambda key, latest: ValueWithExpiration(records, 1e12)),
+                               tracker=SimpleNamespace(training_progress_key="progress"), _excluded=excluded)
+        return SwarmOptimizer._trainers_in_swarm(peer)
+
+    assert trainers({}) == 2
+    assert trainers({str(liar): time.time() + 600}) == 1  # alone: it steps with its own pseudo-gradient
+    assert trainers({str(liar): time.time() - 1}) == 2  # the exclusion ended

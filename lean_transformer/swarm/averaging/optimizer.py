@@ -34,7 +34,7 @@ from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, Oute
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
-from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck
+from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
 from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
 
@@ -114,6 +114,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.outer_loop: Optional[OuterLoop] = None
         self._diloco = diloco is not None
         self._downloaded: Optional[tuple[Optional[str], int]] = None  # DiLoCo: (donor, rounds) at the last download
+        self._excluded: dict[str, float] = {}  # the peers this peer's averagers excluded -> Unix time it ends
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
@@ -415,12 +416,19 @@ class SwarmOptimizer(hivemind.Optimizer):
                          outer_steps=int(self.outer_loop.outer.steps))
 
     def _trainers_in_swarm(self) -> int:
-        """Peers whose progress records show training (aux peers report no samples/s): with no other trainer, the
-        round cannot form, and this peer steps with its own pseudo-gradient instead of folding it forever."""
+        """Peers whose progress records show training (aux peers report no samples/s), except those this peer
+        excluded (:meth:`distrust`; not merely the donors whose states it refused, honest peers among them): with no
+        other trainer, the round cannot form, and this peer steps with its own pseudo-gradient instead of folding it
+        forever. An excluded liar counted as a partner: in tests/test_lying_reducer.py, the last honest trainer left
+        with it waited out 6 rounds' matchmaking (2.3 min) for a group that its own exclusion refused."""
         entry = self.dht.get(self.tracker.training_progress_key, latest=True)
         records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+        now = time.time()
+        excluded = {peer_id for peer_id, until in self._excluded.items() if until > now}
         count = 0
         for record in records.values():
+            if excluded and record_reporter(record) in excluded:
+                continue
             value = getattr(record, "value", None)
             speed = value.get("samples_per_second") if isinstance(value, dict) else None
             count += isinstance(speed, (int, float)) and speed > 1e-9
@@ -466,6 +474,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         trainers excluded a lying reducer, whose rounds had meanwhile gone on alone to epoch 3, then found themselves
         out of sync and downloaded its state."""
         now, before = time.time(), self.state_averager.refused_donors()
+        self._excluded = dict(excluded)
         for peer_id, until in excluded.items():
             if until > now:
                 self.state_averager.refuse_donor(peer_id, until - now)

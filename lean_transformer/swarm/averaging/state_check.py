@@ -132,11 +132,11 @@ class IgnoresRefusedDonors:
         self._last_metadata = metadata
         refused = self.refused()
         if refused and isinstance(metadata, dict):
-            metadata = {key: entry for key, entry in metadata.items() if _reporter(entry) not in refused}
+            metadata = {key: entry for key, entry in metadata.items() if record_reporter(entry) not in refused}
         return super()._parse_swarm_progress_data(metadata)
 
 
-def _reporter(entry: Any) -> Optional[str]:
+def record_reporter(entry: Any) -> Optional[str]:
     """The peer ID (text) of a progress record's reporter; None if the record does not say."""
     value = getattr(entry, "value", None)
     peer_id = value.get("peer_id") if isinstance(value, dict) else None
