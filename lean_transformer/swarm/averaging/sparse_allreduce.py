@@ -68,13 +68,19 @@ ABSENT_AFTER = 20.0
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    """A done-callback that reads the future's outcome, so that asyncio never reports it as unretrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 def gather_retrieved(*awaitables: Awaitable) -> asyncio.Future:
     """``asyncio.gather`` whose outcome is always retrieved. A gather cancelled from outside ends with a
     ``CancelledError`` set as its exception (CPython 3.11), and ``wait_for`` re-raises its own cancellation without
     reading it: asyncio then logs "_GatheringFuture exception was never retrieved" with a traceback as an ERROR. Seen
     in benchmarks/internet.py (DiLoCo, 16 trainers): trainers that cancelled their round to download the state."""
     gathered = asyncio.gather(*awaitables)
-    gathered.add_done_callback(lambda future: future.cancelled() or future.exception())
+    gathered.add_done_callback(_retrieve)
     return gathered
 
 
@@ -221,7 +227,7 @@ class SparseAllReduce:
         self._sum, self._touched = torch.zeros(end - start), torch.zeros(end - start, dtype=torch.bool)
         self._weight, self._arrived = 0.0, set()
         self._result: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._result.add_done_callback(lambda future: future.cancelled() or future.exception())  # retrieved
+        self._result.add_done_callback(_retrieve)
         if not self.senders or self.peer_id not in self.ranges:
             self._result.set_result(None)  # nothing to reduce here
         # when each sender last opened a stream to this peer (time.monotonic(); the averager's record, which sees a
