@@ -333,6 +333,38 @@ def test_a_peer_behind_that_cannot_replay_its_missed_steps_says_why(tmp_path):
         (rounds.history.rounds + 1, "too_far"), (1, "no_donor")], failed
 
 
+def test_a_peer_one_step_ahead_of_its_group_goes_back_to_the_groups_state_bit_for_bit(tmp_path):
+    """switch_branches: a peer whose last outer step its group did not take (that round failed for the others)
+    holds the group's state as it was before that step: it goes back to it, anchor, momentum, step count and
+    parameters (minus its own progress with overlap) bit for bit, with no history to fetch and no download. Without
+    switch_branches nothing is kept and it downloads."""
+    from lean_transformer.swarm.averaging.diloco import OuterLoop
+    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, generator=generator))
+    rounds = OuterLoop(OuterNesterov([weight]), averager=None, switch_branches=True)
+    rounds._step([torch.randn(64, generator=generator)], rounds.fingerprint())  # momentum is not zero any more
+    group = rounds.fingerprint()
+    before = [tensor.clone() for tensor in rounds.outer.state_tensors()]
+    rounds._step([torch.randn(64, generator=generator)], group)  # the step its group did not take
+    ahead = rounds.fingerprint()
+    progress = [torch.randn(64, generator=generator)]
+    open_events(tmp_path / "events.jsonl", "trainer")
+    try:
+        assert rounds._catch_up(ahead, group, keep=progress)
+        assert not OuterLoop(OuterNesterov([torch.nn.Parameter(weight.detach().clone())]), averager=None)._catch_up(
+            ahead, group, keep=None)  # nothing kept: nothing replays it, no event
+    finally:
+        close_events()
+    assert rounds.fingerprint() == group
+    assert all(torch.equal(now, then) for now, then in zip(rounds.outer.state_tensors(), before))
+    assert torch.equal(weight.detach(), before[0] - progress[0])
+    assert [(e["rounds"], e["went_back"]) for e in read_events(tmp_path / "events.jsonl", "outer_caught_up")] == [
+        (0, True)]
+    assert not rounds._catch_up(group, ahead, keep=None)  # once back, the state before that is not kept
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bound_to", ["the model's parameters", "host copies"])
@@ -577,31 +609,33 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
 
 
 @pytest.mark.swarm
-def test_a_peer_that_missed_a_round_catches_up_from_a_groupmates_history(tmp_path, report):
+def test_peers_that_missed_a_round_or_took_it_apart_catch_up_from_a_groupmates_history(tmp_path, report):
     """Top-k rounds (sparse averages, as with the slow-link flags): a and b average round 1 while c misses it (as
-    after a failed all-reduce); all three average round 2. c's outer state is one step behind the group's: before, it
-    applied round 2 on its own anchor, lost the group's vote and downloaded the whole state. Now it replays round 1's
-    average from a or b's history (OuterLoop._catch_up), then round 2: two outer steps, and the three anchors
-    bit-identical."""
-    results = three_peer_results(tmp_path, ["catch_up"])["catch_up"]
-    assert [results[name]["group_sizes"] for name in "abc"] == [[2, 3], [2, 3], [None, 3]], results
-    assert not any(results[name]["behind"] for name in "abc"), results
-    assert [results[name]["steps"] for name in "abc"] == [2, 2, 2], results
-    assert results["a"]["anchor_sha256"] == results["b"]["anchor_sha256"] == results["c"]["anchor_sha256"], results
-    assert results["c"]["caught_up"] == 1 and results["a"]["caught_up"] == results["b"]["caught_up"] == 0
+    after a failed all-reduce) and d takes it alone (as a group of a split round); all four average round 2.
+    c's outer state is one step behind the group's: before, it applied round 2 on its own anchor, lost the group's
+    vote and downloaded the whole state. Now it replays round 1's average from a or b's history
+    (OuterLoop._catch_up), then round 2. d's is on another branch at the group's step count: before, it lost the
+    vote and downloaded; now it goes back to its state before round 1 (switch_branches) and replays a and b's
+    round 1 from there. Two outer steps each, and the four anchors bit-identical."""
+    results = three_peer_results(tmp_path, ["catch_up"], names="abcd")["catch_up"]
+    assert [results[name]["group_sizes"] for name in "abcd"] == [[2, 4], [2, 4], [None, 4], [1, 4]], results
+    assert not any(results[name]["behind"] for name in "abcd"), results
+    assert [results[name]["steps"] for name in "abcd"] == [2, 2, 2, 2], results
+    assert len({results[name]["anchor_sha256"] for name in "abcd"}) == 1, results
+    assert [results[name]["caught_up"] for name in "abcd"] == [[], [], [False], [True]], results
     # the outer averagers serve their history by peer ID and declare nothing in the DHT (hivemind_fixes.store_outcomes)
-    assert not any(results[name]["listed_as_donor"] for name in "abc"), results
-    report("c missed round 1 of a and b, then averaged round 2 with them: it replayed round 1 from a groupmate's "
-           "history, anchors bit-identical, no download")
+    assert not any(results[name]["listed_as_donor"] for name in "abcd"), results
+    report("c missed round 1 of a and b, d took it alone; then all four averaged round 2: c replayed round 1 from a "
+           "groupmate's history, d went back one step and replayed it too; anchors bit-identical, no download")
 
 
-def three_peer_results(root: Path, modes: list) -> dict:
-    """Runs peers a, b and c once per mode, each time in a folder of its own; by mode, each peer's last printed line
-    (JSON)."""
+def three_peer_results(root: Path, modes: list, names: str = "abc") -> dict:
+    """Runs peers a, b and c (or ``names``) once per mode, each time in a folder of its own; by mode, each peer's
+    last printed line (JSON)."""
     results = {}
     for mode in modes:
         (root / mode).mkdir()
-        outputs = run_peers({name: [mode] for name in "abc"}, root / mode)
+        outputs = run_peers({name: [mode] for name in names}, root / mode)
         for code, _, err in outputs.values():
             assert code == 0, err[-3000:]
         results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
@@ -839,8 +873,9 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
 
 
 def catch_up_peer(name: str, role: str) -> None:
-    """A peer of the catch-up test: a and b end rounds at T and T + 8 s, c at T + 8 s only; all wait for the others'
-    results before leaving (c's catch-up reads a or b's history)."""
+    """A peer of the catch-up test: a and b end rounds at T and T + 8 s, c at T + 8 s only, d alone at T and with
+    the others at T + 8 s; all wait for the others' results before leaving (c and d's catch-ups read a or b's
+    history)."""
     from hivemind.utils import get_dht_time
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
@@ -854,19 +889,19 @@ def catch_up_peer(name: str, role: str) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_catch_up", [weight.shape], matchmaking_time=MATCHMAKING,
                                       allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION)
-    rounds = OuterLoop(outer, averager)
+    rounds = OuterLoop(outer, averager, switch_branches=True)
     group_sizes = []
     for index, end in enumerate([start, start + 8.0]):
         with torch.no_grad():
             weight.sub_(sparse_delta(name, index))
         rounds.add_samples(4)
         time.sleep(max(0.0, end - get_dht_time()))
-        group_sizes.append(None if name == "c" and index == 0 else rounds.end_round())
+        group_sizes.append(None if name == "c" and index == 0 else rounds.end_round(alone=name == "d" and index == 0))
     (rendezvous / f"{name}.done").touch()
-    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "abc"), timeout=60,
+    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "abcd"), timeout=60,
                what="the others' rounds", interval=0.05)
     close_events()
-    caught_up = len(read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up"))
+    caught_up = [event["went_back"] for event in read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up")]
     donors = dht.get("test_diloco_catch_up.all_averagers", latest=True)  # hivemind's list: the history needs none
     print(json.dumps(dict(group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps), caught_up=caught_up,
                           listed_as_donor=donors is not None and bool(donors.value),

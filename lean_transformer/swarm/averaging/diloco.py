@@ -170,15 +170,16 @@ class OuterNesterov:
             anchor.grad = delta.to(torch.float32)
         self.optimizer.step()
         self.steps += 1
-        for index, (anchor, param) in enumerate(zip(self.anchor, self.parameters)):
+        for anchor in self.anchor:
             anchor.grad = None
-            param.copy_(anchor if keep is None else anchor - keep[index])
+        self.reset_parameters(keep)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Parameters back to the anchor (a newcomer that downloaded the swarm's outer state)."""
-        for anchor, param in zip(self.anchor, self.parameters):
-            param.copy_(anchor)
+    def reset_parameters(self, keep: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Parameters back to the anchor (a newcomer that downloaded the swarm's outer state), minus ``keep`` (a
+        peer's own progress not yet averaged, with ``overlap``) if given."""
+        for index, (anchor, param) in enumerate(zip(self.anchor, self.parameters)):
+            param.copy_(anchor if keep is None else anchor - keep[index])
 
     def state_tensors(self) -> List[torch.Tensor]:
         """What a newcomer needs besides the inner optimizer: the anchor and the momentum (zeros before the first
@@ -187,7 +188,9 @@ class OuterNesterov:
         return self.anchor + self.momenta + [self.steps]
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+    def load_state_tensors(self, tensors: Sequence[torch.Tensor],
+                           keep: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Load :meth:`state_tensors` and restart the parameters from the loaded anchor (minus ``keep``)."""
         if len(tensors) != 2 * len(self.anchor) + 1:
             raise ValueError(f"tensors: expected {2 * len(self.anchor) + 1} (anchor, momentum, step count), got "
                              f"{len(tensors)}")
@@ -195,7 +198,7 @@ class OuterNesterov:
             if local.shape != source.shape:
                 raise ValueError(f"tensors: {tuple(source.shape)} for an outer state tensor of {tuple(local.shape)}")
             local.copy_(source)
-        self.reset_parameters()
+        self.reset_parameters(keep)
 
 
 class _SameResultRunner(AllReduceRunner):
@@ -626,11 +629,19 @@ class OuterLoop:
     peers, groups of 2-4). All in-sync members of a group receive the same average and mostly the same verdict; one that
     decides otherwise is out of step with its group and downloads the state its group converges on, as after a
     split.
+
+    ``switch_branches`` (top-k rounds, whose averages groupmates keep in their histories): keep a copy of the outer
+    state from before the last outer step (8 bytes per parameter of host memory, beside the 8 of the outer state),
+    so that a peer whose group converged on another branch of the same round goes back to it and replays the
+    group's step from a groupmate's history instead of downloading the whole state (:meth:`_catch_up`).
     """
 
     def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False,
-                 check_averages: bool = False):
+                 check_averages: bool = False, switch_branches: bool = False):
         self.outer, self.averager, self.overlap, self.check_averages = outer, averager, overlap, check_averages
+        self.switch_branches = switch_branches
+        self._previous_tag: Optional[list] = None  # switch_branches: the fingerprint before the last outer step
+        self._previous_state: Optional[List[torch.Tensor]] = None  # ... and the outer state it was taken of
         self.applied_norms: Optional[List[float]] = None  # the last applied average's norm, per tensor
         self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
         self.samples_since_anchor = self.rounds = 0
@@ -798,19 +809,56 @@ class OuterLoop:
               keep: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Apply one outer step to the state whose fingerprint is ``before``, and keep it in the history."""
         with self.lock:
+            if self.switch_branches:
+                self._keep_previous(before)
             self.outer.step(averaged, keep=keep)
         self.history.record(before, averaged)
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
 
+    def _keep_previous(self, fingerprint: list) -> None:
+        """Copy the outer state (its fingerprint: ``fingerprint``) before it takes a step (``switch_branches``)."""
+        state = self.outer.state_tensors()
+        if self._previous_state is None:
+            self._previous_state = [tensor.clone() for tensor in state]
+        else:
+            for kept, tensor in zip(self._previous_state, state):
+                kept.copy_(tensor)
+        self._previous_tag = list(fingerprint)
+
+    def _go_back(self, keep: Optional[Sequence[torch.Tensor]]) -> None:
+        """Restore the outer state from before the last outer step (the parameters restart from it, minus ``keep``)."""
+        with self.lock:
+            self.outer.load_state_tensors(self._previous_state, keep)
+        self._previous_tag = None  # the state before that one is not kept
+
     def _catch_up(self, ours: list, winner: list, keep: Optional[Sequence[torch.Tensor]]) -> bool:
-        """Replay the outer steps from this peer's fingerprint ``ours`` to its group's ``winner`` from a donor's
-        history (:mod:`.outer_history`); whether this peer now holds ``winner``. A donor whose history lacks a step
-        is skipped; a replay that ends elsewhere leaves the state to the download that follows. A peer behind that
-        could not catch up says why (``catch_up_failed``): at 16 trainers, three peers one step behind
-        downloaded the state and no line said why the replay had not helped."""
-        missing = int(winner[0]) - int(ours[0])
-        if missing <= 0:  # not behind: another state at the same step, which no history replays
+        """Bring this peer's outer state from its fingerprint ``ours`` to its group's ``winner`` without downloading
+        it; whether it now holds ``winner``.
+
+        A peer behind replays the outer steps it missed from a groupmate's history (:mod:`.outer_history`). With
+        ``switch_branches``, a peer on another branch goes back to its state before its last outer step and replays
+        the group's steps from there: groups that averaged the same round apart (a split) apply different averages
+        to one anchor, and when they meet the smaller ones lose the vote at the same step count. At 16 trainers
+        (benchmarks/internet.py), 8 of 12 such losses had the group's step count, which no replay from the current
+        state reaches, and each sent a peer to download the whole state. A peer one step ahead (its group's round
+        failed for the others) whose previous state is the group's just goes back.
+
+        A donor whose history lacks a step is skipped; a replay that ends elsewhere leaves the state to the download
+        that follows. A peer that could not catch up says why (``catch_up_failed``): at 16 trainers, three peers one
+        step behind downloaded the state and no line said why the replay had not helped."""
+        previous = self._previous_tag if self.switch_branches else None
+        if previous is not None and previous == list(winner):
+            self._go_back(keep)
+            if self.fingerprint() != list(winner):
+                return self._catch_up_failed(0, "replayed_elsewhere", "the kept state was not the one it was kept as")
+            logger.info("Went back one outer step to the state its group holds, instead of downloading it")
+            emit("outer_caught_up", source=None, rounds=0, seconds=0.0, went_back=True)
+            return True
+        starts = [(list(ours), False)] + ([(previous, True)] if previous is not None else [])
+        starts = [(start, back) for start, back in starts if int(winner[0]) > int(start[0])]
+        if not starts:  # not behind, and no earlier state kept: another state at the same step, which nothing replays
             return False
+        missing = min(int(winner[0]) - int(start[0]) for start, _ in starts)
         if missing > self.history.rounds:
             return self._catch_up_failed(missing, "too_far", f"histories keep {self.history.rounds} outer step(s)")
         misses = []
@@ -822,28 +870,43 @@ class OuterLoop:
                 logger.info(f"No outer history from {donor}: {error!r}")
                 misses.append(f"{donor}: no history")
                 continue
-            replayed, fingerprint = 0, list(ours)
-            while fingerprint != winner and replayed < missing and history_key(fingerprint) in entries:
-                averaged = self.history.dense(entries[history_key(fingerprint)])
-                known = self.applied_norms or [float(momentum.norm()) for momentum in self.outer.momenta]
-                reason = implausible_average(averaged, known) if self.check_averages else None
-                if reason is not None:
-                    logger.warning(f"Not replaying {donor}'s outer history: {reason}")
-                    break
-                self._step(averaged, fingerprint, keep)
-                replayed, fingerprint = replayed + 1, self.fingerprint()
-            if fingerprint == winner:
+            start, back = next(((start, back) for start, back in starts if history_key(start) in entries),
+                               (None, False))
+            if start is None:
+                misses.append(f"{donor}: {len(entries)} step(s), none from this peer's state")
+                continue
+            if back:
+                self._go_back(keep)
+            fingerprint, replayed = self._replay(entries, start, winner, keep, donor)
+            if fingerprint == list(winner):
                 seconds = time.monotonic() - started
-                logger.info(f"Caught up {replayed} outer step(s) from {donor}'s history in {seconds:.2f} s, "
-                            f"instead of downloading the state")
-                emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds)
+                logger.info(f"Caught up {replayed} outer step(s) from {donor}'s history in {seconds:.2f} s"
+                            f"{', having gone back one step' if back else ''}, instead of downloading the state")
+                emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds, went_back=back)
                 return True
-            if replayed:  # the state moved: only a download restores it
+            if replayed or back:  # the state moved: only a download restores it
                 return self._catch_up_failed(missing, "replayed_elsewhere",
                                              f"{donor}'s history led {replayed} step(s) to another state")
-            misses.append(f"{donor}: {len(entries)} step(s), none from this peer's state")
+            misses.append(f"{donor}: its first step was not plausible")
         return self._catch_up_failed(missing, "not_in_history" if misses else "no_donor",
                                      "; ".join(misses) or "no groupmate to ask")
+
+    def _replay(self, entries: Mapping, fingerprint: list, winner: list, keep: Optional[Sequence[torch.Tensor]],
+                donor: str) -> Tuple[list, int]:
+        """Apply ``entries`` (a donor's history) from ``fingerprint`` on while they lead towards ``winner``; the
+        fingerprint reached and the steps replayed."""
+        replayed = 0
+        while fingerprint != list(winner) and int(fingerprint[0]) < int(winner[0]) \
+                and history_key(fingerprint) in entries:
+            averaged = self.history.dense(entries[history_key(fingerprint)])
+            known = self.applied_norms or [float(momentum.norm()) for momentum in self.outer.momenta]
+            reason = implausible_average(averaged, known) if self.check_averages else None
+            if reason is not None:
+                logger.warning(f"Not replaying {donor}'s outer history: {reason}")
+                break
+            self._step(averaged, fingerprint, keep)
+            replayed, fingerprint = replayed + 1, self.fingerprint()
+        return fingerprint, replayed
 
     @staticmethod
     def _catch_up_failed(missing: int, kind: str, reason: str) -> bool:
@@ -917,6 +980,7 @@ class OuterLoop:
             self._release(self._pending[0])
         self._take(None)
         self._pending, self._base, self._settled, self._unsent = None, None, None, None
+        self._previous_tag = None  # another lineage's: nothing goes back to it
         self.samples_since_anchor = 0
         self._update_settled()
 

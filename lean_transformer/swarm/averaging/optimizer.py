@@ -140,7 +140,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             matchmaking_time=self.matchmaking_time, allreduce_timeout=self.averaging_timeout,
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
             auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
-        self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean")
+        self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean",
+                                    switch_branches=diloco.topk_fraction is not None)  # histories keep top-k only
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
         # a state served while this peer's round awaits its outer step is one step behind the swarm's: the newcomer
