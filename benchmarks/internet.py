@@ -361,7 +361,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         epochs = [e for e in stream if e["event"] == "epoch"]
         averaged = [e for e in stream if e["event"] == "averaged" and e.get("kind") == kind
                     and (e.get("group_size") or 0) >= 2]
-        missed = [e for e in stream if e["event"] == "round_missed" and e.get("kind") == kind]
+        missed = [e for e in stream if e["event"] == "round_missed" and e.get("kind") == kind
+                  and e.get("reason") != "leaving"]  # cancelled as it left: no round it missed while alive
         got = [e for e in stream if e["event"] == "state_downloaded"]
         group_sizes += [e["group_size"] for e in averaged]
         downloads += [e.get("seconds") for e in got]

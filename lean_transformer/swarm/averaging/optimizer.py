@@ -529,6 +529,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def cancel_rounds_in_flight(self) -> None:
         """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group
         that may never assemble); hivemind then goes on with local gradients."""
+        self._mark_leaving()
         for attribute in ("scheduled_grads", "scheduled_state"):
             control = getattr(self, attribute)
             if control is not None and not control.done():
@@ -536,10 +537,19 @@ class SwarmOptimizer(hivemind.Optimizer):
                 control.cancel()
                 setattr(self, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError
 
+    def _mark_leaving(self) -> None:
+        """Rounds cancelled from now on end as ``leaving``, not as missed (:mod:`.round_events`)."""
+        averagers = [self.state_averager, getattr(self, "grad_averager", None),
+                     self.outer_loop.averager.averager if self.outer_loop is not None else None]
+        for averager in averagers:
+            if averager is not None:
+                averager.mark_leaving()
+
     def shutdown(self) -> None:
         """Also gives up the parameter rounds that have found no group
         (:class:`~lean_transformer.swarm.hivemind_fixes.averagers.LeavesUngrouped`): hivemind's
         shutdown waits for the one its delayed step holds, up to its timeouts."""
+        self._mark_leaving()
         if self.state_averager.leave():
             logger.info("Leaving: gave up the parameter-averaging round that had no group yet")
         if self.scheduled_state is not None and self.scheduled_state.done():
