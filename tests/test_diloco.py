@@ -558,7 +558,7 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
     than the matchmaking time. Begun at each peer's end, the round splits: a and b average as two, c finds nobody
     and misses it, and the anchors part. Prepared MATCHMAKING s before T (OuterLoop.prepare, as SwarmOptimizer does
     when the swarm's expected end of the round is that near), the three form one group and it waits for c."""
-    results = three_peer_results(tmp_path, ["unprepared", "prepared"])
+    results = peer_results(tmp_path, ["unprepared", "prepared"])
     unprepared, prepared = results["unprepared"], results["prepared"]
     sizes = {mode: [results[mode][name]["group_size"] for name in "abc"] for mode in results}
     assert sizes["unprepared"] == [2, 2, None], unprepared
@@ -579,7 +579,7 @@ def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_wi
     as after a state download) while they wait for its part. c leaves the round to them with weight 0
     (PseudoGradientAverager.release): a and b average as the group of 3 that formed, exactly their own mean. Cancelled
     (before), c's round failed theirs: a and b both missed the round."""
-    results = three_peer_results(tmp_path, ["released"])["released"]
+    results = peer_results(tmp_path, ["released"])["released"]
     assert [results[name]["group_size"] for name in "abc"] == [3, 3, None], results
     mean = (0.5 + 0.25) / 2  # c counts for nothing
     for name in "ab":
@@ -598,7 +598,7 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
     (OuterLoop.apply_finished, between two local steps), and a state asked for while the round is in flight waits
     for that (OuterLoop.settled): c sends the swarm's fingerprint, and the three anchors are bit-identical after
     round 2; b, which applied the step only at its end of round 2, holds the same anchor."""
-    results = three_peer_results(tmp_path, ["deferred", "applied"])
+    results = peer_results(tmp_path, ["deferred", "applied"])
     deferred, applied = results["deferred"], results["applied"]
     assert [deferred[name]["behind"] for name in "abc"] == [False, False, True], deferred
     assert [applied[name]["behind"] for name in "abc"] == [False, False, False], applied
@@ -617,7 +617,7 @@ def test_peers_that_missed_a_round_or_took_it_apart_catch_up_from_a_groupmates_h
     (OuterLoop._catch_up), then round 2. d's is on another branch at the group's step count: before, it lost the
     vote and downloaded; now it goes back to its state before round 1 (switch_branches) and replays a and b's
     round 1 from there. Two outer steps each, and the four anchors bit-identical."""
-    results = three_peer_results(tmp_path, ["catch_up"], names="abcd")["catch_up"]
+    results = peer_results(tmp_path, ["catch_up"], names="abcd")["catch_up"]
     assert [results[name]["group_sizes"] for name in "abcd"] == [[2, 4], [2, 4], [None, 4], [1, 4]], results
     assert not any(results[name]["behind"] for name in "abcd"), results
     assert [results[name]["steps"] for name in "abcd"] == [2, 2, 2, 2], results
@@ -629,7 +629,7 @@ def test_peers_that_missed_a_round_or_took_it_apart_catch_up_from_a_groupmates_h
            "groupmate's history, d went back one step and replayed it too; anchors bit-identical, no download")
 
 
-def three_peer_results(root: Path, modes: list, names: str = "abc") -> dict:
+def peer_results(root: Path, modes: list, names: str = "abc") -> dict:
     """Runs peers a, b and c (or ``names``) once per mode, each time in a folder of its own; by mode, each peer's
     last printed line (JSON)."""
     results = {}
