@@ -132,19 +132,20 @@ def test_a_peers_run_ends_with_its_shutdown_event(tmp_path):
 @pytest.mark.swarm
 def test_averaging_rounds_are_reported_from_the_averagers_processes(tmp_path):
     """Two gradient averagers on 127.0.0.1 in one process (run as a script: hivemind installs signal handlers) with
-    one event stream: a round cancelled alone, then a round of both, then a round cancelled as A leaves (missed for
-    the reason ``leaving``, which the benchmarks do not count as a missed round)."""
+    one event stream: a round cancelled alone, then a round of both, then A's rounds as it leaves: one cancelled
+    alone, one that had found its group (it serves B with weight 0, as hivemind's shutdown has it). Both are missed
+    for the reason ``leaving``, which the benchmarks do not count as a missed round."""
     path = tmp_path / "events.jsonl"
     done = subprocess.run([sys.executable, __file__, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
     assert done.returncode == 0, done.stderr[-3000:]
     rounds = [(event["event"], event["kind"], event["epoch"], event.get("group_size"), event.get("reason"))
               for event in read_events(path) if event["event"] in ("round_started", "averaged", "round_missed")]
-    assert rounds.count(("round_started", "gradients", None, None, None)) == 4, rounds  # A, A and B, A leaving
+    assert rounds.count(("round_started", "gradients", None, None, None)) == 6, rounds  # A, A B, A, A B (A leaving)
     assert rounds.count(("round_missed", "gradients", None, None, "cancelled")) == 1, rounds
-    assert rounds.count(("averaged", "gradients", None, 2, None)) == 2, rounds
-    assert rounds.count(("round_missed", "gradients", None, None, "leaving")) == 1, rounds
-    assert len(rounds) == 8, rounds
+    assert rounds.count(("averaged", "gradients", None, 2, None)) == 3, rounds  # both, then B with A's weight 0
+    assert rounds.count(("round_missed", "gradients", None, None, "leaving")) == 2, rounds
+    assert len(rounds) == 12, rounds
     assert {event["peer"] for event in read_events(path)} == {"12D3KooWaverager"}  # the stream's, inherited
 
 
@@ -176,6 +177,13 @@ def average_twice(path: str) -> None:
     leaving = peers[0].schedule_step(timeout=10)
     time.sleep(0.5)
     leaving.cancel()
+    time.sleep(0.5)
+    served, other = [peer.schedule_step(timeout=10) for peer in peers]  # e.g. pre-scheduled after its last epoch
+    time.sleep(3)  # their group forms (2 s of matchmaking); A leaves before its trigger, as hivemind's shutdown does
+    served.weight = 0
+    served.allow_allreduce()
+    peers[1].accumulate_grads_(batch_size=1)  # B's weight: its samples since the last round
+    assert len(peers[1].step(control=other, timeout=10)) == 2
     time.sleep(0.5)  # the averagers write their events right after the results
     for each in (*peers, *dhts):
         each.shutdown()

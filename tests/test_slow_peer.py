@@ -3,10 +3,13 @@ item 4), in a real loopback swarm: a bootstrap DHT, two trainers and a slow one,
 
 Every trainer runs through tests/slow_trainer.py, which sleeps before each micro-batch: the two "fast" ones 0.05 s,
 the slow one 1 s, so the slow one computes ~1/10 of their samples whatever else runs on the box (12x measured on an
-idle box; with 0.5 s, a loaded CI box measured 4.4x, the fast ones' rounds then taking most of their time). Before
-SwarmOptimizer aligned epoch labels with its group, the slow trainer averaged in 9 of 15 epochs and downloaded the
-state 6 times: it stepped in the same rounds as the others, under an epoch label one lower, and hivemind's
-once-per-epoch check took that for "out of sync".
+idle box; with 0.5 s, a loaded CI box measured 4.4x, the fast ones' rounds then taking most of their time).
+
+Seen on CI: the slow trainer missed a round and downloaded the state. It began matchmaking only after the micro-batch
+that followed its epoch, ~1 s into the others' 2 s window, too late on a loaded box; SwarmOptimizer now pre-schedules
+one micro-batch ahead. Before SwarmOptimizer aligned epoch labels with its group, it averaged in 9 of 15 epochs and
+downloaded the state 6 times: it stepped in the same rounds as the others, under an epoch label one lower, and
+hivemind's once-per-epoch check took that for "out of sync".
 """
 from __future__ import annotations
 

@@ -117,6 +117,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._excluded: dict[str, float] = {}  # the peers this peer's averagers excluded -> Unix time it ends
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
+        self._step_samples = 0  # the samples of the last step (a micro-batch)
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
@@ -256,6 +257,7 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def step(self, closure: Optional[Callable] = None, batch_size: Optional[int] = None,
              grad_scaler: Optional[hivemind.GradScaler] = None) -> Any:
+        self._step_samples = batch_size if batch_size is not None else (self.batch_size_per_step or 0)
         if self.outer_loop is None:
             return super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
         epoch = self.local_epoch
@@ -324,6 +326,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             with self.waiting():  # the all-reduce, and hivemind's optimizer step after it
                 self._advance_epoch(grad_scaler)
             self._align_epoch_with_group(epoch)
+            if not self.auxiliary:
+                self.tracker.recount()  # the new epoch's ETA from the records last read: hivemind's waits a fetch
+                self._maybe_schedule_gradient_averaging()  # now, not one (maybe long) micro-batch later
             return
         with self.waiting():
             with self.outer_loop.unsettled():  # a state served meanwhile would pair the new anchor with the old epoch
@@ -333,8 +338,23 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._download_if_behind()  # e.g. it stepped in another group of the last round (a split)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
+        """hivemind's pre-scheduling (begin matchmaking once the round is expected within the matchmaking time),
+        for peers whose micro-batches are long. hivemind checks only inside ``step``, so a peer checks again one
+        micro-batch later: when that outlasts what is left of its groupmates' matchmaking, it finds their group
+        formed and misses the round (a 10x slower peer did, then downloaded the state; tests/test_slow_peer.py).
+        So the horizon is the matchmaking time plus this peer's own seconds per micro-batch, and the check also runs
+        right after a download and right after an epoch (whose ETA hivemind leaves unknown until the tracker's next
+        fetch: recounted from the records last read). A round scheduled early waits for this peer's trigger,
+        as hivemind's own pre-scheduled rounds do."""
         self.grad_averager.epoch_for_gather = self.local_epoch
-        super()._maybe_schedule_gradient_averaging()
+        control = self.scheduled_grads
+        if control is not None and not (control.triggered or control.done()):
+            return
+        seconds_per_step = self.tracker.performance_ema.ema_seconds_per_sample * self._step_samples
+        eta = self.tracker.estimated_next_update_time - get_dht_time()
+        if eta <= self.matchmaking_time + seconds_per_step:
+            logger.log(self.status_loglevel, f"Pre-scheduling the gradient averaging round, expected in {eta:.1f} s")
+            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -448,6 +468,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             # before the download: a newcomer whose donors stepped meanwhile downloaded the same state again
             # (tests/test_swarm_optimizer.py), and one that refused a liar's higher epoch went on seeing it
             self.tracker.recount()
+            if self.outer_loop is None and not self.auxiliary:
+                self._maybe_schedule_gradient_averaging()  # else its micro-batch may end after the round's group formed
             if self.outer_loop is not None:
                 self.restart_from_anchor()
                 self.steps_in_round = 0

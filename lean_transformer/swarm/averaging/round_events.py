@@ -2,10 +2,10 @@
 averager begins a round (it looks for a group), then ``averaged`` or ``round_missed``, emitted from the averager's own
 (forked) process, which inherits the peer's event stream.
 
-A round cancelled because its peer is leaving (:meth:`ReportsRounds.mark_leaving`) is missed for the reason
-``leaving``: it is no round the peer missed while it trained. Reported as ``cancelled``, every DiLoCo trainer
-stopped at the end of benchmarks/internet.py counted one missed round in 4-6, which alone held every one of them
-under the 90% of rounds averaged that issue 23 asks for."""
+A round cancelled, or only served with weight 0, because its peer is leaving (:meth:`ReportsRounds.mark_leaving`)
+is missed for the reason ``leaving``: it is no round the peer missed while it trained. Reported as ``cancelled``,
+every DiLoCo trainer stopped at the end of benchmarks/internet.py counted one missed round in 4-6, which alone held
+every one of them under the 90% of rounds averaged that issue 23 asks for."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -38,13 +38,15 @@ class ReportsRounds:
         try:
             await super()._step(step=step, **kwargs)
         finally:
-            if step.cancelled() or not step.done():
-                emit("round_missed", kind=kind, epoch=epoch,
-                     reason="leaving" if self._peer_leaving.is_set() else "cancelled")
+            served_only = step.done() and step.weight == 0 and self.mode != AveragingMode.AUX
+            if self._peer_leaving.is_set() and (step.cancelled() or not step.done() or served_only):
+                emit("round_missed", kind=kind, epoch=epoch, reason="leaving")
+            elif step.cancelled() or not step.done():
+                emit("round_missed", kind=kind, epoch=epoch, reason="cancelled")
             elif step.exception() is not None:
                 error = step.exception()
                 emit("round_missed", kind=kind, epoch=epoch, reason=f"{type(error).__name__}: {error}")
-            elif step.weight == 0 and self.mode != AveragingMode.AUX:  # e.g. diloco.PseudoGradientAverager.release
+            elif served_only:  # e.g. diloco.PseudoGradientAverager.release, or a pre-scheduled round at shutdown
                 emit("round_missed", kind=kind, epoch=epoch, reason="served its group with weight 0")
             else:
                 emit("averaged", kind=kind, epoch=epoch, group_size=len(step.result() or ()), bytes=None)

@@ -25,8 +25,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``averaged``          the round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``, ``bytes``
                       (sent by this peer, when known, else ``null``)
 ``round_missed``      the round failed, found no group, was cancelled, or only served its group with weight 0:
-                      ``kind``, ``epoch``, ``reason`` (``cancelled``, ``leaving`` (cancelled as the peer left: not
-                      a round it missed while training), ``served its group with weight 0``, or the error)
+                      ``kind``, ``epoch``, ``reason`` (``cancelled``, ``leaving`` (cancelled or served as the peer
+                      left: not a round it missed while training), ``served its group with weight 0``, or the error)
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
 ``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``,
                       ``scored`` (whether the loss check scored it), ``reason``: ``join`` (a trainer joining),
