@@ -75,7 +75,7 @@ def main() -> None:
             param.grad = grad.clone()
         epoch = optimizer.local_epoch
         optimizer.step(batch_size=batch_size)
-        control = optimizer.scheduled_grads
+        control = optimizer.last_gradient_round
         if (optimizer.local_epoch != epoch and control is not None and control.done() and not control.cancelled()
                 and control.exception() is None):  # a failed round: hivemind went on with the local gradients
             group = control.result()

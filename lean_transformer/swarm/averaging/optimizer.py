@@ -94,6 +94,8 @@ class SwarmOptimizer(hivemind.Optimizer):
       float32 ``.grad``; either way low-precision weights (``--model_dtype``) step through float32 master copies;
       ``device_accumulation`` > 1 sums that many gradients on the device first (``HostGradients``);
     - ``waiting``: a context manager around outer rounds and state downloads, time that is not compute;
+    - ``last_gradient_round``: the gradient round that ended the last epoch (hivemind's ``StepControl``; its result
+      names the group), as ``scheduled_grads`` may already hold the next epoch's (gradient mode);
     - :meth:`cancel_rounds_in_flight`, for a peer that leaves; :meth:`restart_from_anchor`, after its parameters were
       replaced; :meth:`checkpoint_state` / :meth:`load_checkpoint_state`, what a checkpoint holds besides hivemind's.
 
@@ -118,6 +120,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._step_samples = 0  # the samples of the last step (a micro-batch)
+        self.last_gradient_round: Optional[StepControl] = None  # the epoch's round (scheduled_grads: the next one's)
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
@@ -323,6 +326,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.outer_loop is None:
             epoch, self._group_epochs, self._group_epoch = self.local_epoch, None, None
             self.grad_averager.epoch_for_gather = epoch  # a round that starts now (none was pre-scheduled)
+            self.last_gradient_round = None  # set again if this epoch's step averages
             with self.waiting():  # the all-reduce, and hivemind's optimizer step after it
                 self._advance_epoch(grad_scaler)
             self._align_epoch_with_group(epoch)
@@ -358,7 +362,7 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        control = maybe_step_control
+        control = self.last_gradient_round = maybe_step_control
         if control is not None and control.done() and not control.cancelled() and control.exception() is None:
             self._group_epochs = [epoch for epoch in (control.result() or {}).values()
                                   if isinstance(epoch, int) and not isinstance(epoch, bool)]
