@@ -2,7 +2,7 @@
 restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
 a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a peer
 that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
-has found no group."""
+has found no group; a groupmate that starts its all-reduce late is still averaged in."""
 from __future__ import annotations
 
 import json
@@ -214,6 +214,61 @@ def run_leaver(order: str) -> dict:
             each.shutdown()
 
 
+def run_late_member(hivemind_timeouts: bool) -> dict:
+    """Two peers whose gradient round was pre-scheduled: the group assembles, A starts its all-reduce at once and
+    B one and a half matchmaking windows later (its view of the swarm showed the epoch's end later, or its
+    micro-batch was still running). ``hivemind_timeouts``: the averagers as hivemind configures them (a sender that
+    has not started within next_chunk_timeout, the window, is banned) instead of :func:`averager_options`'."""
+    import time
+
+    import torch
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.averaging.optimizer import averager_options
+    from lean_transformer.swarm.peers.processes import wait_until
+    from lean_transformer.swarm.protocol.settings import CollaborationSettings, NetworkSettings
+
+    window = 2.0
+    options = {} if hivemind_timeouts else averager_options(
+        NetworkSettings(run_id="late_member"), CollaborationSettings(matchmaking_time=window))
+    dhts, peers = two_dhts(), []
+    try:
+        a, b = (swarm_peer(dht, "late_member", seed, matchmaking_time=window, averaging_timeout=20.0,
+                           averager_opts=options, tracker_opts=dict(private_key=RSAPrivateKey()))
+                for seed, dht in enumerate(dhts))
+        peers += [a, b]
+        grads = []
+        for seed, peer in enumerate(peers):
+            generator = torch.Generator().manual_seed(seed)
+            for param in peer.grad_averager.parameters:
+                param.grad = torch.randn(param.shape, generator=generator)
+            peer.grad_averager.accumulate_grads_(batch_size=4)
+            grads.append([param.grad.clone() for param in peer.grad_averager.parameters])
+        controls = [peer.grad_averager.schedule_step(timeout=20.0) for peer in peers]
+        wait_until(lambda: all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls), 20,
+                   "the pair's group to assemble", interval=0.05)
+        a.grad_averager.step(control=controls[0], wait=False)
+        time.sleep(1.5 * window)
+        b.grad_averager.step(control=controls[1], wait=False)
+        errors = []
+        for control in controls:
+            try:
+                control.result(timeout=30)
+            except Exception as error:  # the late member's round fails when its groupmate banned it
+                errors.append(type(error).__name__)
+        mean = [(ga + gb) / 2 for ga, gb in zip(*grads)]
+        averaged = []
+        for peer in peers:
+            with peer.grad_averager.get_tensors() as tensors:
+                averaged.append(all(torch.allclose(tensor, m, rtol=1e-4, atol=1e-5)
+                                    for tensor, m in zip(tensors, mean)))
+        return dict(errors=errors, averaged=averaged)
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
+
+
 def run_script(*args: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=120, env=env)
@@ -263,6 +318,15 @@ def test_a_leaving_peer_gives_up_its_parameter_round_that_has_no_group_yet(repor
            f"{queued['seconds']:.1f} s with the step still to take it")
 
 
+@pytest.mark.swarm
+def test_a_groupmate_that_starts_its_all_reduce_late_is_averaged_in_fully():
+    hivemind, ours = run_script("late", "hivemind"), run_script("late", "ours")
+    # with hivemind's timeouts A banned B after one window: neither peer held the pair's mean
+    assert not any(hivemind["averaged"]), hivemind
+    assert ours == dict(errors=[], averaged=[True, True]), ours
+
+
 if __name__ == "__main__":
-    scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]))
+    scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]),
+                   late=lambda: run_late_member(sys.argv[2] == "hivemind"))
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

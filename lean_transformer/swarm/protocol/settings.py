@@ -147,7 +147,8 @@ class CollaborationSettings:
     averaging_timeout: float = field(default=60.0, metadata={
         "help": "Cancel an averaging round that takes longer than this many seconds and go on with local state."})
     next_chunk_timeout: Optional[float] = field(default=None, metadata={
-        "help": "Seconds to wait for the next chunk of a tensor in all-reduce (default: matchmaking_time)."})
+        "help": "Seconds to wait for the next chunk of a tensor in all-reduce (default: matchmaking_time); a "
+                "groupmate that has not started its all-reduce yet is waited for one matchmaking_time more."})
     load_state_timeout: float = field(default=600.0, metadata={
         "help": "Seconds to wait while downloading the swarm's state from a peer."})
     average_state_every: int = field(default=1, metadata={
