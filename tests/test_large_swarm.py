@@ -7,10 +7,13 @@ CPU they would have on separate machines, and what fails here is the protocol, n
 
 Measured here in two runs (~60-70 s each on the 2-core box): every trainer averaged in 7-8 of its 8 epochs (all 8 in
 the second run), in groups of all 8 from its third epoch on (from its first in the second run), and downloaded the
-state once, at join; the aux peer counted 8 alive in 4 and 7 of its 8 rows. Two protocol
-causes surfaced and are fixed: peers that had stepped alone before the others joined kept an epoch label one lower
-than their groupmates' and downloaded the state at their next epoch (SwarmOptimizer takes the group's label), and a
-reducer that finalized without a late part raised tracebacks (hivemind_fixes.stream_answers).
+state once, at join; the aux peer counted 8 alive in 4 and 7 of its 8 rows. Later runs here (2026-11-28, the same
+box, 0-2 extra busy processes) averaged in groups of 2-6 (the swarm splits into cohorts whose rounds end seconds
+apart), and each run applied 9-22 partial averages: a groupmate that started its all-reduce over one matchmaking
+window after the first was banned (fixed: :func:`~lean_transformer.swarm.averaging.optimizer.averager_options`).
+Protocol causes that surfaced earlier and are fixed: peers that had stepped alone before the others joined kept an
+epoch label one lower than their groupmates' and downloaded the state at their next epoch (SwarmOptimizer takes the
+group's label), and a reducer that finalized without a late part raised tracebacks (hivemind_fixes.stream_answers).
 """
 from __future__ import annotations
 

@@ -209,6 +209,19 @@ def test_a_state_asked_for_between_an_epochs_label_and_its_step_is_served_after_
            f"it; a step longer than the downloader's patience: refused after {outlasting['seconds']} s")
 
 
+@pytest.mark.swarm
+def test_a_donor_whose_step_outlasts_the_downloaders_patience_refuses_in_one_line():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, __file__, "download"], capture_output=True, text=True, timeout=120, env=env)
+    lines = done.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
+    # no state (the newcomer stays at epoch 0), one line in the donor's log, no traceback
+    assert json.loads(lines[-1]) == dict(adopted=0, epoch=0), lines[-1]
+    assert "Did not serve this peer's state" in done.stderr and "did not end within 0.5 s" in done.stderr, \
+        done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 def test_state_layout_names_what_does_not_fit():
     layout = StateLayout(shapes=((2, 3), (4,)), dtypes=(torch.float32, torch.uint8),
                          optimizer_skeleton=(("tensor", 0), ("value", "float")), min_epoch=5)
@@ -304,8 +317,47 @@ def test_a_diloco_peer_trusts_the_donor_it_downloaded_from_for_one_round(donors,
     assert SwarmOptimizer._trusted_donors(SimpleNamespace(_downloaded=None, outer_loop=peer.outer_loop)) == []
 
 
+def download_while_the_step_outlasts_patience() -> dict:
+    """A newcomer asks a donor for its state over the network while the donor's epoch step waits (as in
+    :func:`serve_while_the_step_waits`) longer than the downloader's patience: the donor's averager answers nothing
+    (hivemind's RPC handler logged the refusal as an ERROR traceback) and the newcomer keeps its own state."""
+    import functools
+    import logging
+
+    import hivemind
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+    from lean_transformer.swarm.hivemind_fixes import state_download
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    logging.basicConfig(level=logging.INFO)  # this project's lines, as a peer shows them (hivemind's show anyway)
+    state_download.MIN_CHUNK_TIMEOUT = 0.5  # the donor serves within 0.5 s; the newcomer waits 5 s for a part
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    peers = [SwarmOptimizer(dht=dht, run_id="serve_outlasting", target_batch_size=1000, batch_size_per_step=4,
+                            params=[dict(params=list(torch.nn.Linear(4, 3).parameters()))], offload_optimizer=True,
+                            optimizer=functools.partial(torch.optim.SGD, lr=1.0), matchmaking_time=0.5,
+                            averaging_timeout=5.0, next_chunk_timeout=patience)
+             for dht, patience in ((first, 0.5), (second, 5.0))]
+    donor, newcomer = (peer.state_averager for peer in peers)
+    try:
+        released = threading.Event()
+        donor.step_executor.submit(released.wait, 30)  # the executor's one thread is busy
+        stepping = threading.Thread(target=donor.step, kwargs=dict(increment_epoch=True, optimizer_step=True))
+        stepping.start()
+        wait_until(lambda: donor.local_epoch == 1, 10, "the donor's label to move on", interval=0.01)
+        newcomer.load_state_from_peers(timeout=4.0)
+        released.set()
+        stepping.join(30)
+        return dict(adopted=newcomer.adopted_count, epoch=newcomer.local_epoch)
+    finally:
+        for each in (*peers, first, second):
+            each.shutdown()
+
+
 if __name__ == "__main__":
-    print(json.dumps(serve_while_the_step_waits()), flush=True)
+    scenarios = dict(serve=serve_while_the_step_waits, download=download_while_the_step_outlasts_patience)
+    print(json.dumps(scenarios[sys.argv[1] if sys.argv[1:] else "serve"]()), flush=True)
 
 
 def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
