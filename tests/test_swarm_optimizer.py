@@ -2,7 +2,8 @@
 restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
 a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a peer
 that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
-has found no group; a groupmate that starts its all-reduce late is still averaged in."""
+has found no group; a groupmate that starts its all-reduce late is still averaged in; a peer that leaves with rounds
+it will not finish logs no traceback."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Tuple, Union
 
 import pytest
 
@@ -229,12 +231,12 @@ def run_late_member(hivemind_timeouts: bool) -> dict:
     from lean_transformer.swarm.peers.processes import wait_until
     from lean_transformer.swarm.protocol.settings import CollaborationSettings, NetworkSettings
 
-    window = 2.0
+    window, run_id = 2.0, "late_member_hivemind" if hivemind_timeouts else "late_member_ours"
     options = {} if hivemind_timeouts else averager_options(
-        NetworkSettings(run_id="late_member"), CollaborationSettings(matchmaking_time=window))
+        NetworkSettings(run_id=run_id), CollaborationSettings(matchmaking_time=window))
     dhts, peers = two_dhts(), []
     try:
-        a, b = (swarm_peer(dht, "late_member", seed, matchmaking_time=window, averaging_timeout=20.0,
+        a, b = (swarm_peer(dht, run_id, seed, matchmaking_time=window, averaging_timeout=20.0,
                            averager_opts=options, tracker_opts=dict(private_key=RSAPrivateKey()))
                 for seed, dht in enumerate(dhts))
         peers += [a, b]
@@ -269,12 +271,46 @@ def run_late_member(hivemind_timeouts: bool) -> dict:
             each.shutdown()
 
 
-def run_script(*args: str) -> dict:
+def run_leaving_mid_round() -> dict:
+    """A peer leaves with rounds it will not finish, as every trainer now does (a round is pre-scheduled right after
+    each epoch): one found no group (hivemind serves it with weight 0 at shutdown and logged an ERROR traceback when
+    it failed), one whose all-reduce is running when its averager shuts down (hivemind's shutdown raised an
+    AttributeError in the averager's thread)."""
+    import logging
+
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    logging.basicConfig(level=logging.INFO)  # this project's lines, as a peer shows them (hivemind's show anyway)
+    dhts, peers = two_dhts(), []
+    try:
+        a, b = (swarm_peer(dht, "leaving_mid_round", seed, matchmaking_time=1.0, averaging_timeout=20.0,
+                           tracker_opts=dict(private_key=RSAPrivateKey())) for seed, dht in enumerate(dhts))
+        peers += [a, b]
+        alone = a.grad_averager.schedule_step(timeout=2.0)  # B is not looking for a group
+        a._tag_along_with_zero_weight(alone)
+        controls = [peer.grad_averager.schedule_step(timeout=20.0) for peer in peers]
+        wait_until(lambda: all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls), 20,
+                   "the pair's group to assemble", interval=0.05)
+        a.grad_averager.step(control=controls[0], wait=False)  # B never starts its part
+        wait_until(lambda: controls[0].stage == AveragingStage.RUNNING_ALLREDUCE, 10, "A's all-reduce to run",
+                   interval=0.05)
+        a.shutdown()
+        peers.remove(a)
+        return dict(alone_failed=alone.done() and not alone.cancelled() and alone.exception() is not None)
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
+
+
+def run_script(*args: str, stderr: bool = False) -> Union[dict, Tuple[dict, str]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=120, env=env)
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
-    return json.loads(lines[-1])
+    return (json.loads(lines[-1]), done.stderr) if stderr else json.loads(lines[-1])
 
 
 @pytest.mark.swarm
@@ -320,13 +356,23 @@ def test_a_leaving_peer_gives_up_its_parameter_round_that_has_no_group_yet(repor
 
 @pytest.mark.swarm
 def test_a_groupmate_that_starts_its_all_reduce_late_is_averaged_in_fully():
-    hivemind, ours = run_script("late", "hivemind"), run_script("late", "ours")
+    result = run_script("late")
+    hivemind, ours = result["hivemind"], result["ours"]
     # with hivemind's timeouts A banned B after one window: neither peer held the pair's mean
     assert not any(hivemind["averaged"]), hivemind
     assert ours == dict(errors=[], averaged=[True, True]), ours
 
 
+@pytest.mark.swarm
+def test_a_peer_that_leaves_with_unfinished_rounds_logs_no_traceback():
+    result, log = run_script("leave_mid_round", stderr=True)
+    assert result == dict(alone_failed=True), result
+    assert "The round this peer served with weight 0 ended without averaging" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
 if __name__ == "__main__":
     scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]),
-                   late=lambda: run_late_member(sys.argv[2] == "hivemind"))
+                   late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
+                   leave_mid_round=run_leaving_mid_round)
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

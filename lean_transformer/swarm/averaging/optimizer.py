@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import time
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import hivemind
@@ -551,6 +552,23 @@ class SwarmOptimizer(hivemind.Optimizer):
                                  [torch.zeros_like(momentum) for momentum in outer.momenta] +
                                  [torch.zeros_like(outer.steps)])
         self.restart_from_anchor()
+
+    def _tag_along_with_zero_weight(self, control: StepControl) -> None:
+        """hivemind's (serve the round with weight 0 and wait for it to end), with one line instead of hivemind's
+        ERROR traceback when the round ends without averaging: it found no group, or this peer's leave cancelled it
+        (:meth:`cancel_rounds_in_flight`). Either is expected of a round pre-scheduled for an epoch that this peer
+        does not finish: every trainer leaves with one (CI: tests/test_large_swarm.py, tests/test_local_swarm.py)."""
+        if not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+        if control.done():
+            return
+        try:
+            control.result(self.averaging_timeout)
+        except (CancelledError, Exception) as error:
+            logger.info(f"The round this peer served with weight 0 ended without averaging: {error!r}")
+            if not control.done():
+                control.cancel()
 
     def cancel_rounds_in_flight(self) -> None:
         """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group

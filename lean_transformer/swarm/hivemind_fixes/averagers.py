@@ -1,5 +1,6 @@
-"""Fixes of hivemind's averagers: three bugs of a cancelled averaging round (:class:`CancelSafe`), a gradient
-download nobody uses (:class:`NoGradientDownload`), and a leaver that waits for a group (:class:`LeavesUngrouped`).
+"""Fixes of hivemind's averagers: four bugs of a cancelled or abandoned averaging round (:class:`CancelSafe`), a
+gradient download nobody uses (:class:`NoGradientDownload`), and a leaver that waits for a group
+(:class:`LeavesUngrouped`).
 The averagers the swarm runs combine them with the other fixes in :mod:`lean_transformer.swarm.averaging.averagers`.
 
 hivemind.Optimizer cancels a pre-scheduled gradient-averaging round whenever it then finds itself alone, so rounds
@@ -19,6 +20,10 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
   round cancelled as soon as the signal arrives, so it stops looking for a group at once; and a round that is
   cancelled by the time its all-reduce begins serves its group with weight 0, on copies of its tensors.
 
+- **A peer that leaves during an all-reduce logs a traceback.** hivemind's averager shutdown calls ``finalize`` on
+  the futures that hold the running groups' runners (AttributeError). Seen at the end of the local demo
+  (``tests/test_local_swarm.py``, CI), where every trainer now leaves with a round pre-scheduled. Here the
+  shutdown skips them; they end with the averager's process. Present in hivemind's master (checked 2026-11-28).
 - **A timed-out round logs a traceback.** An all-reduce cut short by the averager's ``allreduce_timeout`` (a
   groupmate that answers late) ends in ``AllReduceRunner.run``, which stores the ``CancelledError`` in the runner's
   own future (``finalize(exception=...)``, not ``finalize(cancel=True)``). Nobody awaits that future, so
@@ -27,7 +32,8 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
   the averager reads that outcome when the group's rounds end. Can go once hivemind's runner finalizes a cancelled
   run as cancelled (master not checked).
 
-:class:`CancelSafe` fixes all three; ``tests/test_averagers.py`` reproduces each against hivemind's own classes.
+:class:`CancelSafe` fixes all four; ``tests/test_averagers.py`` reproduces the first three against hivemind's own
+classes, ``tests/test_swarm_optimizer.py`` the fourth.
 """
 from __future__ import annotations
 
@@ -121,6 +127,16 @@ class CancelSafe:
                 yield
             finally:
                 _read_runner_outcome(self._running_groups.get(group_info.group_id))
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's, without its crash on an all-reduce still running: it calls ``finalize`` on each entry of
+        ``_running_groups`` and gathers what that returns, but the entries are futures of the runners, and
+        ``finalize`` returns None (an AttributeError traceback from the averager's thread). Such an all-reduce ends
+        with the averager's process, as when a peer is killed: cancelling its runner here makes the round retry
+        matchmaking while the process stops, and the DHT request of a closing process logs a traceback in the
+        DHT's."""
+        self._running_groups.clear()  # each round's own clean-up pops its entry with a default
+        await super()._shutdown(timeout)
 
 
 def _read_runner_outcome(registered: Optional[asyncio.Future]) -> None:
