@@ -165,8 +165,11 @@ def faults(tmp_path_factory) -> FaultRun:
             seconds_to_go_on[survivor.name] = time.monotonic() - killed
         joined = restarted.wait_for_event("joined", timeout=150)["epoch"]
         # an epoch after the one it joined at, not joined + 1: the swarm may step while the newcomer checks the state
-        # it downloaded, and the newcomer then downloads again (CI: joined at 6, its next epoch was 8)
-        restarted.wait_for_event("epoch", lambda event: event["epoch"] > joined, timeout=90)
+        # it downloaded, and the newcomer then downloads again (CI: joined at 6, its next epoch was 8); and steady
+        # there too, whose report of that epoch the restarted peer's first loss is checked against (CI: the victim
+        # took faulty's epoch 10 while steady was at 9)
+        first = restarted.wait_for_event("epoch", lambda event: event["epoch"] > joined, timeout=90)["epoch"]
+        steady.wait_for_event("epoch", lambda event: event["epoch"] >= first, timeout=90)
         assert attacker.wait(120) == 0, attacker.stderr[-3000:]
 
         # none crashed: all still running until told to stop, then a clean exit (hivemind may log the tracebacks of
