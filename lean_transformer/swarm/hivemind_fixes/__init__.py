@@ -51,6 +51,10 @@ that the swarm code uses explicitly.
   whose sender pauses (a ``step`` whose ``gather`` carries DiLoCo's top-k payload, from a busy trainer) is lost
   half-read and its caller waits for its timeout. Reproduced by ``tests/test_control_pipe.py``. Drop when hivemind
   reads the pipe blocking (not in 1.1.12).
+- :mod:`.dht_shutdown`: the DHT process closes its event loop with requests in flight, and one whose wake-up is
+  queued then is destroyed half-way with an ERROR ("Task was destroyed but it is pending!"; CI: the 8-trainer
+  swarm). Reproduced by ``tests/test_dht_shutdown.py``. Drop when hivemind's DHT finishes its tasks before closing
+  its loop.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).

@@ -18,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 import lean_transformer.swarm.hivemind_fixes  # noqa: F401  (installs the global fixes)
 from lean_transformer.swarm.auth.authorizer import make_authorizer
 from lean_transformer.swarm.auth.keys import load_identity_key
+from lean_transformer.swarm.hivemind_fixes.dht_shutdown import QuietShutdownDHT
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import NetworkSettings
@@ -43,7 +44,7 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
                                  network.run_id)
     deadline = time.monotonic() + network.startup_timeout
     for attempt in itertools.count():
-        dht = hivemind.DHT(
+        dht = QuietShutdownDHT(
             initial_peers=network.initial_peers,
             host_maddrs=network.host_maddrs,
             announce_maddrs=network.announce_maddrs or None,
