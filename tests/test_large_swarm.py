@@ -45,7 +45,8 @@ def reached_before(trainer: PeerProcess, epoch: int, later: int, trainers: List[
 def story(trainer: PeerProcess) -> List[tuple]:
     """What a failure needs to be read: the trainer's epochs, gradient rounds, missed rounds and downloads, in order
     (seconds since its first event)."""
-    shown = {"epoch": "epoch", "averaged": "group_size", "round_missed": "reason", "state_downloaded": "reason"}
+    shown = {"epoch": "epoch", "averaged": "group_size", "round_missed": "reason", "state_downloaded": "reason",
+             "label_taken": "previous"}
     events = [event for event in trainer.events()
               if event["event"] in shown and event.get("kind", "gradients") == "gradients"]
     start = events[0]["time"] if events else 0.0
@@ -113,8 +114,10 @@ def test_eight_trainers_share_one_dht_and_average_together(tmp_path: Path):
     # in >= half (its first epoch(s) may pass before the others have joined: with 8 processes starting on 2 cores,
     # ~1 of 8 epochs). Not >= 75% each: in about 1 run of 3 one trainer waits out a round whose group went on
     # without it (15 s, --averaging_timeout), steps alone and downloads the state, 3 of 5 and 5 of 7 epochs averaged
-    # (CI, twice; issue 23's open "slow peers keep averaging")
-    fractions = [sum(size >= 2 for size in group_sizes(trainer)) / len(transitions(trainer)) for trainer in trainers]
+    # (CI, twice; issue 23's open "slow peers keep averaging"). An epoch label taken from the group is no epoch gone
+    # through: the step to it was the group's averaged one (CI counted 0-2 per trainer as unaveraged: mean 0.84)
+    fractions = [sum(size >= 2 for size in group_sizes(trainer))
+                 / (len(transitions(trainer)) - len(trainer.events("label_taken"))) for trainer in trainers]
     assert min(fractions) >= 0.5 and sum(fractions) / len(fractions) >= 0.85, \
         [(trainer.name, fraction, story(trainer)) for trainer, fraction in zip(trainers, fractions)]
     for peer in (aux, *trainers):

@@ -140,6 +140,12 @@ def run_label_taker() -> dict:
 
     from lean_transformer.swarm.peers.processes import wait_until
 
+    import tempfile
+
+    from lean_transformer.swarm.monitoring.events import open_events, read_events
+
+    events = Path(tempfile.mkdtemp()) / "events.jsonl"
+    open_events(events, "trainer")
     dhts, peers = two_dhts(), []
     try:
         # each its own key: in one process both would sign with hivemind's process-wide one and share one record
@@ -159,6 +165,7 @@ def run_label_taker() -> dict:
             peer.state_averager.step(wait_for_delayed_updates=True)  # the rounds' results, applied
         params = [peer.state_averager.main_parameters for peer in peers]
         result = dict(downloads=downloads, epochs=[peer.local_epoch for peer in peers],
+                      labels=[[event["epoch"], event["previous"]] for event in read_events(events, "label_taken")],
                       agree=all(torch.allclose(pa, pb, rtol=1e-4, atol=1e-5) for pa, pb in zip(*params)),
                       averaged=all(torch.allclose(pa, m, rtol=1e-4, atol=1e-5) for pa, m in zip(params[0], mean)))
     finally:
@@ -323,8 +330,8 @@ def test_a_newcomer_whose_view_predates_its_download_does_not_download_again():
 @pytest.mark.swarm
 def test_a_peer_that_takes_its_groups_epoch_label_joins_that_epochs_parameter_round():
     result = run_script("label")
-    # no download, both at epoch 4, and the round A began averaged both peers' parameters
-    assert result == dict(downloads=False, epochs=[4, 4], agree=True, averaged=True), result
+    # no download, both at epoch 4 (B took label 4, one event), and the round A began averaged both peers' parameters
+    assert result == dict(downloads=False, epochs=[4, 4], labels=[[4, 3]], agree=True, averaged=True), result
 
 
 @pytest.mark.swarm

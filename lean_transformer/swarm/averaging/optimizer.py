@@ -393,6 +393,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             with self.tracker.pause_updates():
                 self.state_averager.local_epoch = group_epoch
                 self.tracker.update_epoch(new_epoch=group_epoch)
+            emit("label_taken", epoch=group_epoch, previous=group_epoch - 1)
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
                 self.grad_averager.state_sharing_priority = self.local_epoch

@@ -27,6 +27,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``round_missed``      the round failed, found no group, was cancelled, or only served its group with weight 0:
                       ``kind``, ``epoch``, ``reason`` (``cancelled``, ``leaving`` (cancelled or served as the peer
                       left: not a round it missed while training), ``served its group with weight 0``, or the error)
+``label_taken``       its last group had stepped from the epoch label one above its own: it took the group's label
+                      ``epoch`` (from ``previous``) instead of downloading the state; no step of its own
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
 ``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``,
                       ``scored`` (whether the loss check scored it), ``reason``: ``join`` (a trainer joining),
@@ -81,7 +83,7 @@ SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
           "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected",
-          "outer_caught_up", "catch_up_failed")
+          "outer_caught_up", "catch_up_failed", "label_taken")
 
 
 class EventLog:
