@@ -38,12 +38,18 @@ def wait_for_wandb_history(wandb_dir: Path, rows: int, timeout: float = 30) -> L
 
 
 def read_wandb_history(wandb_dir: Path) -> List[dict]:
-    """The ``wandb.log`` rows stored in the (single) offline run under ``wandb_dir``, decoded from the run's
-    ``.wandb`` file (a log of protobuf records in 32 KiB blocks, each chunk with a 7-byte header)."""
+    """The ``wandb.log`` rows stored in the (single) offline run under ``wandb_dir``, so far."""
+    (run_file,) = Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")
+    return parse_wandb_history(run_file.read_bytes())
+
+
+def parse_wandb_history(data: bytes) -> List[dict]:
+    """The ``wandb.log`` rows of a run's ``.wandb`` file (a log of protobuf records in 32 KiB blocks, each chunk
+    with a 7-byte header), read up to its last whole chunk: wandb's service process may be writing the next one
+    (CI: a record cut short there failed to parse)."""
     from wandb.proto import wandb_internal_pb2
 
-    (run_file,) = Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")
-    data, block_size = run_file.read_bytes(), 32 * 1024
+    block_size = 32 * 1024
     position, pending, rows = 7, b"", []  # the file starts with a 7-byte header (":W&B", magic, version)
     while position + 7 <= len(data):
         left_in_block = block_size - position % block_size
@@ -51,12 +57,13 @@ def read_wandb_history(wandb_dir: Path) -> List[dict]:
             position += left_in_block
             continue
         _checksum, length, chunk_type = struct.unpack("<IHB", data[position : position + 7])
-        position += 7
         if chunk_type == 0 and length == 0:  # zero-filled rest of a block
-            position += left_in_block - 7
+            position += left_in_block
             continue
-        pending += data[position : position + length]
-        position += length
+        if position + 7 + length > len(data):  # the chunk being written
+            break
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
         if chunk_type in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)

@@ -22,7 +22,7 @@ from tasks.causal_lm import CausalLMTask
 from tasks.data import is_held_out, make_text_source
 from tasks.mlm import MLMTask
 
-from aux_utils import assert_valid_png, wait_for_wandb_history
+from aux_utils import assert_valid_png, parse_wandb_history, wait_for_wandb_history
 
 EOS = 257  # the byte tokenizer's end-of-text id
 
@@ -174,3 +174,9 @@ def test_wandb_logs_validation_loss_against_the_epoch(tmp_path: Path, monkeypatc
         (0, True, False), (1, True, False), (2, True, False), (3, True, False), (2, False, True)]
     assert logged[-1]["validation_loss"] == 2.5
     assert [entry["loss"] for entry in logged[:4]] == pytest.approx([row.loss for row in rows], rel=1e-6)
+    # the file as wandb's service process may leave it while writing: every cut reads as the rows written before it
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    for cut in range(len(data) + 1):
+        partial = parse_wandb_history(data[:cut])
+        assert partial == logged[:len(partial)], cut
