@@ -353,12 +353,14 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
     per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
     reasons: Counter = Counter()  # why trainers downloaded (the state_downloaded event's reason)
     catch_ups = 0  # DiLoCo: missed outer steps replayed from a groupmate's history instead of a download
+    ended_by: Counter = Counter()  # why the trainers' epochs ended (None: a label taken or a download, no step)
     catch_up_failures: Counter = Counter()  # DiLoCo: why a peer behind could not replay them
     for slot in trainers:
         if slot.name not in events:
             continue
         stream = events[slot.name]
         epochs = [e for e in stream if e["event"] == "epoch"]
+        ended_by.update(str(e.get("ended_by")) for e in epochs)
         averaged = [e for e in stream if e["event"] == "averaged" and e.get("kind") == kind
                     and (e.get("group_size") or 0) >= 2]
         missed = [e for e in stream if e["event"] == "round_missed" and e.get("kind") == kind
@@ -370,7 +372,9 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         catch_ups += sum(e["event"] == "outer_caught_up" for e in stream)
         catch_up_failures.update(e.get("kind") or "unknown" for e in stream if e["event"] == "catch_up_failed")
         transitions = max(0, len(epochs) - 1)
-        rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions
+        # an epoch label taken from the group is no round: the step to it was the group's averaged one
+        labels = sum(e["event"] == "label_taken" for e in stream)
+        rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions - labels
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
         progress_events = [e for e in stream if e["event"] == "progress"]
         last = progress_events[-1] if progress_events and progress_events[-1]["wall_seconds"] > 0 else None
@@ -399,9 +403,9 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         per_trainer.append({
             "name": slot.name, "nat": slot.nat, "cores": round(slot.cores, 3), "rate_mbit": slot.rate_mbit,
             "rtt_ms": slot.rtt_ms, "measured_rtt_ms": slot.measured_rtt_ms, "joined_at_s": slot.joins_at,
-            "stop": slot.stop_signal, "epochs": transitions, "averaged": len(averaged), "missed": len(missed),
-            "averaged_fraction": fraction, "downloads": len(got), "samples": samples, "utilization": utilization,
-            "waiting": waiting, "compute_cpu_share": cpu_share,
+            "stop": slot.stop_signal, "epochs": transitions, "labels_taken": labels, "averaged": len(averaged),
+            "missed": len(missed), "averaged_fraction": fraction, "downloads": len(got), "samples": samples,
+            "utilization": utilization, "waiting": waiting, "compute_cpu_share": cpu_share,
             "peak_pss_mb": slot.usage.get("peak_pss_mb"),
             "cpu_per_second": slot.usage.get("cpu_seconds", 0.0) / alive if alive > 0 else None,
             "exit": code, "joined": joined, "tracebacks": tracebacks})
@@ -423,6 +427,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "trainers_at_least_90pct": sum(f >= 0.9 for f in fractions), "trainers_with_rounds": len(fractions),
         "state_downloads": len(downloads), "downloads_by_reason": dict(reasons.most_common()),
         "catch_ups": catch_ups, "catch_up_failures": dict(catch_up_failures.most_common()),
+        "epochs_ended_by": dict(ended_by.most_common()),
         "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
         "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
         "samples": total_samples,

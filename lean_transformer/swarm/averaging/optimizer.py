@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 from concurrent.futures import CancelledError
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
 
 import hivemind
@@ -82,6 +83,24 @@ class TrustedRoundProgress(IgnoresRefusedDonors, ReadsStoreOutcomes, RoundProgre
     refused, its stores' outcomes read."""
 
 
+@dataclass(frozen=True)
+class EpochEnd:
+    """Why a peer ended an epoch (hivemind's ``ProgressTracker.ready_to_update_epoch``): ``"swarm_ahead"`` (a full
+    peer's record shows a later epoch), ``"samples"`` (the records counted reach the target batch) or ``"eta"`` (the
+    records, extrapolated at each peer's reported speed, should have reached it by now); ``samples``: the swarm's
+    samples that the records counted."""
+
+    reason: str
+    samples: int
+
+    @classmethod
+    def now(cls, tracker: ProgressTracker) -> EpochEnd:
+        progress = tracker.global_progress
+        reason = ("swarm_ahead" if tracker.global_epoch > tracker.local_progress.epoch else
+                  "samples" if progress.samples_accumulated >= tracker.target_batch_size else "eta")
+        return cls(reason, int(progress.samples_accumulated))
+
+
 class SwarmOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` running this project's averagers, in gradient-averaging mode or, given ``diloco``, in
     DiLoCo mode: each ``step`` is one local inner step (and advances the inner LR schedule by one step), each of
@@ -97,6 +116,8 @@ class SwarmOptimizer(hivemind.Optimizer):
     - ``waiting``: a context manager around outer rounds and state downloads, time that is not compute;
     - ``last_gradient_round``: the gradient round that ended the last epoch (hivemind's ``StepControl``; its result
       names the group), as ``scheduled_grads`` may already hold the next epoch's (gradient mode);
+    - ``last_epoch_end``: why this peer last ended an epoch with a step of its own, and the swarm's samples it
+      counted then (:class:`EpochEnd`; None until it does);
     - :meth:`cancel_rounds_in_flight`, for a peer that leaves; :meth:`restart_from_anchor`, after its parameters were
       replaced; :meth:`checkpoint_state` / :meth:`load_checkpoint_state`, what a checkpoint holds besides hivemind's.
 
@@ -122,6 +143,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
         self._step_samples = 0  # the samples of the last step (a micro-batch)
         self.last_gradient_round: Optional[StepControl] = None  # the epoch's round (scheduled_grads: the next one's)
+        self.last_epoch_end: Optional[EpochEnd] = None
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
@@ -324,6 +346,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 scheduler.step()
 
     def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+        self.last_epoch_end = EpochEnd.now(self.tracker)
         if self.outer_loop is None:
             epoch, self._group_epochs, self._group_epoch = self.local_epoch, None, None
             self.grad_averager.epoch_for_gather = epoch  # a round that starts now (none was pre-scheduled)

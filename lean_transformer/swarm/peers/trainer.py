@@ -243,9 +243,11 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
                         f"{work.mini_steps} mini-steps ({work.samples} samples, {work.skipped} skipped)"
                         + (f"; {work.skipped_blocks} block overflow(s), block scales "
                            f"{format_scales(block_scaling.scales)}" if block_scaling is not None else ""))
+            end, optimizer.last_epoch_end = optimizer.last_epoch_end, None
             emit("epoch", epoch=optimizer.local_epoch, loss=work.mean_loss, samples=work.samples,
                  mini_steps=work.mini_steps, skipped=work.skipped, compute_seconds=progress.compute_seconds,
-                 wall_seconds=progress.wall_seconds())
+                 wall_seconds=progress.wall_seconds(), ended_by=end and end.reason,
+                 swarm_samples=end and end.samples)
             metrics = reporter.record(optimizer.local_epoch,
                                       float(optimizer.tracker.performance_ema.samples_per_second),
                                       samples=work.samples, loss_sum=work.loss_sum, mini_steps=work.mini_steps)
