@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.latency import tcp_round_trip  # noqa: E402
 from benchmarks.wan import WanNetwork, progress, raise_on_signals, run_ip  # noqa: E402
 from benchmarks.wan import check_requirements as wan_requirements  # noqa: E402
+from lean_transformer.swarm.monitoring.events import epoch_causes  # noqa: E402
 from lean_transformer.swarm.peers.processes import PeerProcess, wait_until  # noqa: E402
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
@@ -373,7 +374,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         catch_up_failures.update(e.get("kind") or "unknown" for e in stream if e["event"] == "catch_up_failed")
         transitions = max(0, len(epochs) - 1)
         # an epoch label taken from the group is no round: the step to it was the group's averaged one
-        labels = sum(e["event"] == "label_taken" for e in stream)
+        labels = epoch_causes(stream).count("label")
         rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions - labels
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
         progress_events = [e for e in stream if e["event"] == "progress"]

@@ -20,7 +20,7 @@ import hivemind
 class QuietShutdownDHT(hivemind.DHT):
     """hivemind's DHT whose shutdown leaves its unanswered requests to end with the process, without an ERROR."""
 
-    _left_in_flight: Set[asyncio.Task] = set()
+    _left_in_flight: Set[asyncio.Task]  # from the shutdown on
 
     async def _shutdown(self) -> None:
         await super()._shutdown()

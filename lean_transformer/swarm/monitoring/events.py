@@ -80,7 +80,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Union
+from typing import Any, Iterable, Iterator, List, Optional, Union
 
 SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
@@ -175,6 +175,24 @@ def peer_events(path: Union[str, Path], role: str) -> Iterator[dict]:
         emit("shutdown", clean=True, **ending)
     finally:
         close_events()
+
+
+def epoch_causes(events: Iterable[dict]) -> List[Optional[str]]:
+    """How a trainer reached each epoch of its ``epoch`` events (its events, oldest first): ``"step"`` (a step of its
+    own ended the epoch before; ``ended_by``), else ``"label"`` (it took its group's label) or ``"download"`` (the
+    swarm's state, after joining); None where the events do not say. One ``epoch`` event may cover a label taken and
+    the step right after it: that is a step."""
+    causes: List[Optional[str]] = []
+    jump: Optional[str] = None
+    for event in events:
+        if event["event"] == "label_taken":
+            jump = "label"
+        elif event["event"] == "state_downloaded" and event.get("reason") != "join":
+            jump = "download"
+        elif event["event"] == "epoch":
+            causes.append("step" if event.get("ended_by") is not None else jump)
+            jump = None
+    return causes
 
 
 def read_events(path: Union[str, Path], event: Optional[str] = None) -> List[dict]:
