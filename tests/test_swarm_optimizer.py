@@ -135,14 +135,13 @@ def run_label_taker() -> dict:
     B took the same step under its label 3 (it averaged gradients with A one label lower), so it takes A's label 4
     without a download (``_should_load_state_from_peers``). Before B joined the round A began, A's round found no
     group and the two ended apart (CI: a pair's last round, "could not find a group", parameters 0.02 apart)."""
+    import tempfile
+
     import torch
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from lean_transformer.swarm.peers.processes import wait_until
-
-    import tempfile
-
     from lean_transformer.swarm.monitoring.events import open_events, read_events
+    from lean_transformer.swarm.peers.processes import wait_until
 
     events = Path(tempfile.mkdtemp()) / "events.jsonl"
     open_events(events, "trainer")
