@@ -112,8 +112,9 @@ def test_live_page_in_a_real_browser_against_a_local_swarm(tmp_path: Path):
         peers.append(aux)
         url = aux.wait_for(r"The live page of the run: (http://127\.0\.0\.1:\d+/)", timeout=90).group(1)
         initial_peers = aux.initial_peers()
-        trainers = [start_peer(name, ["run_trainer.py", *run, "--initial_peers", *initial_peers, "--output_dir",
-                                      str(tmp_path / name), "--backup_every_epochs", "0"], tmp_path)
+        trainers = [start_peer(name, ["tests/slow_trainer.py", "run_trainer.py", *run, "--initial_peers",
+                                      *initial_peers, "--output_dir", str(tmp_path / name), "--backup_every_epochs",
+                                      "0"], tmp_path, {"SLOW_BATCH_SECONDS": "0.1"})
                     for name in ("trainer1", "trainer2")]
         peers += trainers
         driver.get(url)
@@ -124,8 +125,9 @@ def test_live_page_in_a_real_browser_against_a_local_swarm(tmp_path: Path):
         def ready():
             state = driver.execute_script(PAGE_STATE)
             listed = set(state["titles"]) >= trainer_ids
-            # a newcomer that is out of sync with a fast swarm drops its micro-batches for downloads, and hivemind's
-            # speed estimate shows 0.0 samples/s until it keeps up (CI: 12 samples in 27 s)
+            # a newcomer out of sync drops its micro-batches for downloads, and hivemind's speed estimate shows 0.0
+            # samples/s until it keeps up (CI: 12 samples in 27 s, against a solo trainer whose epochs took 0.35 s
+            # before the trainers slept 0.1 s per micro-batch; the wait then took up to 98 s, now ~37 s)
             speeds = listed and all(len(row) == 8 and float(row[3]) > 0 for row in state["rows"])
             return speeds and state["loss"] >= 3 and state["both"] >= 3 and state["validation"] >= 1 and state
 
