@@ -35,10 +35,12 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def swarm_args(run_id: str, **overrides) -> List[str]:
-    """Flags every peer of a run shares: the tiny model, short sequences, a small target batch, 3 s matchmaking."""
+    """Flags every peer of a run shares: the tiny model, short sequences, a small target batch, 3 s matchmaking,
+    parameter averaging at every epoch."""
     options = dict(run_id=run_id, host_maddrs="/ip4/127.0.0.1/tcp/0", target_batch_size=32, per_device_batch_size=4,
                    max_sequence_length=32, matchmaking_time=3, averaging_timeout=10, startup_timeout=60,
-                   learning_rate=0.01, warmup_steps=2, total_steps=100)
+                   learning_rate=0.01, warmup_steps=2, total_steps=100,
+                   average_state_every=1)  # parameter averaging through the aux peer, every epoch
     options.update(overrides)
     return command_line(options)
 

@@ -11,6 +11,9 @@ state once, at join; the aux peer counted 8 alive in 4 and 7 of its 8 rows. Late
 box, 0-2 extra busy processes) averaged in groups of 2-6 (the swarm splits into cohorts whose rounds end seconds
 apart), and each run applied 9-22 partial averages: a groupmate that started its all-reduce over one matchmaking
 window after the first was banned (fixed: :func:`~lean_transformer.swarm.averaging.optimizer.averager_options`).
+The cohorts came from hivemind's parameter round at every epoch: a peer's next epoch waited for its round, whose end
+varied by seconds between peers, so their next matchmaking began further apart than the window (2026-11-28, 3 runs
+each: mean gradient group 4.2-6.0 of 8 with it, 6.8-8.0 without; --average_state_every now defaults to 10).
 Protocol causes that surfaced earlier and are fixed: peers that had stepped alone before the others joined kept an
 epoch label one lower than their groupmates' and downloaded the state at their next epoch (SwarmOptimizer takes the
 group's label), and a reducer that finalized without a late part raised tracebacks (hivemind_fixes.stream_answers).
