@@ -32,6 +32,7 @@ from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                         publish_access_token)
 from lean_transformer.swarm.auth.keys import load_public_key
+from lean_transformer.swarm.averaging.early_join import EarlyJoin, can_join_early
 from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov, RoundProgress,
                                                      PseudoGradientAverager)
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
@@ -144,6 +145,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._step_samples = 0  # the samples of the last step (a micro-batch)
         self.last_gradient_round: Optional[StepControl] = None  # the epoch's round (scheduled_grads: the next one's)
         self.last_epoch_end: Optional[EpochEnd] = None
+        self._early_join: Optional[EarlyJoin] = None  # gradient mode: joins rounds during long micro-batches
+        self._joined_early: Optional[StepControl] = None  # the round it joined, until this epoch's step takes it
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
@@ -161,6 +164,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         if diloco is None:
             if host_gradients:
                 self.host_grads = self.grad_averager.host_grads
+            if not self.auxiliary and can_join_early(self.grad_averager, host_gradients, self.delay_optimizer_step):
+                self._early_join = EarlyJoin(self.grad_averager, self.tracker, self._maybe_schedule_gradient_averaging,
+                                             lambda: self.scheduled_grads, slack=self.matchmaking_time)
             return
         averager = PseudoGradientAverager(
             self.dht, f"{self.run_id}_outer", [anchor.shape for anchor in outer.anchor],
@@ -285,7 +291,8 @@ class SwarmOptimizer(hivemind.Optimizer):
              grad_scaler: Optional[hivemind.GradScaler] = None) -> Any:
         self._step_samples = batch_size if batch_size is not None else (self.batch_size_per_step or 0)
         if self.outer_loop is None:
-            return super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
+            with self._early_join.training_step() if self._early_join is not None else contextlib.nullcontext():
+                return super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
         epoch = self.local_epoch
         if not self.auxiliary:  # before the step: the round it may end includes these samples
             self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
@@ -365,22 +372,42 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.steps_in_round = 0
             self._download_if_behind()  # e.g. it stepped in another group of the last round (a split)
 
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Optional[hivemind.GradScaler]) -> bool:
+        """hivemind's, after this epoch's step if :class:`.EarlyJoin` joined its round during the micro-batch: the
+        micro-batch then counts toward the next epoch."""
+        joined = self._early_join.take() if self._early_join is not None else None
+        if joined is not None and joined is self.scheduled_grads:
+            self._joined_early = joined
+            self._update_global_epoch(grad_scaler)
+        return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+
+    def _begin_averaging_gradients(self, grad_scaler: Optional[hivemind.GradScaler]) -> bool:
+        joined, self._joined_early = self._joined_early, None
+        if joined is not None and joined is self.scheduled_grads:
+            return True  # triggered by EarlyJoin; _average_gradients_and_load_into_optimizer waits for its result
+        return super()._begin_averaging_gradients(grad_scaler)
+
+    def _seconds_per_step(self) -> float:
+        """This peer's seconds per micro-batch (``step``), as hivemind's performance average has it."""
+        return self.tracker.performance_ema.ema_seconds_per_sample * self._step_samples
+
     def _maybe_schedule_gradient_averaging(self) -> None:
         """hivemind's pre-scheduling (begin matchmaking once the round is expected within the matchmaking time),
         for peers whose micro-batches are long. hivemind checks only inside ``step``, so a peer checks again one
         micro-batch later: when that outlasts what is left of its groupmates' matchmaking, it finds their group
         formed and misses the round (a 10x slower peer did, then downloaded the state; tests/test_slow_peer.py).
-        So the horizon is the matchmaking time plus this peer's own seconds per micro-batch, and the check also runs
-        right after a download and right after an epoch (whose ETA hivemind leaves unknown until the tracker's next
-        fetch: recounted from the records last read). A round scheduled early waits for this peer's trigger,
-        as hivemind's own pre-scheduled rounds do."""
+        So the check also runs right after a download and right after an epoch (whose ETA hivemind leaves unknown
+        until the tracker's next fetch: recounted from the records last read), and every 0.1 s while the training
+        thread computes (:class:`.EarlyJoin`); without that thread (host gradients, delayed steps), the horizon is
+        the matchmaking time plus this peer's own seconds per micro-batch. A round scheduled early waits for this
+        peer's trigger, as hivemind's own pre-scheduled rounds do."""
         self.grad_averager.epoch_for_gather = self.local_epoch
         control = self.scheduled_grads
         if control is not None and not (control.triggered or control.done()):
             return
-        seconds_per_step = self.tracker.performance_ema.ema_seconds_per_sample * self._step_samples
+        horizon = self.matchmaking_time + (0.0 if self._early_join is not None else self._seconds_per_step())
         eta = self.tracker.estimated_next_update_time - get_dht_time()
-        if eta <= self.matchmaking_time + seconds_per_step:
+        if eta <= horizon:
             logger.log(self.status_loglevel, f"Pre-scheduling the gradient averaging round, expected in {eta:.1f} s")
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
 
@@ -408,7 +435,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         """hivemind's check, except for a peer whose groupmates of its last round are the swarm's epoch, one label
         ahead of its own: it takes their label instead of downloading. A peer that missed a round the swarm stepped
         in (the swarm is further ahead than its last group) still downloads. Client-mode groupmates never count:
-        hivemind's swarm epoch is the full peers' only."""
+        hivemind's swarm epoch is the full peers' only. Nor does a peer whose :class:`.EarlyJoin` joined this epoch's
+        round: the step that takes the round moves it to the swarm's epoch."""
+        if self._early_join is not None and self._early_join.pending:
+            return False
         group_epoch = self._group_epoch
         if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
             logger.info(f"This peer's last group stepped from epoch {group_epoch - 1} (this peer: "
@@ -488,6 +518,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         """hivemind's download, ``reason`` (for the ``state_downloaded`` event) defaulting to hivemind's own:
         this peer's epoch fell behind the swarm's."""
         with self.waiting():
+            if self._early_join is not None and self._early_join.take() is not None:
+                self.grad_averager.notify_used_averaged_gradients()  # the round hivemind's download tags along in
             if self.outer_loop is not None:  # its rounds go on without it, and no downloader waits for them to settle
                 self.outer_loop.forget_pending()
             adopted = self.state_averager.adopted_count
@@ -597,6 +629,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def cancel_rounds_in_flight(self) -> None:
         """Give up the averaging rounds this peer is waiting in (a peer that is leaving should not wait for a group
         that may never assemble); hivemind then goes on with local gradients."""
+        self._stop_early_join()
         self._mark_leaving()
         for attribute in ("scheduled_grads", "scheduled_state"):
             control = getattr(self, attribute)
@@ -604,6 +637,10 @@ class SwarmOptimizer(hivemind.Optimizer):
                 logger.info("Leaving: cancelling the averaging round in flight")
                 control.cancel()
                 setattr(self, attribute, None)  # else hivemind's shutdown cancels it again: InvalidStateError
+
+    def _stop_early_join(self) -> None:
+        if self._early_join is not None:
+            self._early_join.stop()  # a round it joined stays for the training thread's next step to take
 
     def _mark_leaving(self) -> None:
         """Rounds cancelled from now on end as ``leaving``, not as missed (:mod:`.round_events`)."""
@@ -617,6 +654,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         """Also gives up the parameter rounds that have found no group
         (:class:`~lean_transformer.swarm.hivemind_fixes.averagers.LeavesUngrouped`): hivemind's
         shutdown waits for the one its delayed step holds, up to its timeouts."""
+        self._stop_early_join()
         self._mark_leaving()
         if self.state_averager.leave():
             logger.info("Leaving: gave up the parameter-averaging round that had no group yet")

@@ -32,6 +32,9 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       left: not a round it missed while training), ``served its group with weight 0``, or the error)
 ``label_taken``       its last group had stepped from the epoch label one above its own: it took the group's label
                       ``epoch`` (from ``previous``) instead of downloading the state; no step of its own
+``joined_early``      (gradient mode) the swarm's ``epoch`` ended during this peer's micro-batch, ``seconds_left`` (as
+                      expected) before its end: it joined the round with the ``samples`` accumulated until then
+                      (:mod:`~lean_transformer.swarm.averaging.early_join`)
 ``outer_step``        DiLoCo applied an outer step: ``epoch``, ``group_size``, ``outer_steps``
 ``state_downloaded``  loaded the swarm's state: ``epoch``, ``source`` (the donor's peer ID), ``seconds``,
                       ``scored`` (whether the loss check scored it), ``reason``: ``join`` (a trainer joining),
@@ -86,7 +89,7 @@ SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
           "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected",
-          "outer_caught_up", "catch_up_failed", "label_taken")
+          "outer_caught_up", "catch_up_failed", "label_taken", "joined_early")
 
 
 class EventLog:
