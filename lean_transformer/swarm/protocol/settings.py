@@ -151,14 +151,15 @@ class CollaborationSettings:
                 "groupmate that has not started its all-reduce yet is waited for one matchmaking_time more."})
     load_state_timeout: float = field(default=600.0, metadata={
         "help": "Seconds to wait while downloading the swarm's state from a peer."})
-    # hivemind's default is 1. A parameter round moves the parameters and the optimizer's statistics (~3x the
-    # model, uncompressed by default) against ~1/4 of it for an 8-bit gradient round, and it holds a peer's next
-    # epoch until its group is done: measured with 8 trainers on 2 cores (tests/test_large_swarm.py), gradient
-    # groups held 4.2-6.0 of 8 peers on average with a parameter round every epoch, 5.8 every 4 epochs, and 6.8-8.0
-    # without. Gradient averaging keeps a group's parameters equal; these rounds only undo splits.
+    # hivemind's default is 1. A parameter round moves the parameters (float32 by default: 4x an 8-bit gradient
+    # round; hivemind averages no optimizer statistics unless asked), and it holds a peer's next epoch until its
+    # group is done (one thread runs a peer's optimizer steps and parameter rounds, in turn): measured with 8
+    # trainers on 2 cores (tests/test_large_swarm.py), gradient groups held 4.2-6.0 of 8 peers on average with a
+    # parameter round every epoch, 5.8 every 4 epochs, and 6.8-8.0 without. Gradient averaging keeps a group's
+    # parameters equal; these rounds only undo splits.
     average_state_every: int = field(default=10, metadata={
-        "help": "Average parameters and optimizer statistics with peers every this many epochs (gradient mode); "
-                "each round moves ~3x the model and delays the next epoch, so rounds are rare by default."})
+        "help": "Average parameters with peers every this many epochs (gradient mode); each round moves the "
+                "parameters (4x an 8-bit gradient round) and delays the next epoch, so rounds are rare by default."})
     offload_optimizer: bool = field(default=True, metadata={
         "help": "Keep the optimizer and its state in host memory (saves accelerator memory)."})
     delay_optimizer_step: bool = field(default=False, metadata={
