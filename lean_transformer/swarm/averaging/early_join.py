@@ -106,8 +106,8 @@ class EarlyJoin:
         control = self.scheduled()
         if control is None or control.triggered or control.done():
             return
-        if not self.tracker.ready_to_update_epoch:
-            return
+        if not self.tracker.ready_to_update_epoch or self.tracker.global_progress.num_peers <= 1:
+            return  # alone, hivemind skips the round at the step
         remaining = self._step_left + self._micro_batch - time.monotonic()
         if remaining < self.slack:
             return  # the training thread will be there soon enough

@@ -516,8 +516,8 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, reason: str = "epoch", **kwargs: Any) -> None:
         """hivemind's download, ``reason`` (for the ``state_downloaded`` event) defaulting to hivemind's own:
-        this peer's epoch fell behind the swarm's."""
-        with self.waiting():
+        this peer's epoch fell behind the swarm's. :class:`.EarlyJoin` waits meanwhile (its lock), as during a step."""
+        with self.waiting(), self._early_join.lock if self._early_join is not None else contextlib.nullcontext():
             if self._early_join is not None and self._early_join.take() is not None:
                 self.grad_averager.notify_used_averaged_gradients()  # the round hivemind's download tags along in
             if self.outer_loop is not None:  # its rounds go on without it, and no downloader waits for them to settle
