@@ -32,9 +32,9 @@ from lean_transformer.optim.grad_offload import HostGradients
 from lean_transformer.swarm.auth.averaging_gate import (AveragingGate, GatedGradientAverager, GatedTrainingStateAverager,
                                                         publish_access_token)
 from lean_transformer.swarm.auth.keys import load_public_key
-from lean_transformer.swarm.averaging.early_join import EarlyJoin, can_join_early
 from lean_transformer.swarm.averaging.diloco import (NEVER, DiLoCoSettings, OuterLoop, OuterNesterov, RoundProgress,
                                                      PseudoGradientAverager)
+from lean_transformer.swarm.averaging.early_join import EarlyJoin, can_join_early
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
