@@ -10,7 +10,7 @@ whole state, epoch after epoch. Its compute is lost, and the download takes it ~
 Here a thread watches the swarm's progress while the training thread computes. It pre-schedules the round (begins
 matchmaking) when the epoch's end comes within the matchmaking window, which hivemind checks only inside ``step``,
 one long micro-batch too late. When the swarm's epoch has ended and the micro-batch will not end within a matchmaking
-window (half of what its groupmates wait for it; else the training thread comes in time, micro-batch included), it
+window (its groupmates wait two by default; else the training thread comes in time, micro-batch included), it
 triggers the round with the gradients accumulated so far (weight: their samples; none yet is weight 0). The training
 thread takes the round's result and steps at its next ``step``, before it accumulates the micro-batch that ran
 meanwhile: that micro-batch counts toward the next epoch, its gradient one step stale (computed at the parameters
@@ -85,8 +85,7 @@ class EarlyJoin:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10 * self.poll + 1)
+        self._thread.join(timeout=10 * self.poll + 1)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):

@@ -387,10 +387,6 @@ class SwarmOptimizer(hivemind.Optimizer):
             return True  # triggered by EarlyJoin; _average_gradients_and_load_into_optimizer waits for its result
         return super()._begin_averaging_gradients(grad_scaler)
 
-    def _seconds_per_step(self) -> float:
-        """This peer's seconds per micro-batch (``step``), as hivemind's performance average has it."""
-        return self.tracker.performance_ema.ema_seconds_per_sample * self._step_samples
-
     def _maybe_schedule_gradient_averaging(self) -> None:
         """hivemind's pre-scheduling (begin matchmaking once the round is expected within the matchmaking time),
         for peers whose micro-batches are long. hivemind checks only inside ``step``, so a peer checks again one
@@ -405,7 +401,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         control = self.scheduled_grads
         if control is not None and not (control.triggered or control.done()):
             return
-        horizon = self.matchmaking_time + (0.0 if self._early_join is not None else self._seconds_per_step())
+        seconds_per_step = self.tracker.performance_ema.ema_seconds_per_sample * self._step_samples
+        horizon = self.matchmaking_time + (0.0 if self._early_join is not None else seconds_per_step)
         eta = self.tracker.estimated_next_update_time - get_dht_time()
         if eta <= horizon:
             logger.log(self.status_loglevel, f"Pre-scheduling the gradient averaging round, expected in {eta:.1f} s")
