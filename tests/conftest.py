@@ -1,7 +1,8 @@
 """Shared fixtures: tiny model configs (fast on 2 busy CPU cores) and the report of the fault and security cases."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List
 
 import pytest
 import torch
@@ -30,6 +31,20 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """wandb offline in this process, writing under the test's ``tmp_path``. wandb starts a service process for the test process
+    and records it in ``WANDB_SERVICE``, which every later peer of the session would inherit: ``wandb.teardown()``
+    stops it and clears the variable."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    yield
+    import wandb  # noqa: PLC0415 (only the tests that log import it)
+
+    wandb.teardown()
 
 
 REPORT_LINES = pytest.StashKey[Dict[str, List[str]]]()  # test node ID -> its report lines, in run order

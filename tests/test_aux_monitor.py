@@ -124,10 +124,7 @@ def test_plot_is_a_valid_png_and_replaced_atomically(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["swarm.png"]  # no temporary file left behind
 
 
-def test_wandb_offline_run_holds_the_rows(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+def test_wandb_offline_run_holds_the_rows(tmp_path: Path, wandb_offline: None):
     from lean_transformer.swarm.monitoring.wandb_log import WandbLogger
 
     rng = random.Random(6)

@@ -154,12 +154,9 @@ def test_plot_draws_training_and_validation_loss(tmp_path: Path):
     assert len(without.axes[0].get_lines()) == 1 and without.axes[0].get_legend() is None
 
 
-def test_wandb_logs_validation_loss_against_the_epoch(tmp_path: Path, monkeypatch):
+def test_wandb_logs_validation_loss_against_the_epoch(tmp_path: Path, wandb_offline: None):
     """A checkpoint's evaluation may come after rows of later epochs: it is logged anyway (wandb drops rows whose
     explicit step goes back), with its epoch, which is every chart's x axis."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     from lean_transformer.swarm.monitoring.wandb_log import WandbLogger
 
     rng = random.Random(0)
