@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from lean_transformer.swarm.peers.processes import PeerProcess, stop_all, wait_until  # noqa: F401 (imported from here)
+from preloaded import PEER_ENV, popen
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -80,6 +81,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def start_peer(name: str, argv: Sequence[str], log_dir: Path, env: Optional[dict] = None, **options) -> PeerProcess:
-    """A peer process started from the repository's root (where run_trainer.py and tests/ are); ``options`` as
-    :class:`PeerProcess` takes them (``events=False`` for a command that is not a trainer or an aux peer)."""
-    return PeerProcess(name, argv, log_dir, env, cwd=REPO, **options)
+    """A peer process with the tests' environment (one torch thread: PEER_ENV), started from the repository's root
+    (where run_trainer.py and tests/ are), forked from the preloaded server where it can be (tests/preloaded.py);
+    ``options`` as :class:`PeerProcess` takes them (``events=False`` for a command that is not a trainer or an aux
+    peer)."""
+    return PeerProcess(name, argv, log_dir, {**PEER_ENV, **(env or {})}, cwd=REPO, popen=popen, **options)

@@ -17,7 +17,7 @@ from lean_transformer.swarm.protocol.agreement import AgreementRecord, first_dif
 TINY = dict(run_id="agreement", host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4,
             max_sequence_length=32, target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10,
             shutdown_timeout=20)
-ENV = {"OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 REFUSAL_LIMIT = 30  # seconds from the newcomer's DHT start to its exit
 
 

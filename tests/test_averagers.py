@@ -36,6 +36,8 @@ import pytest
 from hivemind.p2p import P2PContext  # hivemind reads the handler's annotations
 from hivemind.proto import averaging_pb2
 
+import preloaded
+
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 DESTROYED = "Task was destroyed but it is pending"
@@ -49,8 +51,8 @@ TIMEOUT, TIMEOUT_ANSWER_DELAY = 1.0, 2.0
 
 def run_cases(case: str) -> dict:
     """Both variants of ``case``, side by side; their results, with what their logs show."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    processes = {variant: subprocess.Popen([sys.executable, __file__, variant, case], stdout=subprocess.PIPE,
+    env = dict(os.environ, **preloaded.PEER_ENV)
+    processes = {variant: preloaded.popen([sys.executable, __file__, variant, case], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
                  for variant in ("hivemind", "lean_transformer")}
     results = {}

@@ -20,6 +20,7 @@ from typing import Iterator
 import pytest
 import torch
 
+import preloaded
 from aux_utils import wait_until
 
 from lean_transformer.swarm.averaging.diloco import OuterNesterov
@@ -645,11 +646,11 @@ def peer_results(root: Path, modes: list, names: str = "abc") -> dict:
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RENDEZVOUS=str(rendezvous))
+    env = dict(os.environ, **preloaded.PEER_ENV, RENDEZVOUS=str(rendezvous))
     procs = {}
     try:
         for index, (name, rest) in enumerate(args.items()):
-            procs[name] = subprocess.Popen([sys.executable, __file__, name, *rest, "first" if index == 0 else "join"],
+            procs[name] = preloaded.popen([sys.executable, __file__, name, *rest, "first" if index == 0 else "join"],
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                            start_new_session=name in new_session)
         outputs = {}

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import preloaded
 from lean_transformer.swarm.monitoring import events
 from lean_transformer.swarm.monitoring.events import (SCHEMA_VERSION, EventReader, close_events, emit, open_events,
                                                       peer_events, read_events, set_peer)
@@ -136,8 +136,7 @@ def test_averaging_rounds_are_reported_from_the_averagers_processes(tmp_path):
     alone, one that had found its group (it serves B with weight 0, as hivemind's shutdown has it). Both are missed
     for the reason ``leaving``, which the benchmarks do not count as a missed round."""
     path = tmp_path / "events.jsonl"
-    done = subprocess.run([sys.executable, __file__, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    done = preloaded.run([sys.executable, __file__, str(path)], 120, dict(os.environ, **preloaded.PEER_ENV), cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     rounds = [(event["event"], event["kind"], event["epoch"], event.get("group_size"), event.get("reason"))
               for event in read_events(path) if event["event"] in ("round_started", "averaged", "round_missed")]

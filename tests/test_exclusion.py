@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
+import preloaded
+
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 LEAD_GAP = 1.5  # seconds between the leader's scheduled time and the follower's
 
 
 def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    processes = {variant: subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
+    env = dict(os.environ, **preloaded.PEER_ENV)
+    processes = {variant: preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, env=env)
                  for variant in ("control", "excluded")}
     results = {}

@@ -16,20 +16,20 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import preloaded
+
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_case(case: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, timeout=180, env=env)
+    done = preloaded.run([sys.executable, __file__, case], 180, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines and lines[-1].startswith("{"), done.stderr[-3000:]
     return json.loads(lines[-1])

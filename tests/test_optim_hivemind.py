@@ -10,14 +10,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+import preloaded
 from lean_transformer.optim import CPULAMB8Bit
 
 EPOCHS = 3
@@ -70,8 +69,7 @@ def run_single_peer() -> dict:
 
 @pytest.mark.swarm
 def test_single_peer_hivemind_optimizer_steps_with_cpulamb8bit():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=150, env=env)
+    done = preloaded.run([sys.executable, __file__], 150, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
     summary = json.loads(lines[-1])

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import preloaded
+
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
 PERIOD = 1.0
@@ -25,8 +27,8 @@ PERIOD = 1.0
 
 def run_variants(*script_args: str) -> dict:
     """This file as a script, hivemind's variant and ours side by side, each in its own process: their JSON lines."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    processes = {variant: subprocess.Popen([sys.executable, __file__, *script_args, variant], stdout=subprocess.PIPE,
+    env = dict(os.environ, **preloaded.PEER_ENV)
+    processes = {variant: preloaded.popen([sys.executable, __file__, *script_args, variant], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
                  for variant in ("hivemind", "lean_transformer")}
     results = {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import preloaded
 from aux_utils import start_peer, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
@@ -27,7 +27,7 @@ from lean_transformer.swarm.hivemind_fixes.state_download import StateLayout, Va
 
 TINY = dict(host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4, max_sequence_length=32,
             target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10, shutdown_timeout=20)
-ENV = {"OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 REASONS = {"truncated": "the stream was cut", "reshaped": "tensor 0 is torch.float32", "nan": "holds inf or nan",
            "dtype": "tensor 0 is torch.float64", "oversized": "more than the", "wrong": "loss on a local batch"}
 # the wrong state's server also says it is at epoch 50: the newcomer's epochs must outlast its first read of the
@@ -192,8 +192,7 @@ def serve_while_the_step_waits() -> dict:
 
 @pytest.mark.swarm
 def test_a_state_asked_for_between_an_epochs_label_and_its_step_is_served_after_the_step(report):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120, env=env)
+    done = preloaded.run([sys.executable, __file__], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
     result = json.loads(lines[-1])
@@ -211,8 +210,7 @@ def test_a_state_asked_for_between_an_epochs_label_and_its_step_is_served_after_
 
 @pytest.mark.swarm
 def test_a_donor_whose_step_outlasts_the_downloaders_patience_refuses_in_one_line():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, __file__, "download"], capture_output=True, text=True, timeout=120, env=env)
+    done = preloaded.run([sys.executable, __file__, "download"], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
     # no state (the newcomer stays at epoch 0), one line in the donor's log, no traceback

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import preloaded
+
 REPO = Path(__file__).resolve().parent.parent
 CALLS = 6
 PARTS, PART_BYTES = 4, 2_000_000  # 8 MB in flight when the answer is sent
@@ -66,8 +68,8 @@ async def _scenario(variant: str) -> dict:
 
 def _run_side_by_side(*variants: str) -> list:
     """Each variant's outcomes, the variants run at the same time, each in its own process."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    processes = [subprocess.Popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    env = dict(os.environ, **preloaded.PEER_ENV)
+    processes = [preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env) for variant in variants]
     results = []
     for process in processes:

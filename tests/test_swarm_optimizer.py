@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Tuple, Union
 
 import pytest
+
+import preloaded
 
 
 def run_lone_peers() -> dict:
@@ -312,8 +313,7 @@ def run_leaving_mid_round() -> dict:
 
 
 def run_script(*args: str, stderr: bool = False) -> Union[dict, Tuple[dict, str]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=120, env=env)
+    done = preloaded.run([sys.executable, __file__, *args], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), done.stderr[-3000:]
     return (json.loads(lines[-1]), done.stderr) if stderr else json.loads(lines[-1])

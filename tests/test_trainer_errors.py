@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+import preloaded
 from aux_utils import REPO, closed_port
 
-ENV = {"OMP_NUM_THREADS": "1"}
 UNREACHABLE_TIMEOUT = 8  # --startup_timeout for the unreachable peer
 SOME_PEER_ID = "12D3KooWDNh6GZkBqi2zGzKXH27ZXhcm2aMoKHjZ3YdYXTndzrRs"
 
@@ -47,13 +47,15 @@ def cases(port: int) -> dict[str, tuple[list[str], str]]:
 @pytest.fixture(scope="module")
 def results(silent_listener, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
     output_dir = tmp_path_factory.mktemp("errors")
-    hub = {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}  # a Hub that is down
+    # a Hub that is down (read when huggingface_hub is imported: that case runs as a new Python, not preloaded.py's)
+    hub = {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
     started = {}
     for name, (extra, _) in cases(silent_listener).items():
         argv = [sys.executable, "run_trainer.py", "--run_id", "errors", "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
                 "--output_dir", str(output_dir), *extra]
-        started[name] = (subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          env={**os.environ, **ENV, **hub}), time.monotonic())
+        env = {**os.environ, **preloaded.PEER_ENV, **(hub if name == "missing Hub checkpoint" else {})}
+        started[name] = (preloaded.popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         env=env), time.monotonic())
     finished = {}
     for name, (process, start) in started.items():
         stdout, stderr = process.communicate(timeout=300)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
 
 import psutil
 
@@ -55,11 +55,12 @@ class PeerProcess:
     """``[*argv_prefix, this Python, *argv]`` in its own session, cwd ``cwd``, stderr in ``LOG_DIR/NAME.err`` and stdout
     in ``LOG_DIR/NAME.out`` (or both in ``LOG_DIR/NAME.log`` with ``merge_output``). With ``events`` (a trainer or
     an aux peer), ``--events_path LOG_DIR/NAME.events.jsonl`` is appended to ``argv``. ``argv_prefix`` runs it
-    through another command, e.g. ``ip netns exec NS``. With ``stdin``, :meth:`send` writes lines to its stdin."""
+    through another command, e.g. ``ip netns exec NS``. With ``stdin``, :meth:`send` writes lines to its stdin.
+    ``popen`` starts it (the tests fork theirs from a Python that has the peers' imports done: tests/preloaded.py)."""
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: Optional[Mapping[str, str]] = None, *,
                  cwd: Optional[Path] = None, argv_prefix: Sequence[str] = (), events: bool = True,
-                 merge_output: bool = False, stdin: bool = False):
+                 merge_output: bool = False, stdin: bool = False, popen: Callable[..., Any] = subprocess.Popen):
         self.name, log_dir = name, Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         if merge_output:
@@ -69,10 +70,10 @@ class PeerProcess:
         self.events_path = log_dir / f"{name}.events.jsonl"
         argv = [*argv, "--events_path", str(self.events_path)] if events else list(argv)
         with self.stdout_path.open("ab") as stdout, self.stderr_path.open("ab") as stderr:
-            self.process = subprocess.Popen([*argv_prefix, sys.executable, *argv], cwd=cwd,
-                                            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                            stdout=stdout, stderr=subprocess.STDOUT if merge_output else stderr,
-                                            env={**os.environ, **(env or {})}, start_new_session=True)
+            self.process = popen([*argv_prefix, sys.executable, *argv], cwd=cwd,
+                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                 stdout=stdout, stderr=subprocess.STDOUT if merge_output else stderr,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
 
     @property
     def pid(self) -> int:
