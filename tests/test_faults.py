@@ -20,7 +20,6 @@ import json
 import os
 import re
 import runpy
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import torch
 # aux_utils and swarm_utils when run as a script; arguments.py and tasks/ (at the repository root) in any case
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
+import preloaded  # noqa: E402
 from aux_utils import REPO, PeerProcess, start_peer, stop_all, wait_until  # noqa: E402
 from swarm_utils import (EpochReport, assert_shut_down, epoch_reports, group_sizes, kill_during_round,  # noqa: E402
                          transitions)
@@ -412,8 +412,7 @@ def test_a_diverged_trainer_stops_with_one_line_on_every_precision(precision, tm
             "/ip4/127.0.0.1/tcp/0", "--output_dir", str(tmp_path), "--per_device_batch_size", "2",
             "--max_sequence_length", "16", *precision]
     started = time.monotonic()
-    run = subprocess.run(argv, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=240)
+    run = preloaded.run(argv, 240, {**os.environ, **preloaded.PEER_ENV}, cwd=REPO)
     errors = [line for line in run.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
     assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
     assert "local steps in a row had non-finite loss or gradients" in errors[0] and "no local backup" in errors[0]
