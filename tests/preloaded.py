@@ -218,8 +218,8 @@ class Server:
     @classmethod
     def get(cls, env: Dict[str, str]) -> "Server":
         """The server for ``env``; a new one for an environment that differs from every running server's in a
-        variable an import may read (anything but RUN_TIME_VARIABLES: pytest's and wandb's service variables change
-        during a session)."""
+        variable an import may read (anything but RUN_TIME_VARIABLES: pytest's PYTEST_CURRENT_TEST changes with every
+        test)."""
         env = {name: value for name, value in env.items() if name not in RUN_TIME_VARIABLES}
         with cls._lock:
             key = frozenset(env.items())
