@@ -135,7 +135,10 @@ class ForkedProcess:
         self.stdin = os.fdopen(stdin, "wb") if stdin is not None else None
         self._pipes = {name: fd for name, fd in (("stdout", stdout), ("stderr", stderr)) if fd is not None}
         self._read: Dict[str, bytearray] = {name: bytearray() for name in self._pipes}
-        self.pid = int(self._read_line(START_TIMEOUT))
+        pid = self._read_line(START_TIMEOUT)
+        if pid is None:
+            raise RuntimeError(f"the preloaded server did not fork {self.args} within {START_TIMEOUT:g} s")
+        self.pid = int(pid)
 
     def _read_line(self, timeout: Optional[float]) -> Optional[str]:
         deadline = None if timeout is None else time.monotonic() + timeout
