@@ -87,6 +87,20 @@ def serve(socket_path: str) -> None:
             connection.close()
 
 
+def own_hivemind_locks() -> None:
+    """hivemind makes process-wide multiprocessing locks when it is imported (MPFuture's, its async context
+    executor's): a Python's processes share them by design, but forked from one server every peer of the session would
+    share them, and a peer killed while holding one (the tests SIGKILL peers mid-round) would block every later peer
+    forever (seen: a DHT process stuck in ``MPFuture._send_update`` for minutes). Each child makes its own."""
+    import multiprocessing  # noqa: PLC0415
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper  # noqa: PLC0415 (preloaded)
+    from hivemind.utils.mpfuture import MPFuture  # noqa: PLC0415
+
+    MPFuture.reset_backend()  # MPFuture's and SharedBytes' locks
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 def run_child(request: dict, fds: List[int], connection: socket.socket) -> None:
     """Becomes ``python *argv`` in a new session, with the request's files, cwd and environment."""
     connection.close()
@@ -102,6 +116,7 @@ def run_child(request: dict, fds: List[int], connection: socket.socket) -> None:
     import numpy  # noqa: PLC0415 (preloaded)
 
     numpy.random.seed()  # numpy's global generator is not reseeded at fork (Python's random is)
+    own_hivemind_locks()
     # the imports' objects back under the collector for the interpreter's shutdown (registered first: runs last), as
     # in any Python: left frozen, triton's nanobind bindings report them as leaked (27 lines on every exit)
     atexit.register(gc.unfreeze)

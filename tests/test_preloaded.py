@@ -83,3 +83,18 @@ def test_a_fork_of_the_session_leaves_the_servers_running():
     os.waitpid(pid, 0)
     assert server.process.poll() is None
     assert preloaded.run([sys.executable, "-c", "print('alive')"], 60, ENV).stdout == "alive\n"
+
+
+def test_a_peer_killed_holding_hiveminds_process_wide_locks_blocks_no_other_peer(tmp_path: Path):
+    """hivemind makes multiprocessing locks when it is imported; forked peers must not share them with each other."""
+    locks = ("from hivemind.utils.asyncio import _AsyncContextWrapper; from hivemind.utils.mpfuture import MPFuture, "
+             "SharedBytes; locks = [MPFuture._update_lock, MPFuture._initialization_lock, SharedBytes._lock, "
+             "_AsyncContextWrapper.EXECUTOR_LOCK]; ")
+    holder = start_peer("holder", ["-c", locks + "import time; print(all(lock.acquire(timeout=5) for lock in locks), "
+                                   "flush=True); time.sleep(60)"], tmp_path, events=False)
+    holder.wait_for("^True$", 60, stream="stdout")
+    holder.kill()
+    assert holder.wait(30) == -signal.SIGKILL
+    other = preloaded.run([sys.executable, "-c", locks + "print(all(lock.acquire(timeout=5) for lock in locks))"], 60,
+                          ENV)
+    assert other.stdout == "True\n", other.stderr[-2000:]
