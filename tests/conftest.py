@@ -35,9 +35,9 @@ def _seed() -> None:
 
 @pytest.fixture
 def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """wandb offline in this process, writing under the test's ``tmp_path``. wandb starts a service process for the test process
-    and records it in ``WANDB_SERVICE``, which every later peer of the session would inherit: ``wandb.teardown()``
-    stops it and clears the variable."""
+    """wandb offline in this process, writing under the test's ``tmp_path``. wandb starts a service process for the
+    test process and records it in ``WANDB_SERVICE``, which every later peer of the session would inherit:
+    ``wandb.teardown()`` stops it and clears the variable."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

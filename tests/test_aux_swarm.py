@@ -256,8 +256,7 @@ def test_checkpoints_hold_the_swarm_state_of_their_epoch(swarm_run: SwarmRun):
         taken = {event["epoch"] for event in trainer.events("label_taken")}
         for path in (swarm_run.root / trainer.name / "backups").glob("epoch-*"):
             label = int(path.name.split("-")[1])
-            epochs_held = {label} | ({label + 1} if label + 1 in taken else set()) | ({label - 1} if label in taken
-                                                                                     else set())
+            epochs_held = {label} | ({label + 1} & taken) | ({label - 1} if label in taken else set())
             backups.append((epochs_held, load_file(path / "model.safetensors")))
     for epoch, path in checkpoints:
         assert torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)["epoch"] == epoch

@@ -53,7 +53,7 @@ def run_cases(case: str) -> dict:
     """Both variants of ``case``, side by side; their results, with what their logs show."""
     env = dict(os.environ, **preloaded.PEER_ENV)
     processes = {variant: preloaded.popen([sys.executable, __file__, variant, case], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                                          stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
                  for variant in ("hivemind", "lean_transformer")}
     results = {}
     for variant, process in processes.items():

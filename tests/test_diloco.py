@@ -651,8 +651,8 @@ def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     try:
         for index, (name, rest) in enumerate(args.items()):
             procs[name] = preloaded.popen([sys.executable, __file__, name, *rest, "first" if index == 0 else "join"],
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                           start_new_session=name in new_session)
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                          start_new_session=name in new_session)
         outputs = {}
         for name, proc in procs.items():
             out, err = proc.communicate(timeout=120)

@@ -26,7 +26,7 @@ LEAD_GAP = 1.5  # seconds between the leader's scheduled time and the follower's
 def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
     env = dict(os.environ, **preloaded.PEER_ENV)
     processes = {variant: preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, env=env)
+                                          stderr=subprocess.PIPE, text=True, env=env)
                  for variant in ("control", "excluded")}
     results = {}
     for variant, process in processes.items():

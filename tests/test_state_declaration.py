@@ -29,7 +29,7 @@ def run_variants(*script_args: str) -> dict:
     """This file as a script, hivemind's variant and ours side by side, each in its own process: their JSON lines."""
     env = dict(os.environ, **preloaded.PEER_ENV)
     processes = {variant: preloaded.popen([sys.executable, __file__, *script_args, variant], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                                          stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
                  for variant in ("hivemind", "lean_transformer")}
     results = {}
     for variant, process in processes.items():

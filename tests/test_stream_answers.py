@@ -70,7 +70,7 @@ def _run_side_by_side(*variants: str) -> list:
     """Each variant's outcomes, the variants run at the same time, each in its own process."""
     env = dict(os.environ, **preloaded.PEER_ENV)
     processes = [preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=env) for variant in variants]
+                                 text=True, env=env) for variant in variants]
     results = []
     for process in processes:
         try:
