@@ -12,9 +12,12 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
   is no ``ping``);
 - NAT: a share of the trainers (``--nat_share``) runs with ``--client_mode`` and their namespace drops every new
   inbound connection (nftables); they dial the full peers out;
-- CPU: each peer (all its processes) is in a cgroup (v1 ``cpu``) with a quota drawn log-uniformly from a
+- CPU: each trainer's training process is in a cgroup (v1 ``cpu``) with a quota drawn log-uniformly from a
   ``--speed_spread`` range (default 10x), scaled so that all trainers' quotas together use ``--trainer_cores`` of the
-  machine: the quota, not the fight for 2 cores, sets each peer's speed;
+  machine: the quota, not the fight for 2 cores, sets each peer's speed. Its DHT, p2pd and averagers share the rest
+  of the box, as on a volunteer's machine, where the GPU sets the training's speed and the host's cores serve the
+  network; ``--quota peer`` puts them under the quota too (with 16 trainers, the slowest then got 0.02 cores for
+  everything, and no DiLoCo group formed: every DHT lookup of the matchmaking key came back empty);
 - churn: ``--leaves`` trainers leave during the window (alternately SIGTERM and SIGKILL, each preferring a peer that
   is inside an averaging round), ``--joins`` new ones join through two live full peers' ``--initial_peers`` lines
   (one of them may leave before the newcomer's DHT has reached it).
@@ -37,6 +40,7 @@ sockets and /dev/shm files) is removed on exit, on an error and on Ctrl+C / SIGT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -94,13 +98,20 @@ class InternetNetwork(WanNetwork):
     def cgroup(self, peer: int) -> Path:
         return self.cgroup_root / f"peer{peer}"
 
-    def limit_cpu(self, peer: int, cores: Optional[float]) -> None:
+    def limit_cpu(self, peer: int, cores: Optional[float], spare_pids: Sequence[int] = ()) -> None:
         """Limit every process started by :meth:`command` for ``peer`` (from now on) to ``cores`` CPU cores; None:
-        put them in a cgroup of their own without a limit yet."""
+        put them in a cgroup of their own without a limit yet. ``spare_pids`` move to a second cgroup of the peer's,
+        without a limit (see ``--quota``)."""
         path = self.cgroup(peer)
         path.mkdir(parents=True, exist_ok=True)
         (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
         (path / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
+        if spare_pids:
+            spare = self.cgroup_root / f"peer{peer}_spare"
+            spare.mkdir(exist_ok=True)
+            for pid in spare_pids:
+                with contextlib.suppress(ProcessLookupError):  # one that exited meanwhile
+                    (spare / "cgroup.procs").write_text(str(pid))
 
     def command(self, peer: int, argv: Sequence[str]) -> List[str]:
         command = ["ip", "netns", "exec", self.namespaces[peer], *argv]
@@ -203,12 +214,19 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
     slot.started = time.time()
 
 
-def apply_quotas(slots: Sequence[Slot], network: InternetNetwork) -> None:
+def apply_quotas(slots: Sequence[Slot], network: InternetNetwork, quota: str) -> None:
     """Give each peer that has joined the swarm its CPU quota. Before that it runs unlimited: with a tenth of a core
-    from the start, importing torch and hivemind alone takes minutes, which measures this box, not the protocol."""
+    from the start, importing torch and hivemind alone takes minutes, which measures this box, not the protocol.
+    ``quota`` "training": a trainer's helper processes (its DHT, p2pd and averagers, all started by then) leave the
+    quota for a cgroup without one, as on a volunteer's box, where the GPU sets the training's speed and the host's
+    cores serve the network; "peer": the whole peer shares the quota."""
     for slot in slots:
         if slot.process is not None and slot.limited is None and slot.process.events("joined"):
-            network.limit_cpu(slot.index, slot.cores)
+            spare = []
+            if quota == "training" and slot.name != "aux":
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    spare = [child.pid for child in psutil.Process(slot.process.pid).children(recursive=True)]
+            network.limit_cpu(slot.index, slot.cores, spare)
             slot.limited = time.time()
 
 
@@ -254,7 +272,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
             start_peer(slot, network, mode, aux_peers, args, logdir)
 
         def joined() -> bool:
-            apply_quotas(slots, network)
+            apply_quotas(slots, network, args.quota)
             return all(slot.limited is not None for slot in trainers[:args.trainers] if slot.process.returncode is None)
 
         wait_until(joined, 300, "the initial trainers to join", interval=0.5)
@@ -267,7 +285,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
         while (now := time.time()) < window_start + args.seconds:
             elapsed = now - window_start
             network.pids()  # noted, to remove their shared-memory files at close
-            apply_quotas(slots, network)
+            apply_quotas(slots, network, args.quota)
             if leaves and elapsed >= leaves[0]:
                 leaves.pop(0)
                 live = [s for s in trainers if s.process is not None and s.stopped is None]
@@ -351,6 +369,9 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         if views:
             buckets.append({"time": bucket_start - start, "reporting": len(views),
                             "components": components(list(views), views)})
+    lookups = sorted(e["dht_lookup_seconds"] for stream in events.values() for e in stream  # in the window
+                     if e["event"] == "progress" and start <= e["time"] < stop
+                     and e.get("dht_lookup_seconds") is not None)
     per_trainer, group_sizes, downloads, newcomers, crashes, never_joined, rows = [], [], [], [], [], [], []
     reasons: Counter = Counter()  # why trainers downloaded (the state_downloaded event's reason)
     catch_ups = 0  # DiLoCo: missed outer steps replayed from a groupmate's history instead of a download
@@ -422,6 +443,9 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "mode": mode, "seconds": stop - start, "trainers": args.trainers, "joins": args.joins, "leaves": args.leaves,
         "dht_buckets": buckets, "dht_splits": sum(b["components"] > 1 for b in buckets),
         "max_components": max((b["components"] for b in buckets), default=None),
+        # the trainers' DHT lookups (their progress fetches) as their progress events report them
+        "dht_lookup_seconds": {"median": statistics.median(lookups), "p90": lookups[int(0.9 * (len(lookups) - 1))],
+                               "max": lookups[-1], "count": len(lookups)} if lookups else None,
         "group_sizes": {str(size): group_sizes.count(size) for size in sorted(set(group_sizes))},
         "median_group_size": statistics.median(group_sizes) if group_sizes else None,
         "averaged_fraction_median": statistics.median(fractions) if fractions else None,
@@ -520,7 +544,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
             "title": f"{r['mode']}: {r['trainers']} trainers + aux, {r['seconds']:.0f} s window",
             "columns": COLUMNS, "rows": r["rows"],
             "notes": (f"DHT: {r['dht_splits']} split bucket(s) of {len(r['dht_buckets'])} (max components "
-                      f"{r['max_components']}); group sizes {r['group_sizes']} (median {r['median_group_size']}); "
+                      f"{r['max_components']}); {lookup_note(r.get('dht_lookup_seconds'))}; group sizes "
+                      f"{r['group_sizes']} (median {r['median_group_size']}); "
                       f"{r['trainers_at_least_90pct']}/{r['trainers_with_rounds']} trainers averaged in >= 90% of "
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
                       f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s), "
@@ -541,6 +566,13 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
             "raw": {"args": vars(args), "results": [{k: v for k, v in r.items() if k != "rows"} for r in results]}}
 
 
+def lookup_note(lookups: Optional[dict]) -> str:
+    if not lookups:
+        return "no DHT lookup times reported"
+    return (f"DHT lookups (trainers' progress fetches) took {lookups['median']:.1f} s median, {lookups['p90']:.1f} s "
+            f"p90, {lookups['max']:.1f} s max")
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -556,8 +588,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--speed_spread", type=float, default=10.0, help="fastest / slowest trainer's CPU quota")
     parser.add_argument("--trainer_cores", type=float, default=1.4,
                         help="CPU cores the initial trainers' quotas add up to (the rest: aux, relays, this script)")
+    parser.add_argument("--quota", choices=["training", "peer"], default="training",
+                        help="what a trainer's CPU quota holds: its training process (default; its DHT, p2pd and "
+                             "averagers share the rest of the box, as a GPU volunteer's host cores serve the network) "
+                             "or the whole peer (the box's starvation then reaches the network too)")
     parser.add_argument("--target_batch_size", type=int, default=None, help="default 16 x trainers")
-    parser.add_argument("--matchmaking_time", type=float, default=5.0)
+    parser.add_argument("--matchmaking_time", type=float, default=15.0, help="the trainer's default")
     parser.add_argument("--averaging_timeout", type=float, default=60.0)
     parser.add_argument("--output_dir", default="outputs/internet", help="peers' logs and events")
     parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "internet.json"))

@@ -391,6 +391,29 @@ def test_gpu_parameters_take_the_cpu_outer_steps_bit_for_bit_with_the_outer_stat
     assert torch.equal(results["cpu"], results["cuda"])
 
 
+@pytest.mark.parametrize("window", [3.0, 0.1])
+def test_an_unprepared_round_is_declared_for_the_matchmaking_window_at_least(window):
+    """A round begun without prepare() lives in the DHT for the optimizer's window (SwarmOptimizer.matchmaking_window:
+    longer when DHT lookups are slow), never less than the matchmaking time; its deadline follows."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+    from lean_transformer.swarm.averaging.diloco import PseudoGradientAverager
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = PseudoGradientAverager(dht, "test_diloco_window", [torch.Size([3])], matchmaking_time=0.5,
+                                      window=lambda: window, allreduce_timeout=2.0)
+    try:
+        began = get_dht_time()
+        control = averager.start([torch.ones(3)], samples=4)
+        declared = max(window, 0.5)
+        assert control.scheduled_time - began == pytest.approx(declared, abs=0.2)
+        assert control.deadline - began == pytest.approx(declared + 2.0, abs=0.2)
+        assert averager.finish(control) is None  # alone: no group
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
 def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
     with lone_outer_loop(overlap=False) as (weight, outer, rounds):
         results = []

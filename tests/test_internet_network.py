@@ -1,6 +1,7 @@
 """benchmarks/internet.py's network pieces: the delay relay gives a TCP round trip close to the one asked for across two
 namespaces, a NAT'ed namespace refuses inbound connections but still dials out, and closing the network leaves no
-namespace, link or CPU cgroup behind. Needs root, `ip`, `tc` and `nft`."""
+namespace, link or CPU cgroup behind; a peer's helper processes leave its CPU quota when asked. Needs root, `ip`,
+`tc` and `nft`."""
 from __future__ import annotations
 
 import os
@@ -57,3 +58,32 @@ def test_relay_gives_the_round_trip_asked_for_and_nat_refuses_inbound():
 def test_requirements_name_what_is_missing(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "nft" else f"/usr/sbin/{tool}")
     assert check_requirements() == "needs the 'nft' command (nftables)"
+
+
+def cpu_cgroup(pid: int) -> str:
+    """The v1 cpu cgroup ``pid`` is in, as /proc/PID/cgroup names it."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(line.split(":", 2)[2] for line in lines if "cpu" in line.split(":", 2)[1].split(","))
+
+
+def test_spare_processes_leave_the_quota():
+    """benchmarks/internet.py's --quota training: the trainer process keeps the quota, its helpers (here a child
+    process) move to the peer's cgroup without one."""
+    with InternetNetwork(2, tag=f"q{os.getpid() % 10000}") as network:
+        network.limit_cpu(1, None)
+        parent = subprocess.Popen(network.command(1, [sys.executable, "-c", (
+            "import subprocess, sys; child = subprocess.Popen(['sleep', '30']); print(child.pid, flush=True); "
+            "sys.stdin.read()")]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            child = int(parent.stdout.readline())
+            network.limit_cpu(1, 0.5, spare_pids=[child])
+            root = "/" + str(network.cgroup_root.relative_to("/sys/fs/cgroup/cpu"))
+            assert cpu_cgroup(parent.pid) == f"{root}/peer1"
+            assert cpu_cgroup(child) == f"{root}/peer1_spare"
+            spare = network.cgroup_root / "peer1_spare"
+            assert (spare / "cpu.cfs_quota_us").read_text().strip() == "-1"
+        finally:
+            os.kill(child, 9)
+            parent.kill()
+            parent.wait()
+    assert network.leftovers() == [] and not spare.exists()

@@ -1,5 +1,5 @@
 """The trainer's progress line: tokens/s since the last line, on a GPU the peak GPU memory, the samples computed and
-the compute utilization."""
+the compute utilization; the progress event's DHT lookup time."""
 from __future__ import annotations
 
 import logging
@@ -11,11 +11,13 @@ import hivemind
 import pytest
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from lean_transformer.swarm.monitoring.events import peer_events, read_events
 from lean_transformer.swarm.peers.processes import wait_until
 from lean_transformer.swarm.peers.progress import ProgressLine, format_progress, visible_peers
-from lean_transformer.swarm.protocol.dht import visible_maddrs
+from lean_transformer.swarm.protocol.dht import TimedLookups, visible_maddrs
 
 
 def optimizer_view(samples: int = 96, peers: int = 2) -> SimpleNamespace:
@@ -23,7 +25,8 @@ def optimizer_view(samples: int = 96, peers: int = 2) -> SimpleNamespace:
     swarm = SimpleNamespace(samples_accumulated=samples, eta_next_epoch=math.inf, num_peers=peers)
     tracker = SimpleNamespace(global_progress=swarm, performance_ema=SimpleNamespace(samples_per_second=186.44),
                               _parse_swarm_progress_data=lambda metadata: swarm)
-    return SimpleNamespace(local_epoch=2, target_batch_size=256, tracker=tracker)
+    return SimpleNamespace(local_epoch=2, target_batch_size=256, tracker=tracker,
+                           dht_lookups=SimpleNamespace(recent=[0.25]))
 
 
 def test_line_shows_tokens_per_second_and_peak_gpu_memory():
@@ -136,3 +139,31 @@ def test_visible_peers_are_those_whose_progress_records_the_last_fetch_saw():
             tracker.shutdown()
         for dht in (first, second):
             dht.shutdown()
+
+
+def test_timed_lookups_note_how_long_each_dht_lookup_took():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    lookups = TimedLookups(dht, keep=3)
+    try:
+        assert dht.store("key", "value", get_dht_time() + 60)
+        for count in range(1, 5):
+            started = time.perf_counter()
+            assert lookups.get("key", latest=True).value == "value"
+            took = time.perf_counter() - started
+            wait_until(lambda: len(lookups.recent) == min(count, 3), 10, "the lookup's time")  # noted as it answers
+            assert 0 < lookups.recent[-1] <= took
+        assert lookups.get("key", return_future=True).result(10).value == "value"
+        assert lookups.peer_id == dht.peer_id  # the rest is the DHT's own
+    finally:
+        dht.shutdown()
+
+
+def test_progress_event_carries_the_last_lookup_time(tmp_path):
+    progress = ProgressLine(every_seconds=0.0)
+    view = optimizer_view()
+    with peer_events(tmp_path / "events.jsonl", "trainer"):
+        progress.maybe_report(view, 1.0)
+        view.dht_lookups.recent = []
+        progress.maybe_report(view, 1.0)
+    events = read_events(tmp_path / "events.jsonl", "progress")
+    assert [event["dht_lookup_seconds"] for event in events] == [0.25, None]

@@ -44,7 +44,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -450,11 +450,13 @@ class PseudoGradientAverager:
     fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
     ``average`` does both. With ``topk_fraction`` the peers send top-k values with error feedback (a sparse
     all-reduce) instead of ``compression``; ``aggregation`` picks the reducers' rule (mean or centered_clip).
-    ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging).
+    ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging). ``window``: how
+    long a round begun without :meth:`prepare` is declared for (its matchmaking), at least ``matchmaking_time``.
     """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
-                 matchmaking_time: float = 5.0, allreduce_timeout: float = 60.0,
+                 matchmaking_time: float = 5.0, window: Optional[Callable[[], float]] = None,
+                 allreduce_timeout: float = 60.0,
                  compression: CompressionBase = NoCompression(), topk_fraction: Optional[float] = None,
                  gate: Optional[AveragingGate] = None, **averager_opts):
         self.shapes = [torch.Size(shape) for shape in shapes]
@@ -467,6 +469,8 @@ class PseudoGradientAverager:
                                        min_matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout,
                                        compression=compression, topk_fraction=topk_fraction, **averager_opts)
         self.timeout, self.matchmaking_time = matchmaking_time + allreduce_timeout, matchmaking_time
+        self.allreduce_timeout = allreduce_timeout
+        self.window = window if window is not None else lambda: matchmaking_time
         self.auxiliary = averager_opts.get("auxiliary", False)
 
     def prepare(self, scheduled_time: float, samples: int, tag: Any = None) -> Any:
@@ -495,7 +499,9 @@ class PseudoGradientAverager:
             prepared.weight = float(samples)
             prepared.allow_allreduce()
             return prepared
-        return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples), timeout=self.timeout,
+        window = max(self.matchmaking_time, self.window())
+        return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples),
+                                  scheduled_time=get_dht_time() + window, timeout=window + self.allreduce_timeout,
                                   wait=False)
 
     def release(self, control: Any) -> None:

@@ -40,12 +40,16 @@ from lean_transformer.swarm.averaging.averagers import GradientAverager, Trainin
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
 from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
+from lean_transformer.swarm.protocol.dht import TimedLookups
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import (CollaborationSettings, NetworkSettings, TrainingSettings,
                                                           TrainingTask)
 
 logger = logging.getLogger(__name__)
+# a matchmaking declaration must outlive the store that publishes it and the lookups that find it: twice the slowest
+# recent lookup (see SwarmOptimizer.matchmaking_window)
+LOOKUP_MARGIN = 2.0
 
 
 def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> CompressionBase:
@@ -170,7 +174,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             return
         averager = PseudoGradientAverager(
             self.dht, f"{self.run_id}_outer", [anchor.shape for anchor in outer.anchor],
-            matchmaking_time=self.matchmaking_time, allreduce_timeout=self.averaging_timeout,
+            matchmaking_time=self.matchmaking_time, window=self.matchmaking_window,
+            allreduce_timeout=self.averaging_timeout,
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
             auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean",
@@ -248,9 +253,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         # hivemind 1.1.12's own arguments (pinned in pyproject.toml), with the tracker of this mode. Its status
         # ("accumulated N samples for epoch #E from P peers", every refresh: up to 2 lines a second) is DEBUG: the
         # trainer's progress line says the same every --progress_every seconds
-        return self._progress_tracker_class(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                            client_mode=self.client_mode, status_loglevel=logging.DEBUG,
-                                            start=True, **kwargs)
+        self.dht_lookups = TimedLookups(self.dht)
+        return self._progress_tracker_class(dht=self.dht_lookups, prefix=self.run_id,
+                                            target_batch_size=target_batch_size, client_mode=self.client_mode,
+                                            status_loglevel=logging.DEBUG, start=True, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> state_averager.TrainingStateAverager:
         # hivemind 1.1.12's own arguments (pinned in pyproject.toml): it offers no factory for this averager
@@ -341,8 +347,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.client_mode or self.tracker.global_progress.num_peers <= 1:  # alone: its round forms no group
             return
         expected = self.tracker.estimated_next_update_time
-        if expected - get_dht_time() <= self.matchmaking_time:
+        if expected - get_dht_time() <= self.matchmaking_window():
             self.outer_loop.prepare(expected, self.tracker.performance_ema.samples_per_second)
+
+    def matchmaking_window(self) -> float:
+        """How long before a round this peer declares itself for it (and, in a round begun unprepared, how long its
+        declaration lives): the matchmaking time, or ``LOOKUP_MARGIN`` times the slowest of the DHT lookups of its
+        last progress fetches if that is longer. hivemind's matchmaking finds groupmates by looking up their
+        declarations in the DHT, and a declaration that expires before a lookup of it returns is never seen.
+        benchmarks/internet.py, 16 DiLoCo trainers on 2 cores: lookups took 10-20 s, and with a 5 s window no outer
+        round found a group."""
+        return max(self.matchmaking_time, LOOKUP_MARGIN * max(self.dht_lookups.recent, default=0.0))
 
     def _advance_inner_schedule(self) -> None:
         """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""

@@ -22,7 +22,7 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       ``compute_cpu_seconds`` (the training thread's CPU time in them), ``waiting_seconds`` (for the
                       swarm: outer rounds, downloads), ``wall_seconds``, ``loss_sum`` and ``losses`` (over the
                       micro-batches trained on); ``visible``: the peer IDs in the training-progress records of its
-                      last DHT fetch
+                      last DHT fetch; ``dht_lookup_seconds``: how long that fetch's lookup took (``null`` before one)
 ``round_started``     an averager began an averaging round (it looks for a group): ``kind`` (``gradients``,
                       ``parameters`` or ``outer``), ``epoch`` (the round's, where the averager knows it, else ``null``)
 ``averaged``          the round succeeded: ``kind``, ``epoch`` (as in ``round_started``), ``group_size``, ``bytes``

@@ -126,7 +126,8 @@ class ProgressLine:
         emit("progress", epoch=optimizer.local_epoch, peers=optimizer.tracker.global_progress.num_peers,
              samples=self.samples, compute_seconds=self.compute_seconds, compute_cpu_seconds=self.compute_cpu_seconds,
              waiting_seconds=self.waiting_seconds, wall_seconds=now - self.started,
-             loss_sum=self.loss_sum, losses=self.losses, visible=visible_peers(optimizer.tracker))
+             loss_sum=self.loss_sum, losses=self.losses, visible=visible_peers(optimizer.tracker),
+             dht_lookup_seconds=optimizer.dht_lookups.recent[-1] if optimizer.dht_lookups.recent else None)
         mean_loss_text = f"{self.loss_sum / self.losses:.4f}" if self.losses else "n/a"
         logger.info(f"{line} | {self.samples} samples computed, compute {self.utilization():.1%} "
                     f"({self.compute_seconds:.2f} s of {now - self.started:.2f} s), mean loss {mean_loss_text} over "

@@ -8,7 +8,8 @@ import itertools
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Iterable
+from collections import deque
+from typing import TYPE_CHECKING, Any, Iterable
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
@@ -101,3 +102,23 @@ def derive_peer_seed(peer_id: PeerID, seed: int) -> int:
     with a persistent identity."""
     digest = hashlib.sha256(peer_id.to_bytes() + seed.to_bytes(8, "little", signed=True)).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+class TimedLookups:
+    """``dht`` whose ``get`` notes how long each lookup took, from the call to the answer (``recent``: the last
+    ``keep``, in seconds); everything else is ``dht``'s. Given to the progress tracker, whose fetches run every few
+    seconds: the DHT's lookup time as this peer sees it, which sets how long a matchmaking declaration must live to be
+    seen (:meth:`.SwarmOptimizer.matchmaking_window`)."""
+
+    def __init__(self, dht: hivemind.DHT, keep: int = 5):
+        self._dht = dht
+        self.recent: deque[float] = deque(maxlen=keep)
+
+    def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        future = self._dht.get(*args, return_future=True, **kwargs)
+        future.add_done_callback(lambda _: self.recent.append(time.perf_counter() - started))
+        return future if return_future else future.result()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dht, name)
