@@ -16,8 +16,8 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
   ``--speed_spread`` range (default 10x), scaled so that all trainers' quotas together use ``--trainer_cores`` of the
   machine: the quota, not the fight for 2 cores, sets each peer's speed. Its DHT, p2pd and averagers share the rest
   of the box, as on a volunteer's machine, where the GPU sets the training's speed and the host's cores serve the
-  network; ``--quota peer`` puts them under the quota too (with 16 trainers, the slowest then got 0.02 cores for
-  everything, and no DiLoCo group formed: every DHT lookup of the matchmaking key came back empty);
+  network; ``--quota peer`` puts them under the quota too (the slowest of 16 trainers then has 0.02 cores for
+  everything);
 - churn: ``--leaves`` trainers leave during the window (alternately SIGTERM and SIGKILL, each preferring a peer that
   is inside an averaging round), ``--joins`` new ones join through two live full peers' ``--initial_peers`` lines
   (one of them may leave before the newcomer's DHT has reached it).
