@@ -70,6 +70,7 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PORT = 31337  # every full peer listens on 127.0.0.1:PORT in its namespace; its relay on PEER_IP:PORT
 ECHO_PORT = 31338  # an echo server behind each relay, to measure the round trip
 CFS_PERIOD_US = 100_000
+DEFAULT_SHARES, STARTUP_SHARES = 1024, 16 * 1024  # cgroup v1 cpu.shares: the default, and a peer's until it joins
 MODES = {
     "gradients": [],
     "diloco": ["--local_steps", "10", "--outer_compression", "topk", "--outer_overlap", "true"],
@@ -106,6 +107,9 @@ class InternetNetwork(WanNetwork):
         path.mkdir(parents=True, exist_ok=True)
         (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
         (path / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
+        # a peer starting up (importing torch and hivemind, joining) does so on its own machine: here it takes
+        # precedence over the running swarm's processes, or a newcomer took minutes to print its first line
+        (path / "cpu.shares").write_text(str(STARTUP_SHARES if cores is None else DEFAULT_SHARES))
         if spare_pids:
             spare = self.cgroup_root / f"peer{peer}_spare"
             spare.mkdir(exist_ok=True)

@@ -38,6 +38,7 @@ The default run (11 modes, 200 samples per trainer) takes about 20 minutes on 2 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -155,11 +156,21 @@ class WanNetwork:
         return ["ip", "netns", "exec", self.namespaces[peer], *argv]
 
     def pids(self) -> List[int]:
-        """Every process in the namespaces (whoever started it)."""
-        found = []
+        """Every process in the namespaces (whoever started it): what ``ip netns pids`` finds, in one pass over /proc
+        for all namespaces (a benchmark notes them twice a second; an ``ip`` per namespace and call took a fifth of a
+        core with 21 namespaces, which the peers lacked)."""
+        inodes = set()  # each namespace's (device, inode) in the nsfs
         for namespace in self.namespaces:
-            result = run_ip("ip", "netns", "pids", namespace, check=False)
-            found.extend(int(pid) for pid in result.stdout.split())
+            with contextlib.suppress(FileNotFoundError):
+                status = os.stat(f"/run/netns/{namespace}")
+                inodes.add((status.st_dev, status.st_ino))
+        found = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):  # exited meanwhile
+                    status = os.stat(f"/proc/{entry.name}/ns/net")
+                    if (status.st_dev, status.st_ino) in inodes:
+                        found.append(int(entry.name))
         self.seen_pids.update(found)
         return found
 

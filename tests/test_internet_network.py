@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.internet import InternetNetwork, check_requirements
+from benchmarks.internet import DEFAULT_SHARES, STARTUP_SHARES, InternetNetwork, check_requirements
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(check_requirements() is not None, reason=str(check_requirements()))
@@ -68,9 +68,10 @@ def cpu_cgroup(pid: int) -> str:
 
 def test_spare_processes_leave_the_quota():
     """benchmarks/internet.py's --quota training: the trainer process keeps the quota, its helpers (here a child
-    process) move to the peer's cgroup without one."""
+    process) move to the peer's cgroup without one; until its quota, a peer starting up takes precedence."""
     with InternetNetwork(2, tag=f"q{os.getpid() % 10000}") as network:
         network.limit_cpu(1, None)
+        assert (network.cgroup(1) / "cpu.shares").read_text().strip() == str(STARTUP_SHARES)  # starting up first
         parent = subprocess.Popen(network.command(1, [sys.executable, "-c", (
             "import subprocess, sys; child = subprocess.Popen(['sleep', '30']); print(child.pid, flush=True); "
             "sys.stdin.read()")]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -80,6 +81,7 @@ def test_spare_processes_leave_the_quota():
             root = "/" + str(network.cgroup_root.relative_to("/sys/fs/cgroup/cpu"))
             assert cpu_cgroup(parent.pid) == f"{root}/peer1"
             assert cpu_cgroup(child) == f"{root}/peer1_spare"
+            assert (network.cgroup(1) / "cpu.shares").read_text().strip() == str(DEFAULT_SHARES)
             spare = network.cgroup_root / "peer1_spare"
             assert (spare / "cpu.cfs_quota_us").read_text().strip() == "-1"
         finally:

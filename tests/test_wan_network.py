@@ -66,7 +66,7 @@ def test_an_error_inside_removes_the_network_and_its_processes():
     with pytest.raises(RuntimeError, match="boom"), wan:
         sleeper = subprocess.Popen(wan.command(1, ["sleep", "60"]), start_new_session=True)
         wan.shape(100)
-        assert sleeper.pid in wan.pids()
+        assert sleeper.pid in wan.pids() and os.getpid() not in wan.pids()  # the namespaces' processes only
         raise RuntimeError("boom")
     assert sleeper.wait(timeout=5) == -signal.SIGKILL
     assert wan.leftovers() == []
