@@ -414,6 +414,16 @@ def test_an_unprepared_round_is_declared_for_the_matchmaking_window_at_least(win
         dht.shutdown()
 
 
+def test_the_matchmaking_window_stretches_with_slow_lookups_within_the_averaging_timeout():
+    from lean_transformer.swarm.averaging.optimizer import matchmaking_window
+
+    assert matchmaking_window(15.0, [], cap=60.0) == 15.0  # no lookup yet
+    assert matchmaking_window(15.0, [0.3, 2.0, 1.1], cap=60.0) == 15.0  # fast lookups: the matchmaking time
+    assert matchmaking_window(5.0, [4.0, 12.5, 9.0], cap=60.0) == 25.0  # twice the slowest
+    assert matchmaking_window(5.0, [64.5], cap=60.0) == 60.0  # at most the cap
+    assert matchmaking_window(90.0, [64.5], cap=60.0) == 90.0  # never below the matchmaking time
+
+
 def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
     with lone_outer_loop(overlap=False) as (weight, outer, rounds):
         results = []

@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import hivemind
 import torch
@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 # a matchmaking declaration must outlive the store that publishes it and the lookups that find it: twice the slowest
 # recent lookup (see SwarmOptimizer.matchmaking_window)
 LOOKUP_MARGIN = 2.0
+
+
+def matchmaking_window(matchmaking_time: float, lookups: Iterable[float], cap: float) -> float:
+    """``LOOKUP_MARGIN`` times the slowest of ``lookups`` (seconds), within [``matchmaking_time``, ``cap``]: the
+    matchmaking time wins over the cap (``cap`` bounds only how far slow lookups stretch the window)."""
+    return max(matchmaking_time, min(cap, LOOKUP_MARGIN * max(lookups, default=0.0)))
 
 
 def make_compression(name: str, size_adaptive_threshold: int = 2**16) -> CompressionBase:
@@ -356,8 +362,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         last progress fetches if that is longer. hivemind's matchmaking finds groupmates by looking up their
         declarations in the DHT, and a declaration that expires before a lookup of it returns is never seen.
         benchmarks/internet.py, 16 DiLoCo trainers on 2 cores: lookups took 10-20 s, and with a 5 s window no outer
-        round found a group."""
-        return max(self.matchmaking_time, LOOKUP_MARGIN * max(self.dht_lookups.recent, default=0.0))
+        round found a group. At most --averaging_timeout: a lookup of a minute must not hold a round for two."""
+        return matchmaking_window(self.matchmaking_time, self.dht_lookups.recent, cap=self.averaging_timeout)
 
     def _advance_inner_schedule(self) -> None:
         """The task's schedule counts inner steps: epoch e's step s is step e * local_steps + s (s < local_steps)."""
