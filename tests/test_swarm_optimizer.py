@@ -3,7 +3,7 @@ restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a 
 a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a peer
 that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
 has found no group; a groupmate that starts its all-reduce late is still averaged in; a peer that leaves with rounds
-it will not finish logs no traceback."""
+it will not finish logs no traceback; a gradient round is pre-scheduled and declared for the matchmaking window."""
 from __future__ import annotations
 
 import json
@@ -312,6 +312,33 @@ def run_leaving_mid_round() -> dict:
             each.shutdown()
 
 
+def run_gradient_window() -> dict:
+    """A lone gradient-averaging peer (matchmaking time 0.5 s, averaging timeout 10 s) whose swarm is expected to end
+    its epoch in 4 s: when may it pre-schedule the round, and for when, after DHT lookups of 0.1 s, then of 2.5 s."""
+    import types
+
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peer = swarm_peer(dht, "swarm_optimizer_window", averaging_timeout=10.0)
+    tracker, result = peer.tracker, {}
+    try:
+        for lookup in 0.1, 2.5:
+            peer.dht_lookups.recent.append(lookup)
+            began = get_dht_time()  # the epoch's ETA as the tracker would give it, away from its fetches' timing
+            peer.tracker = types.SimpleNamespace(performance_ema=tracker.performance_ema,
+                                                 estimated_next_update_time=began + 4.0)
+            peer._maybe_schedule_gradient_averaging()
+            control, peer.tracker = peer.scheduled_grads, tracker
+            result[str(lookup)] = None if control is None else dict(
+                declared=round(control.scheduled_time - began, 1), deadline=round(control.deadline - began, 1))
+    finally:
+        peer.shutdown()
+        dht.shutdown()
+    return result
+
+
 def run_script(*args: str, stderr: bool = False) -> Union[dict, Tuple[dict, str]]:
     done = preloaded.run([sys.executable, __file__, *args], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
@@ -377,8 +404,17 @@ def test_a_peer_that_leaves_with_unfinished_rounds_logs_no_traceback():
     assert "Traceback" not in log, log[-3000:]
 
 
+@pytest.mark.swarm
+def test_a_gradient_round_is_declared_for_the_matchmaking_window():
+    result = run_script("window")
+    # fast lookups: the window is the matchmaking time (0.5 s), 4 s ahead is too early to pre-schedule; lookups of
+    # 2.5 s stretch it to 5 s: the round begins matchmaking now and is declared for 5 s, its deadline the averaging
+    # timeout after the window's end, less the matchmaking time (hivemind's 10 s from 0.5 s of matchmaking)
+    assert result == {"0.1": None, "2.5": dict(declared=5.0, deadline=14.5)}, result
+
+
 if __name__ == "__main__":
     scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]),
                    late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
-                   leave_mid_round=run_leaving_mid_round)
+                   leave_mid_round=run_leaving_mid_round, window=run_gradient_window)
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)
