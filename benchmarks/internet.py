@@ -61,10 +61,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.latency import tcp_round_trip  # noqa: E402
-from benchmarks.wan import WanNetwork, progress, raise_on_signals, run_ip  # noqa: E402
+from benchmarks.wan import WanNetwork, progress, raise_on_signals  # noqa: E402
 from benchmarks.wan import check_requirements as wan_requirements  # noqa: E402
 from lean_transformer.swarm.monitoring.events import epoch_causes  # noqa: E402
 from lean_transformer.swarm.peers.processes import PeerProcess, wait_until  # noqa: E402
+from lean_transformer.swarm.protocol.settings import CollaborationSettings  # noqa: E402
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PORT = 31337  # every full peer listens on 127.0.0.1:PORT in its namespace; its relay on PEER_IP:PORT
@@ -222,8 +223,7 @@ def apply_quotas(slots: Sequence[Slot], network: InternetNetwork, quota: str) ->
     """Give each peer that has joined the swarm its CPU quota. Before that it runs unlimited: with a tenth of a core
     from the start, importing torch and hivemind alone takes minutes, which measures this box, not the protocol.
     ``quota`` "training": a trainer's helper processes (its DHT, p2pd and averagers, all started by then) leave the
-    quota for a cgroup without one, as on a volunteer's box, where the GPU sets the training's speed and the host's
-    cores serve the network; "peer": the whole peer shares the quota."""
+    quota for a cgroup without one (why: the module docstring); "peer": the whole peer shares the quota."""
     for slot in slots:
         if slot.process is not None and slot.limited is None and slot.process.events("joined"):
             spare = []
@@ -594,10 +594,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="CPU cores the initial trainers' quotas add up to (the rest: aux, relays, this script)")
     parser.add_argument("--quota", choices=["training", "peer"], default="training",
                         help="what a trainer's CPU quota holds: its training process (default; its DHT, p2pd and "
-                             "averagers share the rest of the box, as a GPU volunteer's host cores serve the network) "
-                             "or the whole peer (the box's starvation then reaches the network too)")
+                             "averagers share the rest of the box) or the whole peer")
     parser.add_argument("--target_batch_size", type=int, default=None, help="default 16 x trainers")
-    parser.add_argument("--matchmaking_time", type=float, default=15.0, help="the trainer's default")
+    parser.add_argument("--matchmaking_time", type=float, default=CollaborationSettings.matchmaking_time,
+                        help="default: the trainer's (%(default)g s)")
     parser.add_argument("--averaging_timeout", type=float, default=60.0)
     parser.add_argument("--output_dir", default="outputs/internet", help="peers' logs and events")
     parser.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "internet.json"))
