@@ -55,6 +55,10 @@ that the swarm code uses explicitly.
   queued then is destroyed half-way with an ERROR ("Task was destroyed but it is pending!"; CI: the 8-trainer
   swarm). Reproduced by ``tests/test_dht_shutdown.py``. Drop when hivemind's DHT finishes its tasks before closing
   its loop.
+- :mod:`.dht_rejoin`: a DHT node drops a peer from its routing table after one unanswered request and re-adds
+  peers only when they answer or call it, so a client-mode node (behind NAT) whose one entry peer missed a request
+  is alone for good. Reproduced by ``tests/test_dht_rejoin.py``. Drop when hivemind refreshes an empty routing
+  table from its initial peers.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).

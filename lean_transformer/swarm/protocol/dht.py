@@ -19,6 +19,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 import lean_transformer.swarm.hivemind_fixes  # noqa: F401  (installs the global fixes)
 from lean_transformer.swarm.auth.authorizer import make_authorizer
 from lean_transformer.swarm.auth.keys import load_identity_key
+from lean_transformer.swarm.hivemind_fixes.dht_rejoin import keep_neighbours
 from lean_transformer.swarm.hivemind_fixes.dht_shutdown import QuietShutdownDHT
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
 
     While none of ``initial_peers`` answers, it tries again until ``startup_timeout``: an organizer's entry peer that
     restarts, or is too busy to answer hivemind's first ping, should delay a volunteer, not turn it away
-    (``benchmarks/internet.py`` saw 2 of 8 newcomers exit so). Must be called from the main thread (hivemind starts
-    a child process that owns the p2p daemon).
+    (``benchmarks/internet.py`` saw 2 of 8 newcomers exit so). A node that later loses every neighbour joins again
+    through them (:mod:`~lean_transformer.swarm.hivemind_fixes.dht_rejoin`). Must be called from the main thread
+    (hivemind starts a child process that owns the p2p daemon).
     """
     authorizer = make_authorizer(network.auth_token_path, network.authority_public_key_path, network.identity_path,
                                  network.run_id)
@@ -59,6 +61,7 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
         )
         try:
             dht.run_in_background(await_ready=True, timeout=max(deadline - time.monotonic(), 1.0))
+            keep_neighbours(dht, network.initial_peers)
             return dht
         except TimeoutError:
             dht.terminate()
