@@ -199,6 +199,37 @@ def test_the_reducer_clips_each_part_and_leaves_out_a_sender_that_failed():
     assert_matches_reference(results[0][0], [senders[0][s][:1000] for s in range(4)], weights)
 
 
+def test_a_part_that_arrives_after_the_round_was_finalized_is_cancelled_like_the_waiting_ones():
+    """hivemind finalizes a reducer when its round ends (a timeout, a failed group) while senders may still stream:
+    a part that arrives then ends cancelled, as the parts already waiting do, not with an error nobody reads."""
+    async def run() -> tuple:
+        reducer = CenteredClipReducer([torch.Size([4])], num_senders=2)
+        waiting = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(4)))
+        await asyncio.sleep(0)
+        reducer.finalize()
+        late = asyncio.create_task(reducer.accumulate_part(1, 0, torch.ones(4)))
+        await asyncio.wait({waiting, late}, timeout=5)
+        return waiting.cancelled(), late.cancelled()
+
+    assert asyncio.run(run()) == (True, True)
+
+
+def test_a_waiting_sender_that_is_cancelled_leaves_the_part_to_the_others():
+    """Sender 0's wait for part 0 is cancelled (its stream ended: it left); sender 1's part still completes the
+    part, and sender 1 gets the aggregate of both."""
+    parts = [torch.zeros(4), torch.ones(4)]
+
+    async def run() -> torch.Tensor:
+        reducer = CenteredClipReducer([torch.Size([4])], num_senders=2)
+        waiting = asyncio.create_task(reducer.accumulate_part(0, 0, parts[0]))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.wait({waiting}, timeout=5)
+        return await asyncio.wait_for(reducer.accumulate_part(1, 0, parts[1]), 5)
+
+    torch.testing.assert_close(asyncio.run(run()), centered_clip(parts, [1.0, 1.0]), rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("magnitude", [1e-38, 1e-30, 1.0, 1e30, 3e38])
 def test_any_finite_input_gives_a_finite_result(magnitude):
     """Inputs near float32's largest values (whose distances' squares overflow) or tiny ones (whose squares underflow

@@ -250,14 +250,19 @@ class CenteredClipReducer(TensorPartReducer):
             raise BannedException(f"sender {sender_index} was banned in background")
         assert part_index == self.current_part_index
         current_part_future = self.current_part_future
-        if part_index < self.sender_failed_after[sender_index]:
+        # A part that comes after the round was finalized ends cancelled like the parts already waiting (hivemind's
+        # own reducer raises on its deleted accumulator, in a task that nobody reads: "Task exception was never
+        # retrieved", seen in benchmarks/internet.py under churn). And a waiting sender that is cancelled (it left)
+        # must not cancel the part's shared future for the others (hivemind awaits it unshielded; the next part then
+        # raised InvalidStateError, in that same unread task).
+        if part_index < self.sender_failed_after[sender_index] and not current_part_future.done():
             arrived = self.accumulator
             arrived.parts.append(tensor_part)
             arrived.weights.append(0.0 if self._excluded(sender_index) else weight)
             arrived.senders.append(sender_index)
             self.current_part_accumulated_from += 1
             self.check_current_part_finished()
-        return await current_part_future
+        return await asyncio.shield(current_part_future)
 
     def _excluded(self, sender_index: int) -> bool:
         return (self.exclusions is not None and sender_index < len(self.sender_ids)
