@@ -38,6 +38,7 @@ from lean_transformer.swarm.averaging.early_join import EarlyJoin, can_join_earl
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
+from lean_transformer.swarm.hivemind_fixes.dht_pacing import PacedReports
 from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
 from lean_transformer.swarm.protocol.dht import TimedLookups
@@ -84,14 +85,14 @@ class ParametersOnly(AdaptiveCompressionBase):
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-class TrustedProgress(IgnoresRefusedDonors, ReadsStoreOutcomes, ProgressTracker):
+class TrustedProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, ProgressTracker):
     """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`), its
-    stores' outcomes read."""
+    reports paced and its stores' outcomes read."""
 
 
-class TrustedRoundProgress(IgnoresRefusedDonors, ReadsStoreOutcomes, RoundProgress):
+class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, RoundProgress):
     """DiLoCo's progress tracker (:class:`.diloco.RoundProgress`), blind to the donors whose states this peer
-    refused, its stores' outcomes read."""
+    refused, its reports paced and its stores' outcomes read."""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ that the swarm code uses explicitly.
   peers only when they answer or call it, so a client-mode node (behind NAT) whose one entry peer missed a request
   is alone for good. Reproduced by ``tests/test_dht_rejoin.py``. Drop when hivemind refreshes an empty routing
   table from its initial peers.
+- :mod:`.dht_pacing`: a matchmaking averager looks its group key up back to back for its whole window (366 lookups
+  per second on loopback), and the progress tracker stores its record on every micro-batch; both keys live on the
+  same few DHT nodes for the whole swarm. Here the lookups are paced to a few per window and the reports to one per
+  0.5 s, the latest. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces both (not in its master).
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
@@ -76,6 +80,7 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import quiet_logs
+from lean_transformer.swarm.hivemind_fixes import dht_pacing, quiet_logs
 
+dht_pacing.install()
 quiet_logs.install()

@@ -1,0 +1,137 @@
+"""How often a peer asks the swarm's DHT (lean_transformer.swarm.hivemind_fixes.dht_pacing), on a real DHT in its
+own process. The leader search of a matchmaking peer: hivemind's own loop looks the group key up back to back for
+the whole window, ours a few times per window, and ours still finds a better leader that declares meanwhile. The
+progress reports: hivemind stores one per micro-batch, ours at most one per REPORT_INTERVAL, the latest."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Optional
+
+import hivemind
+import pytest
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import PotentialLeaders
+from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.timed_storage import get_dht_time
+
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils.crypto import RSAPrivateKey
+
+from lean_transformer.swarm.hivemind_fixes.dht_pacing import LOOKUPS_PER_WINDOW, REPORT_INTERVAL, PacedReports
+from lean_transformer.swarm.peers.processes import wait_until
+
+WINDOW = 2.0  # the matchmaking time, seconds
+
+
+class HivemindLeaders(PotentialLeaders):
+    """hivemind's own search, without the fix that importing lean_transformer.swarm installs."""
+
+    _update_queue_periodically = PotentialLeaders._update_queue_periodically.__wrapped__
+
+
+@pytest.fixture(scope="module")
+def dht():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield dht
+    dht.shutdown()
+
+
+def search(dht: hivemind.DHT, leaders_class: type, prefix: str, rival: Optional[PeerID] = None
+           ) -> tuple[list[float], Optional[PeerID], float]:
+    """One peer's leader search for one window: the start times of its lookups of the group key, the leader it
+    found (None: none), and when. ``rival``: a peer declared 0.5 s into the search, expiring before this one."""
+    async def run() -> tuple[list[float], Optional[PeerID], float]:
+        key_manager = GroupKeyManager(dht, prefix, initial_group_bits="", target_group_size=None)
+        lookups, get_averagers = [], key_manager.get_averagers
+
+        async def counted(*args, **kwargs):
+            lookups.append(time.monotonic())
+            return await get_averagers(*args, **kwargs)
+
+        key_manager.get_averagers = counted
+        leaders = leaders_class(dht.peer_id, min_matchmaking_time=WINDOW, target_group_size=None)
+        step = StepControl(scheduled_time=get_dht_time() + WINDOW, deadline=get_dht_time() + WINDOW,
+                           allow_retries=False, weight=1.0, data_for_gather=b"")
+        step.attach(MPFuture(), MPFuture())
+        started, leader = time.monotonic(), None
+        async with leaders.begin_search(step, key_manager):
+            if rival is not None:
+                await asyncio.sleep(0.5)
+                await key_manager.declare_averager(key_manager.current_key, rival, get_dht_time() + WINDOW / 2)
+            while leader is None and time.monotonic() < started + WINDOW:
+                # as hivemind's matchmaking: a TimeoutError means "declared again", and the search goes on
+                with contextlib.suppress(asyncio.TimeoutError):
+                    leader = await asyncio.wait_for(leaders.pop_next_leader(), started + WINDOW - time.monotonic())
+        step.allow_allreduce()  # the step is done with (hivemind warns about an untriggered one)
+        return [at - started for at in lookups], leader, time.monotonic() - started
+
+    return asyncio.run(run())
+
+
+def test_a_lone_peer_looks_the_group_up_a_few_times_per_window(dht):
+    hivemind_lookups, _, _ = search(dht, HivemindLeaders, "hivemind_alone")
+    ours, leader, _ = search(dht, PotentialLeaders, "ours_alone")
+    assert leader is None
+    assert len(hivemind_lookups) > 10 * (LOOKUPS_PER_WINDOW + 1)  # ~40 per second on loopback
+    assert len(ours) <= LOOKUPS_PER_WINDOW + 1
+    gaps = [later - earlier for earlier, later in zip(ours, ours[1:])]
+    assert gaps and min(gaps) >= WINDOW / LOOKUPS_PER_WINDOW - 0.01
+
+
+def test_a_better_leader_declared_meanwhile_is_found_within_one_interval(dht):
+    rival = PeerID.from_base58("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")
+    ours, leader, found_at = search(dht, PotentialLeaders, "ours_rival", rival)
+    assert leader == rival
+    # declared at 0.5 s: the next lookup starts at most one interval later, and a lookup takes well under a second
+    assert found_at < 0.5 + WINDOW / LOOKUPS_PER_WINDOW + 1.0
+
+
+class PacedTracker(PacedReports, ProgressTracker):
+    """hivemind's progress tracker with our paced reports (as the swarm optimizer's trackers have them)."""
+
+
+def stores_while_reporting(dht: hivemind.DHT, tracker_class: type, seconds: float = 2.0, last_lands: bool = False
+                           ) -> tuple[int, int]:
+    """A tracker's progress stores while its peer reports every 10 ms (a fast micro-batch) for ``seconds``, and the
+    number of reports. ``last_lands``: also wait until the DHT holds the last report (hivemind's own tracker, its
+    stores queued in the DHT's process, had not stored it 6 s later)."""
+    stores, store = [], dht.store
+
+    def counted(*args, **kwargs):
+        if kwargs.get("key", args[0] if args else None) == tracker.training_progress_key:
+            stores.append(time.monotonic())
+        return store(*args, **kwargs)
+
+    tracker = tracker_class(dht, tracker_class.__name__, 10 ** 6, private_key=RSAPrivateKey(), start=True)
+    try:
+        dht.store = counted
+        samples, started = 0, time.monotonic()
+        while time.monotonic() < started + seconds:
+            samples += 8
+            tracker.report_local_progress(0, samples)
+            time.sleep(0.01)
+        count = len([at for at in stores if at <= started + seconds])
+
+        def recorded() -> Optional[int]:
+            entry = dht.get(tracker.training_progress_key, latest=True)
+            records = entry.value.values() if entry is not None else ()
+            return max((record.value["samples_accumulated"] for record in records), default=None)
+
+        if last_lands:
+            wait_until(lambda: recorded() == samples, 2 * REPORT_INTERVAL + 5, "the last report in the DHT",
+                       interval=0.1)
+        return count, samples
+    finally:
+        del dht.store
+        tracker.shutdown()
+
+
+def test_progress_is_stored_at_most_once_per_interval_and_the_last_report_lands(dht):
+    ours, _ = stores_while_reporting(dht, PacedTracker, last_lands=True)  # first: hivemind's stores queue up
+    hivemind_stores, samples = stores_while_reporting(dht, ProgressTracker)
+    assert hivemind_stores > samples / 8 / 4  # one store per report (of 8 samples) on this box
+    assert ours <= 2.0 / REPORT_INTERVAL + 1
