@@ -1,9 +1,12 @@
-"""lean_transformer.swarm.averaging.exclusion: a peer that A excludes is in none of the groups A forms.
+"""lean_transformer.swarm.averaging.exclusion: a peer that A excludes is in none of the groups A forms; and a peer
+that only serves a round (weight 0) judges none of its reducers.
 
 Run as a script, this file is one variant, in its own process: two peers on 127.0.0.1, A and B, each a DHT and the
 swarm's gradient averager under CenteredClip, average twice: first with B leading (B's round is scheduled before
 A's: hivemind's followers ask the leaders that declared an earlier time), then with A leading. Variant ``excluded``:
-A has excluded B (three strikes) before its averager starts. Variant ``control``: A has not.
+A has excluded B (three strikes) before its averager starts. Variant ``control``: A has not. Variant
+``weightless``: A's values are 1 and B's -1; A averages with weight 0 and B with weight 1 (A's share is answered
+with B's values alone), then both with weight 0 (the reducers answer zeros, honestly).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
     env = dict(os.environ, **preloaded.PEER_ENV)
     processes = {variant: preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=env)
-                 for variant in ("control", "excluded")}
+                 for variant in ("control", "excluded", "weightless")}
     results = {}
     for variant, process in processes.items():
         try:
@@ -42,11 +45,16 @@ def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
     # excluded: no group in either order; A's values stay its own (1.0). Refusing B's requests alone is not enough:
     # a leader that found no follower looks for a leader itself (seen here: A joined B in both rounds)
     assert excluded == {"b_leads": [None, 1.0], "a_leads": [None, 1.0]}, excluded
+    # weightless: both rounds average the pair, and nobody is judged (before the fix: the zeros of the second round
+    # were rejected as a gross lie, "|average| is 0 x |own values|", which excludes the reducer at once)
+    assert results["weightless"] == {"group_sizes": [2, 2], "answers_rejected": []}, results["weightless"]
     report("A excludes B: no group formed, whether B's round was scheduled first (B leads) or A's (A leads, then "
            "looks for a leader itself); control without exclusion: both rounds averaged A and B")
 
 
 def main(variant: str) -> None:
+    if variant == "weightless":
+        return main_weightless()
     import hivemind
     import torch
     from hivemind.utils import get_dht_time
@@ -89,6 +97,42 @@ def main(variant: str) -> None:
     print(json.dumps(result), flush=True)
     for each in (a, b, dht_a, dht_b):
         each.shutdown()
+
+
+def main_weightless() -> None:
+    import tempfile
+
+    import hivemind
+    import torch
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.averagers import GradientAverager
+    from lean_transformer.swarm.monitoring.events import open_events, read_events
+
+    events = Path(tempfile.mkdtemp()) / "events.jsonl"
+    open_events(events, "trainer")  # before the averagers' processes start: they write here too
+    maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    dht_a = hivemind.DHT(start=True, host_maddrs=maddrs)
+    dht_b = hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dht_a.get_visible_maddrs())
+    params = [torch.nn.Parameter(torch.zeros(2048)) for _ in range(2)]  # over answer_check's MIN_CHECKED
+    a, b = (GradientAverager([param], dht=dht, prefix="weightless", target_group_size=2, min_matchmaking_time=2.0,
+                             request_timeout=1.0, allreduce_timeout=10, aggregation="centered_clip", start=True)
+            for param, dht in zip(params, (dht_a, dht_b)))
+    time.sleep(1.0)  # the DHTs know each other
+    group_sizes = []
+    for weights in ((0.0, 1.0), (0.0, 0.0)):
+        for peer, param, value in ((a, params[0], 1.0), (b, params[1], -1.0)):
+            param.grad = torch.full_like(param, value)
+            peer.accumulate_grads_(batch_size=1)
+        start = get_dht_time() + 2.0
+        steps = [peer.step(weight=weight, scheduled_time=start + gap, timeout=10, wait=False)
+                 for peer, weight, gap in ((b, weights[1], 0.0), (a, weights[0], LEAD_GAP))]
+        group_sizes.append(len(steps[1].result(timeout=30)))
+        steps[0].result(timeout=30)
+    for each in (a, b, dht_a, dht_b):
+        each.shutdown()
+    rejected = [event["reason"] for event in read_events(events, "answer_rejected")]
+    print(json.dumps({"group_sizes": group_sizes, "answers_rejected": rejected}), flush=True)
 
 
 if __name__ == "__main__":

@@ -223,8 +223,11 @@ class CheckedParts(TensorPartContainer):
     gross_only: bool = False  # only the gross check (gross_problem), as every DiLoCo peer that does not check does
     gross_ratio: float = GROSS_RATIO
     drop_gross: bool = False  # a share that fails the gross check: zeros, and the round goes on (DiLoCo)
+    weightless: bool = False  # this peer only serves the round (weight 0): it checks nothing and learns nothing
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        if self.weightless:
+            return super().register_processed_part(peer_index, part_index, part)
         if peer_index == self.own_index:
             self._learn(peer_index, part_index, part)
         if peer_index == self.own_index or self.unchecked:
@@ -306,7 +309,16 @@ class ChecksAnswers:
     bound ``gross_ratio``. A gross lie excludes its reducer at once (a strike counts 1 of 3 otherwise): no honest
     average comes near, and every honest member of the group sees it, so they all leave the liar out of their next
     groups together instead of over 3 rounds. ``drop_gross`` (DiLoCo): such a share is taken as zeros, and the round
-    goes on: every member takes the same zeros, so their anchors stay one, and the other shares' averages count."""
+    goes on: every member takes the same zeros, so their anchors stay one, and the other shares' averages count.
+
+    ``judges_weightless`` (class attribute): whether a peer whose own weight in the round is 0 checks too. Not in
+    gradient averaging (:class:`~.robust.CenteredClipAllReduceRunner`): such a peer only serves a round it left (a
+    cancelled round, :mod:`..hivemind_fixes.averagers`) and keeps its own values, and the average owes nothing to
+    them. A 2-trainer run ended with both trainers' last rounds cancelled as they left, the reducers answering the
+    zeros of a group without weight, and one trainer excluding the other as a gross liar
+    (``tests/test_exclusion.py``, variant ``weightless``)."""
+
+    judges_weightless = True
 
     def __init__(self, *args: Any, answer_norms: Optional[Dict[Hashable, float]] = None,
                  replace_excluded: bool = True, max_ratio: float = MAX_RATIO, min_cosine: float = 0.0,
@@ -318,6 +330,7 @@ class ChecksAnswers:
         container.replace_excluded, container.max_ratio, container.min_cosine = replace_excluded, max_ratio, min_cosine
         container.gross_only, container.gross_ratio, container.drop_gross = gross_only, gross_ratio, drop_gross
         container.own_index, container.held = self.ordered_peer_ids.index(self.peer_id), {}
+        container.weightless = self.weight == 0 and not self.judges_weightless
         learned = {} if answer_norms is None else answer_norms
         container.reference, container.learned, container.sums = dict(learned), learned, {}
         container.on_rejected, container.is_excluded = self._rejected, self._excluded

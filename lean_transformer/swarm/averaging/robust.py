@@ -317,7 +317,10 @@ class CenteredClipReduction:
 
 
 class CenteredClipAllReduceRunner(ChecksAnswers, CenteredClipReduction, AllReduceRunner):
-    """hivemind's all-reduce with CenteredClip reducers and checked answers (:mod:`.answer_check`)."""
+    """hivemind's all-reduce with CenteredClip reducers and checked answers (:mod:`.answer_check`; not by a peer
+    that only serves the round with weight 0)."""
+
+    judges_weightless = False
 
 
 class Aggregated(RefusesExcluded):
