@@ -20,7 +20,7 @@ peers:
   report per :data:`REPORT_INTERVAL`, always the latest.
 
 Together (2 tiny trainers, 20 epochs, this 2-core box): the trainers' CPU, their DHT and averager processes
-included, fell from 128 s to 79 s. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces its
+included, fell from 128 s to 73 s. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces its
 ``_update_queue_periodically`` and its progress reporter (neither in its master, checked 2026-11-29).
 """
 from __future__ import annotations
