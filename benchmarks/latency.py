@@ -69,6 +69,21 @@ async def delay_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         reading.cancel()
 
 
+def no_delay(*writers: asyncio.StreamWriter) -> bool:
+    """Turn Nagle's algorithm off on each writer's connection; False (each one closed) if one of them is already gone:
+    a client that connects and resets at once (hivemind's dialer, a peer killed mid-connect) leaves its transport
+    closed by the time the relay's handler runs, and setsockopt then raises EBADF, which asyncio logs as an
+    "Unhandled exception in client_connected_cb" traceback (``tests/test_latency_relay.py``)."""
+    try:
+        for writer in writers:
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return True
+    except OSError:
+        for writer in writers:
+            writer.close()
+        return False
+
+
 async def relay(listen: Tuple[str, int], target: Tuple[str, int], delay: float) -> asyncio.AbstractServer:
     async def handle(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
@@ -76,8 +91,8 @@ async def relay(listen: Tuple[str, int], target: Tuple[str, int], delay: float) 
         except OSError:
             client_writer.close()
             return
-        for writer in (client_writer, target_writer):
-            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not no_delay(client_writer, target_writer):
+            return
         lines = [asyncio.ensure_future(delay_line(client_reader, target_writer, delay)),
                  asyncio.ensure_future(delay_line(target_reader, client_writer, delay))]
         try:  # both directions to their end, or both cut at the first error
@@ -94,7 +109,8 @@ async def relay(listen: Tuple[str, int], target: Tuple[str, int], delay: float) 
 
 async def echo(listen: Tuple[str, int]) -> asyncio.AbstractServer:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not no_delay(writer):
+            return
         try:
             while data := await reader.read(CHUNK):
                 writer.write(data)
