@@ -52,30 +52,46 @@ def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
            "looks for a leader itself); control without exclusion: both rounds averaged A and B")
 
 
-def main(variant: str) -> None:
-    if variant == "weightless":
-        return main_weightless()
+def two_dhts() -> tuple:
+    """A's DHT and B's, which joins through A's."""
     import hivemind
-    import torch
-    from hivemind.utils import get_dht_time
-
-    from lean_transformer.swarm.averaging.averagers import GradientAverager
-    from lean_transformer.swarm.averaging.exclusion import Exclusions
 
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
     dht_a = hivemind.DHT(start=True, host_maddrs=maddrs)
-    dht_b = hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dht_a.get_visible_maddrs())
+    return dht_a, hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dht_a.get_visible_maddrs())
+
+
+def start_averagers(dhts: tuple, prefix: str, exclusions_of_a=None) -> tuple:
+    """A's and B's parameters (2048 zeros each: over answer_check's MIN_CHECKED) and their gradient averagers under
+    CenteredClip, started and known to each other's DHTs; ``exclusions_of_a``: A's exclusions."""
+    import torch
+
+    from lean_transformer.swarm.averaging.averagers import GradientAverager
+
+    params = [torch.nn.Parameter(torch.zeros(2048)) for _ in dhts]
+    averagers = tuple(GradientAverager([param], dht=dht, prefix=prefix, target_group_size=2, min_matchmaking_time=2.0,
+                                       request_timeout=1.0, allreduce_timeout=10, aggregation="centered_clip",
+                                       exclusions=exclusions_of_a if index == 0 else None, start=True)
+                      for index, (param, dht) in enumerate(zip(params, dhts)))
+    time.sleep(1.0)  # the DHTs know each other
+    return params, averagers
+
+
+def main(variant: str) -> None:
+    if variant == "weightless":
+        return main_weightless()
+    import torch
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.exclusion import Exclusions
+
+    dht_a, dht_b = two_dhts()
     exclusions = Exclusions(strikes=3, window=10)
     if variant == "excluded":
         for _ in range(3):
             exclusions.begin_round()
             exclusions.strike(dht_b.peer_id.to_base58(), "a test's strike")
-    params = [torch.nn.Parameter(torch.zeros(2048)) for _ in range(2)]  # over answer_check's MIN_CHECKED
-    a, b = (GradientAverager([param], dht=dht, prefix="exclusion", target_group_size=2, min_matchmaking_time=2.0,
-                             request_timeout=1.0, allreduce_timeout=10, aggregation="centered_clip",
-                             exclusions=exclusions if dht is dht_a else None, start=True)
-            for param, dht in zip(params, (dht_a, dht_b)))
-    time.sleep(1.0)  # the DHTs know each other
+    params, (a, b) = start_averagers((dht_a, dht_b), "exclusion", exclusions)
     result = {}
     for name, leader, follower in (("b_leads", b, a), ("a_leads", a, b)):
         for peer, param, value in ((a, params[0], 1.0), (b, params[1], 0.0)):
@@ -102,23 +118,15 @@ def main(variant: str) -> None:
 def main_weightless() -> None:
     import tempfile
 
-    import hivemind
     import torch
     from hivemind.utils import get_dht_time
 
-    from lean_transformer.swarm.averaging.averagers import GradientAverager
     from lean_transformer.swarm.monitoring.events import open_events, read_events
 
     events = Path(tempfile.mkdtemp()) / "events.jsonl"
     open_events(events, "trainer")  # before the averagers' processes start: they write here too
-    maddrs = ["/ip4/127.0.0.1/tcp/0"]
-    dht_a = hivemind.DHT(start=True, host_maddrs=maddrs)
-    dht_b = hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dht_a.get_visible_maddrs())
-    params = [torch.nn.Parameter(torch.zeros(2048)) for _ in range(2)]  # over answer_check's MIN_CHECKED
-    a, b = (GradientAverager([param], dht=dht, prefix="weightless", target_group_size=2, min_matchmaking_time=2.0,
-                             request_timeout=1.0, allreduce_timeout=10, aggregation="centered_clip", start=True)
-            for param, dht in zip(params, (dht_a, dht_b)))
-    time.sleep(1.0)  # the DHTs know each other
+    dht_a, dht_b = two_dhts()
+    params, (a, b) = start_averagers((dht_a, dht_b), "weightless")
     group_sizes = []
     for weights in ((0.0, 1.0), (0.0, 0.0)):
         for peer, param, value in ((a, params[0], 1.0), (b, params[1], -1.0)):
