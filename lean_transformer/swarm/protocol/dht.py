@@ -21,6 +21,7 @@ from lean_transformer.swarm.auth.authorizer import make_authorizer
 from lean_transformer.swarm.auth.keys import load_identity_key
 from lean_transformer.swarm.hivemind_fixes.dht_rejoin import keep_neighbours
 from lean_transformer.swarm.hivemind_fixes.dht_shutdown import QuietShutdownDHT
+from lean_transformer.swarm.hivemind_fixes.record_checks import RememberedChecks
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.protocol.settings import NetworkSettings
@@ -55,7 +56,7 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
             client_mode=network.client_mode,
             use_relay=network.use_relay,
             use_auto_relay=network.use_auto_relay,
-            record_validators=record_validators,
+            record_validators=[RememberedChecks(record_validators)],
             authorizer=authorizer,
             start=False,
         )
