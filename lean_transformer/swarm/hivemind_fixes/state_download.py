@@ -23,24 +23,31 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
   of a DHT store (a few ms on loopback, seconds on a loaded or slow peer) the swarm has no donor. A newcomer that
   looks then joins without the swarm's state and trains on its own until its first step notices (seen once in CI: a
   late peer joined at its local epoch 1, the swarm being at 3). A donor that shuts down leaves its entry behind.
+- **One failed hand-over stops a donor serving for good.** The host thread that hands a snapshot to the averager
+  marks its future done, then pickles the tensors into shared memory; when that fails (torch's shared-memory manager
+  timed out on a starved box, ``benchmarks/internet.py`` at 16 DiLoCo trainers), it sets an exception on the done
+  future, which raises ``InvalidStateError`` out of the thread: the peer still declares itself a donor and never
+  serves again, and every downloader that asks it waits out its timeout.
 - **Nothing is validated.** A state of another shape (a peer with another ``--min_8bit_size``), dtype, or with NaN in
   it is loaded as is, or fails deep inside ``load_state_dict``; ``hivemind.Optimizer.load_state_from_peers`` then
   retries forever without saying why.
 
 Here a donor's entry outlives its next re-declaration by one period, and a donor that leaves takes it off; the
 server takes its snapshot under the optimizer's lock, never between an epoch's label and its step (it waits for the
-step, within the downloader's patience), and sends copies with their count; the receiver tries peers in
+step, within the downloader's patience), and sends copies with their count, put in shared memory before the
+hand-over (a failure there fails that download alone); the receiver tries peers in
 hivemind's order, each with fresh metadata, and checks every state against its own layout (count, shapes, dtypes,
 optimizer structure, finite values, epoch) before it touches the model or optimizer, then with the trainer's own
 check of what the state's parameters are worth (``download_check``, see
 :mod:`lean_transformer.swarm.averaging.state_check`; hivemind has none). A bad state is logged in one line and the
 next peer is tried; no peer with a fitting state leaves the receiver where it was, within the
 download's bound. Reproduced by ``tests/test_state_download.py`` (peers serving truncated, reshaped, NaN, wrongly
-typed, oversized and foreign-structured states, a peer that steps while it serves, and one asked for its state
-while its epoch's step waits behind a parameter round) and
+typed, oversized and foreign-structured states, a peer that steps while it serves, one asked for its state
+while its epoch's step waits behind a parameter round, and one whose first hand-over fails) and
 ``tests/test_state_declaration.py`` (the gap and the leaving donor, against hivemind's own averager). Drop when
 hivemind checks a downloaded state's length, ends a cut stream with an error, overlaps its declarations, unlists a
-leaving donor and moves the epoch with its step (not fixed in 1.1.12).
+leaving donor, moves the epoch with its step and keeps serving after a failed hand-over (not fixed in 1.1.12, nor
+in its master, checked 2026-11-29).
 """
 from __future__ import annotations
 
@@ -251,7 +258,9 @@ class ValidatedStateSharing:
                 gate_open = self.serve_gate is None or self.serve_gate.is_set() or time.monotonic() >= gate_deadline
                 if gate_open and self._epoch_stepped.is_set():
                     metadata, tensors, infos = super().get_current_state()
-                    tensors = [tensor.clone() for tensor in tensors]
+                    # in shared memory here, where a failure is an error for this download only (see the module
+                    # docstring: hivemind's serving thread dies of one that happens as it hands the state over)
+                    tensors = [tensor.clone().share_memory_() for tensor in tensors]
                     break
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"epoch {self.local_epoch}'s optimizer step did not end within {patience:g} s")
@@ -261,14 +270,16 @@ class ValidatedStateSharing:
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """Executed in the averager's process: hivemind's, except that a snapshot this peer cannot take within the
-        downloader's patience (:meth:`get_current_state`) ends the stream with one line (the downloader tries the
-        next donor). hivemind's RPC handler logged it as an ERROR traceback, which benchmarks/internet.py counts as
-        a crash (one of 17 trainers)."""
+        downloader's patience (:meth:`get_current_state`), or could not hand over (torch's shared memory), ends the
+        stream with one line (the downloader tries the next donor). hivemind's RPC handler logged it as an ERROR
+        traceback, which benchmarks/internet.py counts as a crash (one of 17 trainers)."""
         try:
             async for message in super().rpc_download_state(request, context):
                 yield message
         except TimeoutError as error:
             logger.info(f"Did not serve this peer's state to {context.remote_id}: {error}")
+        except RuntimeError as error:
+            logger.warning(f"Did not serve this peer's state to {context.remote_id}: {error}")
 
     def _local_layout(self) -> StateLayout:
         with torch.no_grad(), self.lock_averaged_tensors:
