@@ -25,7 +25,8 @@ that the swarm code uses explicitly.
 - :mod:`.state_download`: a state download cut short passes for a whole one (then ``IndexError`` kills the
   receiver), metadata leaks from one peer to the next, served states can tear while the server steps or carry the
   next epoch's label on the parameters before its step, and nothing is validated, so a misfitting state makes a
-  newcomer retry forever. Reproduced by ``tests/test_state_download.py``. Drop when hivemind validates downloads,
+  newcomer retry forever; and one failed hand-over of a snapshot (torch's shared memory) kills the donor's
+  serving thread. Reproduced by ``tests/test_state_download.py``. Drop when hivemind validates downloads,
   reports cut streams and moves the epoch with its step (not in 1.1.12).
 - :mod:`.stream_answers`: when a handler of a streamed request answers before reading it all (an averager refusing
   a tensor part), hivemind closes the stream with the caller's data unread, p2pd resets it and the answer is lost:
