@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Optional
 
@@ -20,7 +21,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
-from lean_transformer.swarm.hivemind_fixes.dht_pacing import LOOKUPS_PER_WINDOW, REPORT_INTERVAL, PacedReports
+from lean_transformer.swarm.hivemind_fixes.dht_pacing import (LOOKUPS_PER_WINDOW, REPORT_INTERVAL,
+                                                               SWARM_REPORTS_PER_SECOND, PacedReports)
 from lean_transformer.swarm.peers.processes import wait_until
 
 WINDOW = 2.0  # the matchmaking time, seconds
@@ -93,11 +95,20 @@ class PacedTracker(PacedReports, ProgressTracker):
     """hivemind's progress tracker with our paced reports (as the swarm optimizer's trackers have them)."""
 
 
+class SwarmOf(PacedTracker):
+    """A paced tracker that reads ``SwarmOf.peers`` peers in the swarm, whatever its DHT holds."""
+
+    peers = 1
+
+    def _parse_swarm_progress_data(self, metadata):
+        return dataclasses.replace(super()._parse_swarm_progress_data(metadata), num_peers=self.peers)
+
+
 def stores_while_reporting(dht: hivemind.DHT, tracker_class: type, seconds: float = 2.0, last_lands: bool = False
                            ) -> tuple[int, int]:
     """A tracker's progress stores while its peer reports 8 more samples every 10 ms (a fast micro-batch) for
-    ``seconds``, and the samples reported. ``last_lands``: also wait until the DHT holds the last report (hivemind's own tracker, its
-    stores queued in the DHT's process, had not stored it 6 s later)."""
+    ``seconds``, and the samples reported. ``last_lands``: also wait until the DHT holds the last report (hivemind's
+    own tracker, its stores queued in the DHT's process, had not stored it 6 s later)."""
     stores, store = [], dht.store
 
     def counted(*args, **kwargs):
@@ -134,3 +145,17 @@ def test_progress_is_stored_at_most_once_per_interval_and_the_last_report_lands(
     hivemind_stores, samples = stores_while_reporting(dht, ProgressTracker)
     assert hivemind_stores > samples / 8 / 4  # one store per report (of 8 samples) on this box
     assert ours <= 2.0 / REPORT_INTERVAL + 1
+
+
+def test_a_peer_of_a_large_swarm_reports_less_often():
+    """The swarm's reports all land on the progress key's few nodes: in a swarm of 32 a peer reports every 4 s."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        SwarmOf.peers = 4 * SWARM_REPORTS_PER_SECOND
+        large, _ = stores_while_reporting(dht, SwarmOf, seconds=6.0)
+        SwarmOf.peers = 1
+        small, _ = stores_while_reporting(dht, SwarmOf, seconds=6.0)
+    finally:
+        dht.shutdown()
+    assert large <= 6.0 / 4.0 + 1  # one report per 4 s, and the first
+    assert small >= 6.0 / REPORT_INTERVAL / 2, small  # one per 0.5 s (12), with room for a slow box

@@ -17,7 +17,8 @@ peers:
   ``report_local_progress``, i.e. every micro-batch: 5-8 stores per second for a tiny model on one CPU thread. Other
   peers read the records at most every ``min_refresh_period`` (hivemind's default 0.5 s, ours) and extrapolate
   them at the reported speed, so the records in between are overwritten unread. Here a tracker stores at most one
-  report per :data:`REPORT_INTERVAL`, always the latest.
+  report per :func:`report_interval`, always the latest: :data:`REPORT_INTERVAL`, longer in a swarm of more than
+  :data:`SWARM_REPORTS_PER_SECOND` / 2 peers, whose reports all land on the progress key's few DHT nodes.
 
 Together (2 tiny trainers, 20 epochs, this 2-core box): the trainers' CPU, their DHT and averager processes
 included, fell from 128 s to 73 s. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces its
@@ -39,6 +40,9 @@ from hivemind.utils.timed_storage import DHTExpiration
 
 LOOKUPS_PER_WINDOW = 4  # at most this many lookups of the group's averagers per matchmaking time, plus the first
 REPORT_INTERVAL = 0.5  # seconds between two progress reports of a peer: hivemind's default min_refresh_period
+# the whole swarm's reports per second, at most: 6 DiLoCo trainers on loopback stored 4.2 per second with 0.5 s
+# reports (their DHT processes 0.04 cores each), while 16 on this box's links waited 12-18 s for a lookup
+SWARM_REPORTS_PER_SECOND = 8.0
 
 
 class PacedLookups:
@@ -91,13 +95,23 @@ class PacedEvent(threading.Event):
         return True
 
 
+def report_interval(num_peers: int) -> float:
+    """Seconds between two progress reports of a peer in a swarm of ``num_peers``: others extrapolate a report at its
+    reported speed, so a longer interval costs them little accuracy, while the swarm's reports per second are what
+    the progress key's nodes serve."""
+    return max(REPORT_INTERVAL, num_peers / SWARM_REPORTS_PER_SECOND)
+
+
 class PacedReports:
     """Mixed in front of hivemind's ``ProgressTracker``: its reporter wakes for a report at most once per
-    :data:`REPORT_INTERVAL` (it then stores the latest one)."""
+    :func:`report_interval` of the swarm it last read (it then stores the latest one)."""
 
     @property
     def should_report_progress(self) -> PacedEvent:
-        return self.__dict__["_paced_report"]
+        event = self.__dict__["_paced_report"]
+        progress = self.__dict__.get("global_progress")  # hivemind sets it after the event
+        event.interval = report_interval(progress.num_peers if progress is not None else 1)
+        return event
 
     @should_report_progress.setter
     def should_report_progress(self, event: threading.Event) -> None:  # hivemind's __init__ sets a plain Event
