@@ -63,7 +63,8 @@ that the swarm code uses explicitly.
 - :mod:`.dht_pacing`: a matchmaking averager looks its group key up back to back for its whole window (366 lookups
   per second on loopback), and the progress tracker stores its record on every micro-batch; both keys live on the
   same few DHT nodes for the whole swarm. Here the lookups are paced to a few per window and the reports to one per
-  0.5 s (longer in a swarm of more than 4), the latest. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces both (not in its master).
+  0.5 s (longer in a swarm of more than 4), the latest. Reproduced by ``tests/test_dht_pacing.py``. Drop when
+  hivemind paces both (not in its master).
 - :mod:`.record_checks`: a DHT node verifies every signed record of every answer it gets (an RSA check and a schema
   check each), also in the node searches of its stores, which discard the values, and gets the same records again
   and again: 36% of a DHT process's samples in a 6-trainer DiLoCo swarm. Here the verdict on an exact record is

@@ -10,9 +10,10 @@ with py-spy in a DHT process of 6 tiny DiLoCo trainers on loopback: 36% of its s
 (26% for stores' node searches alone, whose values are discarded).
 
 :class:`RememberedChecks` wraps the node's validators and remembers the verdict on each exact record (key, subkey,
-value with its signature, expiration time) for the latest records, up to :data:`REMEMBERED_BYTES`. The verdict depends on those
-bytes alone (a signature and a schema check), so a remembered one is the one a new check would give; a validator
-added later (hivemind's optimizer adds its progress schema) joins the wrapped ones and clears what was remembered.
+value with its signature, expiration time), the latest records up to :data:`REMEMBERED_BYTES`. The verdict depends
+on those bytes alone (a signature and a schema check), so a remembered one is the one a new check would give; a
+validator added later (hivemind's optimizer adds its progress schema) joins the wrapped ones and clears what was
+remembered.
 Reproduced by ``tests/test_record_checks.py``. Drop when hivemind skips values it does not use and remembers
 checked records (neither in its master, checked 2026-11-29).
 """
