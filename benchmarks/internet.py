@@ -25,11 +25,11 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
 Reported (benchmarks/results/internet.json and a plot of peers alive / averaging / downloading over time), from the
 peers' event files: the DHT's connectivity (each trainer's progress events name the peers whose records it sees; per
 10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
-than one); per trainer the fraction of its epochs (DiLoCo: outer rounds) in which it averaged with at least one other
-peer; group sizes; newcomers' time from start to their first averaged round; state downloads (why, and their
-time) and DiLoCo catch-ups; bytes sent per sample (link counters); compute utilization, with the share of the wall
-time spent waiting for the swarm and the share of the compute time the training thread ran (on this shared box the
-rest went to other processes); RAM and CPU per peer;
+than one); per trainer the fraction of its epochs (DiLoCo: outer rounds; not those in flight when it left) in which it
+averaged with at least one other peer; group sizes; newcomers' time from start to their first averaged round; state
+downloads (why, and their time) and DiLoCo catch-ups; bytes sent per sample (link counters); compute utilization, with
+the share of the wall time spent waiting for the swarm and the share of the compute time the training thread ran (on
+this shared box the rest went to other processes); RAM and CPU per peer;
 crashes (peers not stopped on purpose that exited non-zero, or whose log holds a traceback).
 
 Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
@@ -352,6 +352,22 @@ def components(nodes: Sequence[str], edges: Dict[str, Sequence[str]]) -> int:
     return len({find(node) for node in nodes})
 
 
+def rounds_cut_by_leaving(stream: Sequence[dict], kind: str) -> int:
+    """A trainer's rounds of ended epochs that were still in flight when it left (the window's end, or churn): the
+    ``leaving`` misses of rounds that started before its last epoch began. With ``--outer_overlap`` a DiLoCo round's
+    all-reduce runs on into the next epoch, so the round is among the epochs ended but was neither averaged nor
+    missed while the peer was alive; a leaving miss of a round started later was the current epoch's, not counted."""
+    last_epoch = max((e["time"] for e in stream if e["event"] == "epoch"), default=-math.inf)
+    started, cut = -math.inf, 0
+    for event in stream:
+        if event["event"] == "round_started" and event.get("kind") == kind:
+            started = event["time"]
+        elif (event["event"] == "round_missed" and event.get("kind") == kind and event.get("reason") == "leaving"
+              and started < last_epoch):
+            cut += 1
+    return cut
+
+
 def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: int,
             args: argparse.Namespace) -> dict:
     kind = MAIN_KIND[mode]
@@ -400,7 +416,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         transitions = max(0, len(epochs) - 1)
         # an epoch label taken from the group is no round: the step to it was the group's averaged one
         labels = epoch_causes(stream).count("label")
-        rounds = max(transitions, len(averaged) + len(missed)) if kind == "outer" else transitions - labels
+        rounds = (max(transitions - rounds_cut_by_leaving(stream, kind), len(averaged) + len(missed))
+                  if kind == "outer" else transitions - labels)
         fraction = min(1.0, len(averaged) / rounds) if rounds else None
         progress_events = [e for e in stream if e["event"] == "progress"]
         last = progress_events[-1] if progress_events and progress_events[-1]["wall_seconds"] > 0 else None

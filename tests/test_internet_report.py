@@ -1,0 +1,40 @@
+"""benchmarks/internet.py's count of a DiLoCo trainer's rounds: a round still in flight when the trainer left is
+neither averaged nor missed, also when its epoch had ended (``--outer_overlap``). Event streams shaped like those of
+two trainers of a 16-trainer run (times in seconds)."""
+from __future__ import annotations
+
+from benchmarks.internet import rounds_cut_by_leaving
+
+
+def event(time: float, name: str, **fields) -> dict:
+    return dict(time=time, event=name, **fields)
+
+
+def overlapped_trainer(prescheduled_at_the_end: bool) -> list:
+    """Three epochs ended (rounds started just before each end), two rounds averaged during the next epoch, the
+    third in flight when the window closed; with ``prescheduled_at_the_end`` a fourth round was declared for the
+    epoch still running, and it is that one the trainer left."""
+    stream = [event(2190.7, "epoch", epoch=1)]
+    for started, ended, averaged in ((2208.8, 2225.7, 2305.5), (2307.5, 2317.1, 2378.4), (2379.9, 2380.0, None)):
+        stream += [event(started, "round_started", kind="outer"), event(ended, "epoch")]
+        if averaged is not None:
+            stream.append(event(averaged, "averaged", kind="outer", group_size=8))
+    if prescheduled_at_the_end:
+        stream.append(event(2405.0, "round_started", kind="outer"))
+    stream.append(event(2412.1, "round_missed", kind="outer", reason="leaving"))
+    return sorted(stream, key=lambda each: each["time"])
+
+
+def test_a_round_of_an_ended_epoch_cut_by_leaving_is_not_counted():
+    assert rounds_cut_by_leaving(overlapped_trainer(False), "outer") == 1  # the third of 3 ended epochs: 2 of 2
+
+
+def test_a_round_of_the_running_epoch_cut_by_leaving_was_never_counted():
+    assert rounds_cut_by_leaving(overlapped_trainer(True), "outer") == 0  # 2 of 3 ended epochs averaged
+
+
+def test_other_misses_and_other_kinds_are_counted():
+    stream = overlapped_trainer(False)
+    other_reason = [dict(each, reason="could not find a group") if each.get("reason") else each for each in stream]
+    assert rounds_cut_by_leaving(other_reason, "outer") == 0
+    assert rounds_cut_by_leaving(stream, "gradients") == 0
