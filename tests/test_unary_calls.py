@@ -110,7 +110,7 @@ def _run_side_by_side(*variants: str) -> list:
         finally:
             process.kill()
         assert process.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+        results.append(dict(json.loads(stdout.strip().splitlines()[-1]), stderr=stderr))
     return results
 
 
@@ -122,6 +122,10 @@ def test_a_call_cancelled_as_its_answer_arrives_leaves_the_peer_answering(report
     # when hivemind's reader survives this, this fails: drop unary_calls (see its docstring)
     assert upstream["reader"] == "InvalidStateError('invalid state')", upstream
     assert upstream["second"] == upstream["from_callee"] == "timed out", upstream
+    # the reader's end is one ERROR line of ours, not a silent deaf process
+    assert "p2p client stopped reading its daemon (InvalidStateError" in upstream.pop("stderr")
+    stderr = fixed.pop("stderr")
+    assert "ERROR" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert fixed == dict(first="cancelled", second="answer to second", from_callee="answer to from the callee",
                          reader="running"), fixed
     report(f"a call cancelled as its answer arrived: with hivemind's table of calls the reader died "

@@ -14,16 +14,20 @@ nobody, and its DHT then hung at shutdown.
 
 The fix: the table counts a call as pending only while its future is not done, which is what every branch of the
 reader asks before it sets a future, so an answer to a call that stopped waiting is dropped, as hivemind already
-does for one whose call has left the table. Reproduced by ``tests/test_unary_calls.py``. Drop when hivemind's reader
-skips answers to calls that are done.
+does for one whose call has left the table. And a reader that fails for any other reason says so in one ERROR line
+instead of leaving a deaf process behind without a word. Reproduced by ``tests/test_unary_calls.py``. Drop when
+hivemind's reader skips answers to calls that are done and reports its own failure.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, Coroutine
 
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
+logger = logging.getLogger(__name__)
 
 
 class PendingCalls(dict):
@@ -45,8 +49,26 @@ def _with_pending_calls(init: Callable[..., None]) -> Callable[..., None]:
     return init_with_pending_calls
 
 
+def _report_reader_failure(reader: asyncio.Task) -> None:
+    if not reader.cancelled() and reader.exception() is not None:
+        logger.error(f"This process's p2p client stopped reading its daemon ({reader.exception()!r}): from now on it "
+                     f"answers no peer's request and gets no answer to its own")
+
+
+def _with_watched_reader(connect: Callable[[ControlClient], Coroutine]) -> Callable[[ControlClient], Coroutine]:
+    @functools.wraps(connect)
+    async def connect_with_watched_reader(self: ControlClient) -> None:
+        await connect(self)
+        self._read_task.add_done_callback(_report_reader_failure)
+
+    connect_with_watched_reader.fixed = True
+    return connect_with_watched_reader
+
+
 def install() -> None:
     """Every p2p client this process (and the processes it forks later) creates keeps its calls in
-    :class:`PendingCalls` (idempotent)."""
+    :class:`PendingCalls` and reports a failure of its reader (idempotent)."""
     if not getattr(ControlClient.__init__, "fixed", False):
         ControlClient.__init__ = _with_pending_calls(ControlClient.__init__)
+    if not getattr(ControlClient._ensure_persistent_conn, "fixed", False):
+        ControlClient._ensure_persistent_conn = _with_watched_reader(ControlClient._ensure_persistent_conn)
