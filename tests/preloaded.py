@@ -301,6 +301,24 @@ def run(args: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = Non
     return subprocess.CompletedProcess(list(args), process.returncode, stdout, stderr)
 
 
+def run_side_by_side(script: str, variants: Sequence[str], timeout: float = 120) -> List[Tuple[dict, str]]:
+    """``python SCRIPT VARIANT`` for each of ``variants``, all at the same time, each in its own process with the
+    peers' environment: the JSON object each printed last, with its stderr. One that fails fails the test, with the
+    tail of its stderr."""
+    env = dict(os.environ, **PEER_ENV)
+    processes = [popen([sys.executable, script, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env=env) for variant in variants]
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        finally:
+            process.kill()
+        assert process.returncode == 0, stderr[-3000:]
+        results.append((json.loads(stdout.strip().splitlines()[-1]), stderr))
+    return results
+
+
 if __name__ == "__main__":
     import importlib
 

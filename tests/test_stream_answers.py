@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,18 +66,7 @@ async def _scenario(variant: str) -> dict:
 
 def _run_side_by_side(*variants: str) -> list:
     """Each variant's outcomes, the variants run at the same time, each in its own process."""
-    env = dict(os.environ, **preloaded.PEER_ENV)
-    processes = [preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env) for variant in variants]
-    results = []
-    for process in processes:
-        try:
-            stdout, stderr = process.communicate(timeout=120)
-        finally:
-            process.kill()
-        assert process.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
-    return results
+    return [result for result, _ in preloaded.run_side_by_side(__file__, variants)]
 
 
 @pytest.mark.swarm

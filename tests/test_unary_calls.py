@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -99,32 +97,17 @@ async def _scenario(variant: str) -> dict:
         thread.join(10)
 
 
-def _run_side_by_side(*variants: str) -> list:
-    env = dict(os.environ, **preloaded.PEER_ENV)
-    processes = [preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env) for variant in variants]
-    results = []
-    for process in processes:
-        try:
-            stdout, stderr = process.communicate(timeout=120)
-        finally:
-            process.kill()
-        assert process.returncode == 0, stderr[-3000:]
-        results.append(dict(json.loads(stdout.strip().splitlines()[-1]), stderr=stderr))
-    return results
-
-
 @pytest.mark.swarm
 @pytest.mark.timeout(200)
 def test_a_call_cancelled_as_its_answer_arrives_leaves_the_peer_answering(report):
-    upstream, fixed = _run_side_by_side("hivemind", "lean_transformer")
+    variants = preloaded.run_side_by_side(__file__, ("hivemind", "lean_transformer"))
+    (upstream, upstream_stderr), (fixed, stderr) = variants
     assert upstream["first"] == fixed["first"] == "cancelled", (upstream, fixed)
     # when hivemind's reader survives this, this fails: drop unary_calls (see its docstring)
     assert upstream["reader"] == "InvalidStateError('invalid state')", upstream
     assert upstream["second"] == upstream["from_callee"] == "timed out", upstream
     # the reader's end is one ERROR line of ours, not a silent deaf process
-    assert "p2p client stopped reading its daemon (InvalidStateError" in upstream.pop("stderr")
-    stderr = fixed.pop("stderr")
+    assert "p2p client stopped reading its daemon (InvalidStateError" in upstream_stderr
     assert "ERROR" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert fixed == dict(first="cancelled", second="answer to second", from_callee="answer to from the callee",
                          reader="running"), fixed
