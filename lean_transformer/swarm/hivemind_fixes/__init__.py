@@ -72,8 +72,8 @@ that the swarm code uses explicitly.
 - :mod:`.unary_calls`: a unary call cancelled while its answer arrives (a DHT request's timeout) makes the p2p
   client's one reader of the daemon's answers raise and stop, silently: the process then answers no DHT request and
   gets no answer (an aux peer that every trainer joined through went deaf as 16 trainers joined). Here an answer to
-  a call that stopped waiting is dropped. Reproduced by ``tests/test_unary_calls.py``. Drop when hivemind's reader
-  skips answers to calls that are done.
+  a call that stopped waiting is dropped, and a reader that fails otherwise says so in one ERROR line. Reproduced by
+  ``tests/test_unary_calls.py``. Drop when hivemind's reader skips answers to calls that are done.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
