@@ -441,7 +441,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
             first = averaged[0]["time"] - slot.started if averaged else None
             newcomers.append({"name": slot.name, "seconds_to_first_average": first,
                               "epochs_before_first_average": (sum(e["time"] < averaged[0]["time"] for e in epochs[1:])
-                                                              if averaged else None)})
+                                                              if averaged else None),
+                              "seconds_to_state": got[0].get("seconds") if got else None})  # its join download
         alive = (slot.stopped or stop) - (slot.started or start)
         per_trainer.append({
             "name": slot.name, "nat": slot.nat, "cores": round(slot.cores, 3), "rate_mbit": slot.rate_mbit,
@@ -561,6 +562,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
     tables = []
     for r in results:
         newcomer = [n["seconds_to_first_average"] for n in r["newcomers"]]
+        to_state = [None if n.get("seconds_to_state") is None else round(n["seconds_to_state"], 1)
+                    for n in r["newcomers"]]
         tables.append({
             "title": f"{r['mode']}: {r['trainers']} trainers + aux, {r['seconds']:.0f} s window",
             "columns": COLUMNS, "rows": r["rows"],
@@ -572,8 +575,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s), "
                       f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history "
                       f"({sum(r.get('catch_up_failures', {}).values())} failed); "
-                      f"newcomers' seconds to first "
-                      f"average {newcomer}; {r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
+                      f"newcomers' seconds to their state {to_state} and to their first average {newcomer}; "
+                      f"{r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
                       f"utilization {r['utilization_mean']:.1%} (waiting for the swarm "
                       f"{r.get('waiting_mean', math.nan):.1%}; the rest is the box's: data, logging, and the "
                       f"training thread ran {r.get('compute_cpu_share_mean', math.nan):.0%} of its compute time); "
