@@ -626,20 +626,29 @@ def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_wi
 @pytest.mark.swarm
 def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_fingerprint(tmp_path, report):
     """With overlap, a and b send round 1 in the background; a serves its outer state to c (a newcomer); all three
-    then end rounds 2 and 3. Served as before, once the all-reduce was over but with its step applied only when
-    round 2 ended, the state was one outer step behind: c sent an outdated fingerprint with round 2, lost the
-    group's vote and had to download again. Now a applies the step as soon as the all-reduce is over
+    then end rounds 2 and 3. Dense rounds: served as before, once the all-reduce was over but with its step applied
+    only when round 2 ended, the state was one outer step behind: c sent an outdated fingerprint with round 2, lost
+    the group's vote and had to download again. Now a applies the step as soon as the all-reduce is over
     (OuterLoop.apply_finished, between two local steps), and a state asked for while the round is in flight waits
     for that (OuterLoop.settled): c sends the swarm's fingerprint, and the three anchors are bit-identical after
-    round 2; b, which applied the step only at its end of round 2, holds the same anchor."""
-    results = peer_results(tmp_path, ["deferred", "applied"])
-    deferred, applied = results["deferred"], results["applied"]
+    round 2; b, which applied the step only at its end of round 2, holds the same anchor. Top-k rounds: a serves at
+    once, while round 1 is in flight (waiting made a newcomer's first download wait up to a round's time); c loads
+    the state from before round 1's step and replays that step from a groupmate's history in round 2."""
+    results = peer_results(tmp_path, ["deferred", "applied", "at_once"])
+    deferred, applied, at_once = results["deferred"], results["applied"], results["at_once"]
     assert [deferred[name]["behind"] for name in "abc"] == [False, False, True], deferred
     assert [applied[name]["behind"] for name in "abc"] == [False, False, False], applied
     assert [applied[name]["group_size"] for name in "abc"] == [3, 3, 3], applied
     assert applied["a"]["anchor"] == applied["b"]["anchor"] == applied["c"]["anchor"]
+    assert applied["c"]["loaded_steps"] == 1, applied
+    assert at_once["c"]["loaded_steps"] == 0, at_once  # served before round 1's step
+    assert [at_once[name]["caught_up"] for name in "abc"] == [[], [], [1]], at_once
+    assert [at_once[name]["behind"] for name in "abc"] == [False, False, False], at_once
+    assert [at_once[name]["group_size"] for name in "abc"] == [3, 3, 3], at_once
+    assert at_once["a"]["anchor"] == at_once["b"]["anchor"] == at_once["c"]["anchor"]
     report("newcomer c loaded a's state after a's round 1 was over: served before the step applied, c was behind "
-           "its group after round 2; with the step applied at once, all three in step, anchors bit-identical")
+           "its group after round 2; with the step applied at once, all three in step, anchors bit-identical; "
+           "top-k rounds: served while round 1 was in flight, c replayed its step from a's history, all three in step")
 
 
 @pytest.mark.swarm
@@ -852,42 +861,52 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     """A peer of the newcomer test: a and b (overlap) send round 1 at T; a serves its outer state: as before
     (``deferred``) once that round's all-reduce is over, its step not applied yet; or (``applied``) asked while the
     round is in flight, once its step is applied (``OuterLoop.settled``), which it is as soon as the all-reduce is
-    over. c loads it; all end round 2 at T + 8 s and round 3 at T + 16 s. Prints whether the peer's outer state lost
-    its group's vote in round 2 (``behind``)."""
+    over; or (``at_once``, top-k rounds) asked while the round is in flight, at once. c loads it; all end round 2 at
+    T + 8 s and round 3 at T + 16 s. Prints whether the peer's outer state lost its group's vote in round 2
+    (``behind``) and the outer steps it replayed from a groupmate's history (``caught_up``)."""
     from hivemind.utils import get_dht_time
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
 
     dht = start_dht(role)
-    served = Path(os.environ["RENDEZVOUS"]) / "served.pt"
+    rendezvous = Path(os.environ["RENDEZVOUS"])
+    served, events = rendezvous / "served.pt", rendezvous / f"{name}.events.jsonl"
+    open_events(events, role="trainer")
     start = common_time(role)
-    weight = torch.nn.Parameter(torch.full((3,), 1.0))
+    sparse = mode == "at_once"
+    weight = torch.nn.Parameter(torch.full((SPARSE_SIZE if sparse else 3,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_newcomer", [weight.shape], matchmaking_time=MATCHMAKING,
-                                      allreduce_timeout=10.0)
-    rounds = OuterLoop(outer, averager, overlap=True)
+                                      allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION if sparse else None)
+    rounds = OuterLoop(outer, averager, overlap=True, switch_branches=sparse)  # as SwarmOptimizer sets them
+    loaded_steps = None
     if name == "c":
         wait_until(served.exists, timeout=60, what="a's served state", interval=0.05)
         outer.load_state_tensors(torch.load(served))
+        loaded_steps = int(outer.steps)
     else:
         time.sleep(max(0.0, start - get_dht_time()))
         with torch.no_grad():
-            weight.sub_({"a": 0.5, "b": 0.25}[name])
+            weight.sub_(sparse_delta(name, 0) if sparse else {"a": 0.5, "b": 0.25}[name])
         rounds.add_samples(4)
         rounds.end_round()  # sends round 1
 
         def serve() -> None:  # as a donor's serving thread does (ValidatedStateSharing.get_current_state)
-            if mode == "applied":
+            if mode != "deferred":
                 assert rounds.settled.wait(30)  # SwarmOptimizer's serve_gate
             torch.save([tensor.clone() for tensor in outer.state_tensors()], served.with_suffix(".tmp"))
             served.with_suffix(".tmp").rename(served)
 
         if name == "a":
             server = threading.Thread(target=serve)
-            if mode == "applied":  # asked while round 1 is in flight
+            if mode != "deferred":  # asked while round 1 is in flight
                 server.start()
+            if mode == "at_once":
+                server.join(30)
+                assert not rounds.finished_in_background(), "round 1 was over before the state was served"
             wait_until(rounds.finished_in_background, timeout=30, what="round 1's all-reduce", interval=0.05)
-            if mode == "applied":
+            if mode != "deferred":
                 rounds.apply_finished()  # as SwarmOptimizer.step does between two local steps
             else:
                 server.start()
@@ -895,12 +914,15 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     group_sizes, behind = [], False
     for index, end in enumerate([start + 8.0, start + 16.0]):
         with torch.no_grad():
-            weight.sub_(0.125 * (index + 1))
+            weight.sub_(sparse_delta(name, index + 1) if sparse else 0.125 * (index + 1))
         rounds.add_samples(4)
         time.sleep(max(0.0, end - get_dht_time()))
         group_sizes.append(rounds.end_round())
         behind = behind or rounds.behind
-    print(json.dumps(dict(group_size=group_sizes[-1], behind=behind, anchor=outer.anchor[0].tolist())), flush=True)
+    close_events()
+    caught_up = [event["rounds"] for event in read_events(events, "outer_caught_up")]
+    print(json.dumps(dict(group_size=group_sizes[-1], behind=behind, loaded_steps=loaded_steps, caught_up=caught_up,
+                          anchor=hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest())), flush=True)
     rounds.cancel_rounds()
     averager.shutdown()
     dht.shutdown()
@@ -976,7 +998,7 @@ if __name__ == "__main__":
         partial_round_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] == "sparse":
         sparse_peer(sys.argv[1], sys.argv[3])
-    elif sys.argv[2] in ("deferred", "applied"):
+    elif sys.argv[2] in ("deferred", "applied", "at_once"):
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "released"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -639,7 +639,9 @@ class OuterLoop:
     ``switch_branches`` (top-k rounds, whose averages groupmates keep in their histories): keep a copy of the outer
     state from before the last outer step (8 bytes per parameter of host memory, beside the 8 of the outer state),
     so that a peer whose group converged on another branch of the same round goes back to it and replays the
-    group's step from a groupmate's history instead of downloading the whole state (:meth:`_catch_up`).
+    group's step from a groupmate's history instead of downloading the whole state (:meth:`_catch_up`). Such a
+    peer also serves its state while a round it sent is in flight (:attr:`settled`): a newcomer that loads it one
+    outer step behind replays the step from its first group's histories.
     """
 
     def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False,
@@ -661,8 +663,8 @@ class OuterLoop:
         self._unsent: Optional[tuple] = None  # overlap: (progress, samples) of a failed round, to fold into the next
         self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
         self._released: List[Any] = []  # rounds left to their groups (_release) that may still run
-        # set while no round this peer sent awaits its outer step (and no caller holds it clear: unsettled): the
-        # outer state it would serve is the swarm's
+        # set while no caller holds it clear (unsettled) and, unless switch_branches, no round this peer sent awaits
+        # its outer step: the outer state it would serve is one a newcomer can go on from (SwarmOptimizer's serve gate)
         self.settled = threading.Event()
         self.settled.set()
         self._held = False
@@ -707,14 +709,20 @@ class OuterLoop:
             self._update_settled()
 
     def _update_settled(self) -> None:
-        if not self._held and self._pending is None:
+        if not self._held and (self._pending is None or self.switch_branches):
             self.settled.set()
 
     def _start_round(self, deltas: Sequence[torch.Tensor], samples: int, tag: list) -> Any:
-        """Send ``deltas`` in this round (the prepared one if it was prepared with ``tag``); until its outer step
-        is applied, the state this peer would serve waits (:attr:`settled`)."""
+        """Send ``deltas`` in this round (the prepared one if it was prepared with ``tag``). Until its outer step is
+        applied, the state this peer would serve waits (:attr:`settled`), unless groupmates will keep the round's
+        average in their histories (``switch_branches``): a newcomer that loads the state from before the step
+        catches up from them in its first round (:meth:`_catch_up`). Waiting took most of a newcomer's time to
+        join with ``overlap`` on slow links, where a round is in flight most of the time: in benchmarks/internet.py
+        (16 DiLoCo trainers, 240 s) joiners waited 53-55 s for the first part of a 5.8 MiB state, then took 4 s for
+        all of it."""
         self._cancel_released()
-        self.settled.clear()
+        if not self.switch_branches:
+            self.settled.clear()
         return self.averager.start(deltas, max(1, samples), tag, prepared=self._take(tag))
 
     def prepare(self, scheduled_time: float, samples_per_second: float = 0.0) -> None:
@@ -932,8 +940,8 @@ class OuterLoop:
         it applied nothing at that end (it had no round in flight), sent an outdated fingerprint with its first
         round, lost its group's vote and downloaded again, round after round (benchmarks/internet.py, 6 DiLoCo
         trainers, 120 s: 9 of the 15 downloads on a lost vote came one outer step behind, in chains that began with
-        a download; tests/test_diloco.py). A state asked for while the all-reduce runs waits for the step
-        (:attr:`settled`; SwarmOptimizer waits at most the round's time)."""
+        a download; tests/test_diloco.py). With dense rounds, a state asked for while the all-reduce runs waits for
+        the step (:attr:`settled`; SwarmOptimizer waits at most the round's time)."""
         samples = self.samples_since_anchor  # this round's, which _applied would reset
         self._settle_pending()
         self.samples_since_anchor = samples

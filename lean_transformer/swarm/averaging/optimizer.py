@@ -189,9 +189,10 @@ class SwarmOptimizer(hivemind.Optimizer):
                                     switch_branches=diloco.topk_fraction is not None)  # histories keep top-k only
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
-        # a state served while this peer's round awaits its outer step is one step behind the swarm's: the newcomer
-        # that loads it loses its first group's vote and downloads again (OuterLoop.apply_finished). A donor waits
-        # for the step, at most the round's time (serve_wait: the swarm's matchmaking time + averaging timeout).
+        # a state served while this peer's round awaits its outer step is one step behind the swarm's. With dense
+        # rounds, the newcomer that loads it loses its first vote and downloads again (OuterLoop.apply_finished),
+        # so a donor waits for the step, at most the round's time (serve_wait: the matchmaking time + averaging
+        # timeout); with top-k rounds the newcomer replays the step from its group's histories, and no donor waits
         self.state_averager.serve_gate = self.outer_loop.settled
         outer.bind(self._offloaded_parameters())
         if host_gradients:
