@@ -919,10 +919,17 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
         time.sleep(max(0.0, end - get_dht_time()))
         group_sizes.append(rounds.end_round())
         behind = behind or rounds.behind
+    # c's catch-up at its end of round 3 reads a or b's history: a peer that left at its own end refused it (under
+    # load, c's end came seconds later)
+    (rendezvous / f"{name}.done").touch()
+    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "abc"), timeout=60,
+               what="the others' rounds", interval=0.05)
     close_events()
     caught_up = [event["rounds"] for event in read_events(events, "outer_caught_up")]
+    failed = [event["reason"] for event in read_events(events, "catch_up_failed")]
+    anchor = hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest()
     print(json.dumps(dict(group_size=group_sizes[-1], behind=behind, loaded_steps=loaded_steps, caught_up=caught_up,
-                          anchor=hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest())), flush=True)
+                          catch_up_failed=failed, anchor=anchor)), flush=True)
     rounds.cancel_rounds()
     averager.shutdown()
     dht.shutdown()

@@ -882,7 +882,7 @@ class OuterLoop:
                 entries = self.averager.fetch_history(donor, self.history)
             except Exception as error:  # a peer's answer, or none: the next donor, then the download
                 logger.info(f"No outer history from {donor}: {error!r}")
-                misses.append(f"{donor}: no history")
+                misses.append(f"{donor}: no history ({error!r})")
                 continue
             start, back = next(((start, back) for start, back in starts if history_key(start) in entries),
                                (None, False))
