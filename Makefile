@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m lean_transformer.demo $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 tests $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
 
 # the docs site, strictly: a broken link or a results file that does not fit the schema fails the build
 docs: $(STAMP)
