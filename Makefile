@@ -20,6 +20,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m lean_transformer.demo $(ARGS)
 
+# 2 pytest-xdist workers, each a test file at a time; a file marked `alone` runs by itself (tests/conftest.py: BoxShare)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
 

@@ -37,7 +37,7 @@ from swarm_utils import assert_readable_logs, group_sizes, transitions
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.monitoring.events import epoch_causes
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.swarm, pytest.mark.alone, pytest.mark.timeout(240)]  # alone: its 9 peers need the box
 
 TRAINERS, EPOCHS = 8, 8
 # seconds from a trainer's epoch to its record in the aux peer's view: up to ~2 s measured here (0.5 s refresh)
