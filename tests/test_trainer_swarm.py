@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 from aux_utils import PeerProcess, start_peer
 from swarm_utils import assert_shut_down, epoch_reports, group_sizes, untrained_loss
 
-# alone (tests/conftest.py): beside another file's peers on 2 cores, P2's last parameter round once failed after P1's had
-# ended with both in its group (hivemind's all-reduce has no commit step), and the pair's final states differed by 2e-4
+# alone (tests/conftest.py): beside another file's peers on 2 cores, P2's last parameter round once failed after P1's
+# had ended with both in its group (hivemind's all-reduce has no commit step): the pair's final states differed by 2e-4
 pytestmark = [pytest.mark.swarm, pytest.mark.alone]
 
 EPOCHS, TARGET_BATCH, BATCH = 10, 256, 8
