@@ -74,6 +74,10 @@ that the swarm code uses explicitly.
   gets no answer (an aux peer that every trainer joined through went deaf as 16 trainers joined). Here an answer to
   a call that stopped waiting is dropped, and a reader that fails otherwise says so in one ERROR line. Reproduced by
   ``tests/test_unary_calls.py``. Drop when hivemind's reader skips answers to calls that are done.
+- :mod:`.shared_bytes`: hivemind's futures take their shared state byte from 16-byte buffers, each one a round
+  trip to torch's shared-memory manager, which a peer starved of CPU misses (1 s), and the error ended a trainer's
+  progress tracker. Here buffers hold a page and an unanswered allocation is tried again (bounded). Reproduced by
+  ``tests/test_shared_bytes.py``. Drop when hivemind allocates its futures' state without torch's manager.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
@@ -91,8 +95,9 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import dht_pacing, quiet_logs, unary_calls
+from lean_transformer.swarm.hivemind_fixes import dht_pacing, quiet_logs, shared_bytes, unary_calls
 
 dht_pacing.install()
 quiet_logs.install()
+shared_bytes.install()
 unary_calls.install()
