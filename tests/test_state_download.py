@@ -24,7 +24,8 @@ import preloaded
 from aux_utils import start_peer, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.hivemind_fixes.state_download import StateLayout, ValidatedStateSharing, rank_donors
+from lean_transformer.swarm.hivemind_fixes.state_download import (StateLayout, ValidatedStateSharing, rank_donors,
+                                                                  shared_copies)
 
 TINY = dict(host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4, max_sequence_length=32,
             target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10, shutdown_timeout=20)
@@ -355,6 +356,29 @@ def download_while_the_step_outlasts_patience() -> dict:
 
 
 @pytest.mark.swarm
+def test_a_snapshot_goes_to_shared_memory_in_one_buffer_per_dtype(monkeypatch):
+    """Each buffer put in shared memory is a round trip to torch's shared-memory manager (hivemind's ``file_system``
+    strategy), which a starved donor's manager can miss: a state of 30 tensors of two dtypes takes 2, not 30."""
+    torch.multiprocessing.set_sharing_strategy("file_system")  # hivemind's, set when it is imported
+    tensors = [torch.randn(3, 5), torch.zeros(0), torch.tensor(2.5), *(torch.randn(7) for _ in range(20)),
+               *(torch.randint(0, 255, (4, 2), dtype=torch.uint8) for _ in range(6)), torch.randn(2, 2).t()]
+    share, shares = torch.UntypedStorage._share_filename_cpu_, []
+
+    def counted_share(storage, *args):
+        shares.append(storage.nbytes())
+        return share(storage, *args)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", counted_share)
+    copies = shared_copies(tensors)
+    assert len(shares) == 2 and sorted(shares) == [6 * 8, 4 * (15 + 1 + 20 * 7 + 4)], shares
+    assert all(copy.is_shared() and copy.dtype == tensor.dtype and copy.shape == tensor.shape and
+               torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+    kept = [tensor.clone() for tensor in tensors]
+    for tensor in tensors:
+        tensor.add_(1)
+    assert all(torch.equal(copy, tensor) for copy, tensor in zip(copies, kept)), "copies, not the served tensors"
+
+
 def test_a_donor_whose_hand_over_failed_once_serves_the_next_download():
     done = preloaded.run([sys.executable, __file__, "hand_over"], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()

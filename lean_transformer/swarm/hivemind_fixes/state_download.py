@@ -35,7 +35,7 @@ What hivemind 1.1.12 does wrong (``DecentralizedAverager._load_state_from_peers`
 Here a donor's entry outlives its next re-declaration by one period, and a donor that leaves takes it off; the
 server takes its snapshot under the optimizer's lock, never between an epoch's label and its step (it waits for the
 step, within the downloader's patience), and sends copies with their count, put in shared memory before the
-hand-over (a failure there fails that download alone); the receiver tries peers in
+hand-over (one buffer per dtype; a failure there fails that download alone); the receiver tries peers in
 hivemind's order, each with fresh metadata, and checks every state against its own layout (count, shapes, dtypes,
 optimizer structure, finite values, epoch) before it touches the model or optimizer, then with the trainer's own
 check of what the state's parameters are worth (``download_check``, see
@@ -129,6 +129,23 @@ class StateLayout:
             if isinstance(value, float) and not math.isfinite(value):
                 return f"the optimizer state holds the value {value}"
         return None
+
+
+def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in shared memory, as views of one buffer per dtype. Sharing each tensor on its own costs a
+    round trip to torch's shared-memory manager per tensor, here and again in the averager's process that receives
+    it (hivemind's ``file_system`` strategy), each of which a starved peer's manager can miss for its client's 1 s
+    (benchmarks/internet.py: a donor whose hand-over held the optimizer's lock for 82 s); here it is one per dtype."""
+    copies: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    for dtype in dict.fromkeys(tensor.dtype for tensor in tensors):
+        indices = [index for index, tensor in enumerate(tensors) if tensor.dtype == dtype]
+        buffer = torch.empty(sum(tensors[index].numel() for index in indices), dtype=dtype).share_memory_()
+        offset = 0
+        for index in indices:
+            size = tensors[index].numel()
+            copies[index] = buffer[offset:offset + size].view(tensors[index].shape).copy_(tensors[index])
+            offset += size
+    return copies
 
 
 def optimizer_skeleton(flat_metadata: Any) -> Optional[tuple[tuple[str, Any], ...]]:
@@ -260,7 +277,7 @@ class ValidatedStateSharing:
                     metadata, tensors, infos = super().get_current_state()
                     # in shared memory here, where a failure is an error for this download only (see the module
                     # docstring: hivemind's serving thread dies of one that happens as it hands the state over)
-                    tensors = [tensor.clone().share_memory_() for tensor in tensors]
+                    tensors = shared_copies(tensors)
                     break
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"epoch {self.local_epoch}'s optimizer step did not end within {patience:g} s")
