@@ -74,18 +74,29 @@ def diloco_run(tmp_path_factory):
             peer.kill()
 
 
+def backups_after_outer_steps(root: Path, trainer: PeerProcess) -> dict[int, Path]:
+    """By count of outer steps, the backup a trainer took right after an outer step with its partner; not its last
+    epoch's (SIGTERM's final backup, taken mid-round, replaces that one). By count, not by epoch label: a trainer
+    whose round failed while its partner downloaded the aux peer's state keeps an epoch label one higher than the
+    partner's for the same state (CI on 2 xdist workers: t2's epoch 8 held t1's epoch 7, both after 7 outer steps)."""
+    last = max(transitions(trainer))
+    found = {}
+    for epoch in epochs_after_outer_steps(trainer, 2):
+        if epoch < last:
+            state = torch.load(backup(root, trainer.name, epoch) / TRAINING_STATE_FILE, weights_only=True)
+            found[int(state["outer"][-1].item())] = backup(root, trainer.name, epoch)
+    return found
+
+
 def test_trainers_take_outer_steps_together_and_stay_identical(diloco_run):
     root, _, trainers = diloco_run
-    together = [epochs_after_outer_steps(trainer, 2) for trainer in trainers]
-    # both reached it by an outer step together, then backed up; not the last epoch (SIGTERM's final backup, taken
-    # mid-round, replaces that one)
-    last = min(max(transitions(trainer)) for trainer in trainers)
-    epoch = max(e for e in together[0] & together[1] if e < last)
+    together = [backups_after_outer_steps(root, trainer) for trainer in trainers]
+    steps = max(together[0].keys() & together[1].keys())
     # right after an outer step both trainers' parameters are the shared anchor: equal
-    first, second = (load_file(backup(root, trainer.name, epoch) / "model.safetensors") for trainer in trainers)
+    first, second = (load_file(found[steps] / "model.safetensors") for found in together)
     for name in first:
         torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-5, msg=name)
-    for a, b in zip(anchor_of(backup(root, "t1", epoch)), anchor_of(backup(root, "t2", epoch))):
+    for a, b in zip(anchor_of(together[0][steps]), anchor_of(together[1][steps])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # honest partners never refuse each other's states (the newcomer's first round often names its donor's state
     # one outer step on, which it once refused as worse on a batch: see SwarmOptimizer._trusted_donors)
