@@ -76,12 +76,14 @@ def scenario(variant: str) -> dict:
             for pid in managers:
                 os.kill(pid, signal.SIGCONT)
         tracker.report_local_progress(0, samples_accumulated=2)
-        stored, deadline = None, time.monotonic() + 3
-        while stored != 2 and time.monotonic() < deadline:  # the tracker's record in the DHT (it expires in 1 s)
+        stored, deadline = None, time.monotonic() + 10
+        while True:  # the tracker's record in the DHT (it expires in 1 s)
             found = dht.get(tracker.training_progress_key, latest=True)
             records = found.value.values() if found is not None and isinstance(found.value, dict) else ()
             stored = max((record.value["samples_accumulated"] for record in records
                           if isinstance(record.value, dict)), default=None)
+            if stored == 2 or not tracker.is_alive() or time.monotonic() > deadline:
+                break
             time.sleep(0.1)
         return dict(buffers=buffers, managers=len(managers), tracker_alive=tracker.is_alive(), stored=stored)
     finally:
@@ -98,13 +100,13 @@ def test_a_stalled_shared_memory_manager_leaves_the_progress_tracker_reporting(r
     # hivemind's 16-byte buffers: a round trip to the manager every 16 futures; ours: one per 4096
     assert upstream["buffers"] == FUTURES // 16 and fixed["buffers"] == 1, (upstream, fixed)
     # when hivemind's tracker survives this, this fails: drop shared_bytes (see its docstring)
-    assert not upstream["tracker_alive"] and upstream["stored"] is None, upstream  # its record expired
+    assert not upstream["tracker_alive"] and upstream["stored"] != 2, upstream  # its next record never came
     assert "Shared memory manager connection has timed out" in upstream_stderr, upstream_stderr[-3000:]
     assert fixed == dict(buffers=1, managers=fixed["managers"], tracker_alive=True, stored=2), fixed
     assert stderr.count("torch's shared-memory manager did not answer in 1 s") >= 1, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     report(f"torch's shared-memory manager stopped for {STALL:g} s under a progress tracker: hivemind's tracker "
-           f"thread died (its record expired from the DHT), ours waited and reported again; "
+           f"thread died (its next record never reached the DHT), ours waited and reported again; "
            f"{FUTURES} futures took {upstream['buffers']} shared buffers in hivemind, {fixed['buffers']} here")
 
 
