@@ -445,26 +445,36 @@ if __name__ == "__main__":
 
 
 def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
-    """DiLoCo's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records: trainers count,
-    an aux peer (no speed) does not, nor a trainer this peer excluded until its exclusion ends."""
+    """DiLoCo's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records as the tracker
+    last read them (no DHT lookup on the training thread): trainers count, an aux peer (no speed) does not, nor a
+    record that expired since it was read, nor a trainer this peer excluded until its exclusion ends."""
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
+    from hivemind.utils import get_dht_time
     from hivemind.utils.timed_storage import ValueWithExpiration
 
-    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer, TrustedProgress
 
-    own, liar, aux = (PeerID.from_base58(name) for name in (
+    own, liar, aux, gone = (PeerID.from_base58(name) for name in (
         "QmaTNn4hy3td4LG4rVFBXS9QWW58g86UKfctMqLvJwHBaF", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
-        "QmXuPFimLAF4VFrKN6yY8sCKyA4k2hK9trfZ1Jkf6hWaWe"))
-    records = {peer.to_bytes(): ValueWithExpiration(dict(peer_id=peer.to_bytes(), samples_per_second=speed), 1e12)
-               for peer, speed in ((own, 10.0), (liar, 10.0), (aux, 0.0))}
+        "QmXuPFimLAF4VFrKN6yY8sCKyA4k2hK9trfZ1Jkf6hWaWe", "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"))
+    now = get_dht_time()
+    records = {peer.to_bytes(): ValueWithExpiration(dict(peer_id=peer.to_bytes(), samples_per_second=speed), until)
+               for peer, speed, until in ((own, 10.0, now + 60), (liar, 10.0, now + 60), (aux, 0.0, now + 60),
+                                          (gone, 10.0, now - 1))}
+    tracker = SimpleNamespace(_last_metadata=records)
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a DHT lookup on the training thread")
 
     def trainers(excluded: dict) -> int:
-        peer = SimpleNamespace(dht=SimpleNamespace(get=lambda key, latest: ValueWithExpiration(records, 1e12)),
-                               tracker=SimpleNamespace(training_progress_key="progress"), _excluded=excluded)
+        peer = SimpleNamespace(dht=SimpleNamespace(get=no_lookup), _excluded=excluded,
+                               tracker=SimpleNamespace(last_records=lambda: TrustedProgress.last_records(tracker)))
         return SwarmOptimizer._trainers_in_swarm(peer)
 
     assert trainers({}) == 2
     assert trainers({str(liar): time.time() + 600}) == 1  # alone: it steps with its own pseudo-gradient
     assert trainers({str(liar): time.time() - 1}) == 2  # the exclusion ended
+    tracker._last_metadata = None  # nothing read yet
+    assert trainers({}) == 0

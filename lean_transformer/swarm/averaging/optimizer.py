@@ -525,9 +525,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         excluded (:meth:`distrust`; not merely the donors whose states it refused, honest peers among them): with no
         other trainer, the round cannot form, and this peer steps with its own pseudo-gradient instead of folding it
         forever. An excluded liar counted as a partner: in tests/test_lying_reducer.py, the last honest trainer left
-        with it waited out 6 rounds' matchmaking (2.3 min) for a group that its own exclusion refused."""
-        entry = self.dht.get(self.tracker.training_progress_key, latest=True)
-        records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+        with it waited out 6 rounds' matchmaking (2.3 min) for a group that its own exclusion refused.
+
+        The records are those the tracker's background fetches last read, not a lookup of its own: this runs on the
+        training thread as the epoch ends, and at 16 DiLoCo trainers on 2 cores (benchmarks/internet.py) a lookup
+        took 11.5 s median, which every epoch end spent idle."""
+        records = self.tracker.last_records()
         now = time.time()
         excluded = {peer_id for peer_id, until in self._excluded.items() if until > now}
         count = 0
