@@ -69,6 +69,50 @@ def run_cases(case: str) -> dict:
     return results
 
 
+@pytest.mark.parametrize("variant", ["hivemind", "lean_transformer"])
+def test_a_part_handler_cancelled_before_the_allreduce_begins_leaves_the_round_to_ours(variant):
+    """CancelSafe's fifth bug, in one event loop: a groupmate's part arrives before this peer's all-reduce begins,
+    so the handler (hivemind's ``rpc_aggregate_part``) awaits the future that will hold the round's runner; then
+    the sender gives up and the handler is cancelled. hivemind's future is cancelled with it, and the all-reduce
+    fails as it sets its runner (InvalidStateError, as seen in benchmarks/internet.py); ours stays pending, takes the
+    runner, and the next part's handler is answered by it."""
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.group_info import GroupInfo
+
+    from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe
+
+    class Runner:  # what the handler hands the part to once the all-reduce began
+        async def rpc_aggregate_part(self, stream, context):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+
+    async def part(sender_waits: bool) -> AsyncIterator[averaging_pb2.AveragingData]:
+        yield averaging_pb2.AveragingData(group_id=b"group")
+        if sender_waits:
+            await asyncio.Event().wait()
+
+    async def round_with_a_sender_that_gives_up(cls: type) -> str:
+        averager = cls.__new__(cls)  # the registry and handler alone, no DHT or process
+        averager._running_groups, averager._pending_groups_registered = {}, asyncio.Event()
+        averager._parent_pid = None  # its __del__ then stops no process
+        with averager._register_allreduce_group(GroupInfo(group_id=b"group", peer_ids=(), gathered=())):
+            handler = asyncio.create_task(anext(DecentralizedAverager.rpc_aggregate_part(averager, part(True), None)))
+            await asyncio.sleep(0.1)
+            assert not handler.done()  # it waits for the all-reduce to begin
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+            try:
+                averager._running_groups[b"group"].set_result(Runner())
+            except asyncio.InvalidStateError:
+                return "invalid state"
+            answer = await anext(DecentralizedAverager.rpc_aggregate_part(averager, part(False), None))
+            return averaging_pb2.MessageCode.Name(answer.code)
+
+    classes = {"hivemind": DecentralizedAverager, "lean_transformer": type("Ours", (CancelSafe, DecentralizedAverager),
+                                                                           {})}
+    outcome = asyncio.run(round_with_a_sender_that_gives_up(classes[variant]))
+    assert outcome == {"hivemind": "invalid state", "lean_transformer": "AVERAGED_PART"}[variant]
+
+
 def test_a_round_cancelled_while_matchmaking_leaves_hivemind_stuck_and_ours_averaging(report):
     results = run_cases("gc")
     hivemind_result, ours = results["hivemind"], results["lean_transformer"]

@@ -1,4 +1,4 @@
-"""Fixes of hivemind's averagers: four bugs of a cancelled or abandoned averaging round (:class:`CancelSafe`), a
+"""Fixes of hivemind's averagers: five bugs of a cancelled or abandoned averaging round (:class:`CancelSafe`), a
 gradient download nobody uses (:class:`NoGradientDownload`), and a leaver that waits for a group
 (:class:`LeavesUngrouped`).
 The averagers the swarm runs combine them with the other fixes in :mod:`lean_transformer.swarm.averaging.averagers`.
@@ -31,9 +31,15 @@ are cancelled all the time while a swarm forms or shrinks. In hivemind 1.1.12 th
   the 8-trainer swarm (``tests/test_large_swarm.py``), for a trainer whose groupmates had gone on without it. Here
   the averager reads that outcome when the group's rounds end. Can go once hivemind's runner finalizes a cancelled
   run as cancelled (master not checked).
+- **A groupmate that gives up fails the round of the peer it was sending to.** A reducer's handler of a part that
+  arrives before the round's all-reduce begins awaits the future that will hold the round's runner; if the sender
+  gives up meanwhile (its stream closes), the handler is cancelled and asyncio cancels that awaited future with it.
+  The all-reduce then fails at ``set_result`` ("InvalidStateError: invalid state"), for this peer and the members
+  waiting for its parts. Seen once each in two 16-trainer runs of ``benchmarks/internet.py``. Here the handlers
+  await that future through a shield (:class:`_RunnerFuture`). Can go once hivemind shields it (master not checked).
 
-:class:`CancelSafe` fixes all four; ``tests/test_averagers.py`` reproduces the first three against hivemind's own
-classes, ``tests/test_swarm_optimizer.py`` the fourth.
+:class:`CancelSafe` fixes all five; ``tests/test_averagers.py`` reproduces the first three and the fifth against
+hivemind's own classes, ``tests/test_swarm_optimizer.py`` the fourth.
 """
 from __future__ import annotations
 
@@ -123,6 +129,7 @@ class CancelSafe:
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
         with super()._register_allreduce_group(group_info):
+            self._running_groups[group_info.group_id] = _RunnerFuture()  # before any handler could await hivemind's
             try:
                 yield
             finally:
@@ -137,6 +144,14 @@ class CancelSafe:
         DHT's."""
         self._running_groups.clear()  # each round's own clean-up pops its entry with a default
         await super()._shutdown(timeout)
+
+
+class _RunnerFuture(asyncio.Future):
+    """The future of a group's all-reduce runner, awaited through a shield: a handler cancelled while it waits leaves
+    the future pending for the round (see the module's fifth bug)."""
+
+    def __await__(self) -> Any:
+        return super().__await__() if self.done() else asyncio.shield(self).__await__()
 
 
 def _read_runner_outcome(registered: Optional[asyncio.Future]) -> None:
