@@ -440,31 +440,40 @@ def test_a_missed_round_keeps_the_anchor_and_folds_its_samples_into_the_next():
 
 
 def test_the_outer_history_keeps_the_last_sparse_averages_within_its_budget():
-    from lean_transformer.swarm.averaging.outer_history import HISTORY_ROUNDS, OuterHistory
+    from lean_transformer.swarm.averaging.outer_history import HISTORY_ROUNDS, OuterHistory, path_to
 
     shapes = [torch.Size([30, 10]), torch.Size([100])]
     history, generator = OuterHistory(shapes), torch.Generator().manual_seed(0)
     sparse = [torch.zeros(shape) for shape in shapes]
     sparse[0][3, 4], sparse[1][7] = 0.5, -2.0  # a top-k average: few non-zero values
     for steps in range(HISTORY_ROUNDS + 1):
-        history.record([float(steps), 11 * steps], sparse)
+        history.record([float(steps), 11 * steps], sparse, [float(steps + 1), 11 * (steps + 1)])
     served = history.parse(*history.snapshot())
     assert sorted(served) == [(float(steps), 11 * steps) for steps in range(1, HISTORY_ROUNDS + 1)]  # the last ones
-    assert served[(1.0, 11)].indices.tolist() == [34, 307]
+    assert served[(1.0, 11)].indices.tolist() == [34, 307] and served[(1.0, 11)].after == (2.0, 22)
     assert all(torch.equal(a, b) for a, b in zip(history.dense(served[(1.0, 11)]), sparse))
-    history.record([9.0, 99], [torch.randn(shape, generator=generator) for shape in shapes])  # dense: not kept
-    assert sorted(history.parse(*history.snapshot())) == sorted(served)
+    # the path from a state to another, one entry a step: only where the entries chain from one to the other
+    assert path_to(served, [1.0, 11], [4.0, 44]) == [(1.0, 11), (2.0, 22), (3.0, 33)]
+    assert path_to(served, [2.0, 22], [5.0, 55]) == [(2.0, 22), (3.0, 33), (4.0, 44)]
+    assert path_to(served, [0.0, 0], [2.0, 22]) is None  # the first step is no longer kept
+    assert path_to(served, [1.0, 11], [3.0, 99]) is None  # another branch at the goal's step count
+    assert path_to(served, [2.0, 22], [2.0, 22]) is None  # nothing to replay
+    history.record([9.0, 99], [torch.randn(shape, generator=generator) for shape in shapes], [10.0, 7])  # dense
+    assert sorted(history.parse(*history.snapshot())) == sorted(served)  # not kept
     wide = [torch.zeros(shape) for shape in shapes]
     wide[0].view(-1)[:132] = 1.0  # 132 x 12 bytes: with any other entry, over the budget (one anchor: 400 x 4)
-    history.record([10.0, 7], wide)
+    history.record([10.0, 7], wide, [11.0, 8])
     assert list(history.parse(*history.snapshot())) == [(10.0, 7)]
     metadata, tensors = history.snapshot()
     for bad_metadata, bad_tensors, problem in (
-            ({"outer_history": [[9.0, "x"]]}, tensors, "not an outer-state fingerprint"),
+            ({"outer_history": [[[9.0, "x"], [10.0, 1]]]}, tensors, "not a pair of outer-state fingerprints"),
+            ({"outer_history": [[9.0, 1]]}, tensors, "not a pair of outer-state fingerprints"),
+            ({"outer_history": [[[9.0, 1], [11.0, 1]]]}, tensors, "a step from 9 outer steps to 11"),
             (metadata, [tensors[0], tensors[1].double()], "not 1-D int64 and float32"),
             (metadata, [tensors[0], tensors[1][:-1]], "132 indices"),
             (metadata, [torch.tensor([0, 400]), torch.ones(2)], "not each within"),
-            ({"outer_history": [[float(i), i] for i in range(HISTORY_ROUNDS + 1)]}, tensors, "at most"),
+            ({"outer_history": [[[float(i), i], [i + 1.0, i]] for i in range(HISTORY_ROUNDS + 1)]}, tensors,
+             "at most"),
             ("junk", [], "not an outer history")):
         with pytest.raises(ValueError, match=problem):
             history.parse(bad_metadata, bad_tensors)
@@ -666,10 +675,28 @@ def test_peers_that_missed_a_round_or_took_it_apart_catch_up_from_a_groupmates_h
     assert [results[name]["steps"] for name in "abcd"] == [2, 2, 2, 2], results
     assert len({results[name]["anchor_sha256"] for name in "abcd"}) == 1, results
     assert [results[name]["caught_up"] for name in "abcd"] == [[], [], [False], [True]], results
+    assert [results[name]["from_groupmate"] for name in "abcd"] == [[], [], [True], [True]], results
     # the outer averagers serve their history by peer ID and declare nothing in the DHT (hivemind_fixes.store_outcomes)
     assert not any(results[name]["listed_as_donor"] for name in "abcd"), results
     report("c missed round 1 of a and b, d took it alone; then all four averaged round 2: c replayed round 1 from a "
            "groupmate's history, d went back one step and replayed it too; anchors bit-identical, no download")
+
+
+@pytest.mark.swarm
+def test_a_peer_whose_groupmates_serve_no_history_catches_up_from_a_full_peer_outside_its_group(tmp_path, report):
+    """Top-k rounds: a (full) and b (client mode, as behind NAT) average round 1, c misses it; b and c average
+    round 2 without a. c is one step behind its group, whose only other member accepts no connections: before, c
+    found no history and would download the whole state. Now it asks the full peers outside its group
+    (``history_donors``) and replays round 1 from a's history, whose entry says it leads to the state b sent; b and
+    c hold bit-identical anchors after two outer steps."""
+    results = peer_results(tmp_path, ["outsider"])["outsider"]
+    assert [results[name]["group_sizes"] for name in "abc"] == [[2, None], [2, 2], [None, 2]], results
+    assert not any(results[name]["behind"] for name in "abc"), results
+    assert [results[name]["steps"] for name in "abc"] == [1, 2, 2], results
+    assert results["b"]["anchor_sha256"] == results["c"]["anchor_sha256"] != results["a"]["anchor_sha256"]
+    assert [results[name]["from_groupmate"] for name in "abc"] == [[], [], [False]], results
+    report("c missed round 1 of a and client-mode b, then averaged round 2 with b alone: it replayed round 1 from "
+           "a's history (outside its group), anchors of b and c bit-identical, no download")
 
 
 def peer_results(root: Path, modes: list, names: str = "abc") -> dict:
@@ -706,8 +733,9 @@ def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
                 proc.kill()
 
 
-def start_dht(role: str) -> "hivemind.DHT":
-    """The peer's DHT: ``first`` starts the swarm and leaves its address in $RENDEZVOUS; ``join`` waits for it."""
+def start_dht(role: str, client_mode: bool = False) -> "hivemind.DHT":
+    """The peer's DHT: ``first`` starts the swarm and leaves its address in $RENDEZVOUS; ``join`` waits for it (a
+    ``client_mode`` peer then accepts no connections)."""
     import hivemind
 
     address_file = Path(os.environ["RENDEZVOUS"]) / "address"
@@ -717,6 +745,8 @@ def start_dht(role: str) -> "hivemind.DHT":
         address_file.with_suffix(".tmp").rename(address_file)
         return dht
     wait_until(address_file.exists, timeout=60, what="the first peer's address", interval=0.05)
+    if client_mode:
+        return hivemind.DHT(start=True, client_mode=True, initial_peers=[address_file.read_text()])
     return hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address_file.read_text()])
 
 
@@ -742,14 +772,7 @@ def sparse_peer(name: str, role: str) -> None:
     from lean_transformer.swarm.averaging.diloco import PseudoGradientAverager
 
     client_mode, auxiliary = name == "client", name == "aux"
-    if client_mode:  # a client-mode peer joins through the first peer and accepts no connections
-        address_file = Path(os.environ["RENDEZVOUS"]) / "address"
-        wait_until(address_file.exists, timeout=60, what="the first peer's address", interval=0.05)
-        import hivemind
-
-        dht = hivemind.DHT(start=True, client_mode=True, initial_peers=[address_file.read_text()])
-    else:
-        dht = start_dht(role)
+    dht = start_dht(role, client_mode)
     averager = PseudoGradientAverager(dht, "test_diloco_sparse", [torch.Size([SPARSE_SIZE])], matchmaking_time=2.0,
                                       allreduce_timeout=30.0, target_group_size=3, min_group_size=3,
                                       topk_fraction=SPARSE_FRACTION, client_mode=client_mode, auxiliary=auxiliary)
@@ -935,38 +958,51 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
-def catch_up_peer(name: str, role: str) -> None:
-    """A peer of the catch-up test: a and b end rounds at T and T + 8 s, c at T + 8 s only, d alone at T and with
-    the others at T + 8 s; all wait for the others' results before leaving (c and d's catch-ups read a or b's
-    history)."""
+# the catch-up tests: per peer, whether it ends each of the two rounds (at T and T + 8 s); "alone": on its own
+CATCH_UP_ROUNDS = {"catch_up": {"a": (True, True), "b": (True, True), "c": (False, True), "d": ("alone", True)},
+                   "outsider": {"a": (True, False), "b": (True, True), "c": (False, True)}}
+CLIENT_MODE = {"outsider": "b"}  # ... and the client-mode peer
+
+
+def catch_up_peer(name: str, mode: str, role: str) -> None:
+    """A peer of a catch-up test (``CATCH_UP_ROUNDS[mode]``); all wait for the others' results before leaving (the
+    catch-ups read their histories). The full peers outside a peer's group that it may ask: every other full peer."""
     from hivemind.utils import get_dht_time
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
     from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
 
-    dht = start_dht(role)
+    client_mode, names = CLIENT_MODE.get(mode) == name, "".join(CATCH_UP_ROUNDS[mode])
+    dht = start_dht(role, client_mode)
     rendezvous = Path(os.environ["RENDEZVOUS"])
+    if not client_mode:
+        (rendezvous / f"{name}.peer_id").write_text(str(dht.peer_id))
     open_events(rendezvous / f"{name}.events.jsonl", role="trainer")
     start = common_time(role)
     weight = torch.nn.Parameter(torch.full((SPARSE_SIZE,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_catch_up", [weight.shape], matchmaking_time=MATCHMAKING,
-                                      allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION)
-    rounds = OuterLoop(outer, averager, switch_branches=True)
+                                      allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION, client_mode=client_mode)
+    full_peers = [rendezvous / f"{other}.peer_id" for other in names if other not in (name, CLIENT_MODE.get(mode))]
+    rounds = OuterLoop(outer, averager, switch_branches=True,
+                       history_donors=lambda: [path.read_text() for path in full_peers if path.exists()])
     group_sizes = []
     for index, end in enumerate([start, start + 8.0]):
         with torch.no_grad():
             weight.sub_(sparse_delta(name, index))
         rounds.add_samples(4)
         time.sleep(max(0.0, end - get_dht_time()))
-        group_sizes.append(None if name == "c" and index == 0 else rounds.end_round(alone=name == "d" and index == 0))
+        joins = CATCH_UP_ROUNDS[mode][name][index]
+        group_sizes.append(rounds.end_round(alone=joins == "alone") if joins else None)
     (rendezvous / f"{name}.done").touch()
-    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "abcd"), timeout=60,
+    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in names), timeout=60,
                what="the others' rounds", interval=0.05)
     close_events()
-    caught_up = [event["went_back"] for event in read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up")]
+    caught_up = read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up")
     donors = dht.get("test_diloco_catch_up.all_averagers", latest=True)  # hivemind's list: the history needs none
-    print(json.dumps(dict(group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps), caught_up=caught_up,
+    print(json.dumps(dict(group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps),
+                          caught_up=[event["went_back"] for event in caught_up],
+                          from_groupmate=[event["groupmate"] for event in caught_up],
                           listed_as_donor=donors is not None and bool(donors.value),
                           anchor_sha256=hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest())), flush=True)
     averager.shutdown()
@@ -1009,8 +1045,8 @@ if __name__ == "__main__":
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "released"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
-    elif sys.argv[2] == "catch_up":
-        catch_up_peer(sys.argv[1], sys.argv[3])
+    elif sys.argv[2] in CATCH_UP_ROUNDS:
+        catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
         peer(sys.argv[1], sys.argv[2], sys.argv[3])
 

@@ -478,3 +478,33 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     assert trainers({str(liar): time.time() - 1}) == 2  # the exclusion ended
     tracker._last_metadata = None  # nothing read yet
     assert trainers({}) == 0
+
+
+def test_a_peer_behind_asks_the_full_trainers_it_last_read_the_furthest_first():
+    """The peers outside its group that a DiLoCo peer behind may ask for an outer history
+    (SwarmOptimizer._full_trainers): other trainers not in client mode, by the progress records the tracker last
+    read, the furthest epoch first; not an aux peer (no speed), a client-mode trainer, an excluded one, an expired
+    record or this peer itself."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer, TrustedProgress
+
+    names = ("QmaTNn4hy3td4LG4rVFBXS9QWW58g86UKfctMqLvJwHBaF", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
+             "QmXuPFimLAF4VFrKN6yY8sCKyA4k2hK9trfZ1Jkf6hWaWe", "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z",
+             "QmcZf59bWwK5XFi76CZX8cbJ4BhTzzA3gU1ZjYZcYW3dwt", "QmZMxNdpMkewiVZLMRxaNxUeZpDUb34pWjZ1kZvsd16Zic",
+             "QmQCU2EcMqAqQPR2i9bChDtGNJchTbq5TbXJJ16u19uLTa")
+    own, behind, ahead, client, aux, liar, gone = (PeerID.from_base58(name) for name in names)
+    now = get_dht_time()
+    rows = ((own, 9, 10.0, False, 60), (behind, 5, 10.0, False, 60), (ahead, 7, 10.0, False, 60),
+            (client, 8, 10.0, True, 60), (aux, 9, 0.0, False, 60), (liar, 9, 10.0, False, 60),
+            (gone, 9, 10.0, False, -1))
+    tracker = SimpleNamespace(_last_metadata={peer.to_bytes(): ValueWithExpiration(dict(
+        peer_id=peer.to_bytes(), epoch=epoch, samples_per_second=speed, client_mode=client_mode), now + ttl)
+        for peer, epoch, speed, client_mode, ttl in rows})
+    peer = SimpleNamespace(dht=SimpleNamespace(peer_id=own), _excluded={str(liar): time.time() + 600},
+                           tracker=SimpleNamespace(last_records=lambda: TrustedProgress.last_records(tracker)))
+    assert SwarmOptimizer._full_trainers(peer) == [str(ahead), str(behind)]

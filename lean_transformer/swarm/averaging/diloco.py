@@ -66,8 +66,8 @@ from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessa
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
-from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, OuterHistory, ServesOuterHistory,
-                                                            history_key)
+from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, HISTORY_OUTSIDERS, OuterHistory,
+                                                            ServesOuterHistory, history_key, path_to)
 from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
 from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce, TopKErrorFeedback
 from lean_transformer.swarm.monitoring.events import emit
@@ -641,13 +641,15 @@ class OuterLoop:
     so that a peer whose group converged on another branch of the same round goes back to it and replays the
     group's step from a groupmate's history instead of downloading the whole state (:meth:`_catch_up`). Such a
     peer also serves its state while a round it sent is in flight (:attr:`settled`): a newcomer that loads it one
-    outer step behind replays the step from its first group's histories.
+    outer step behind replays the step from its first group's histories. ``history_donors``: the full peers outside
+    its group that a peer behind may also ask for a history (peer IDs, the likeliest first).
     """
 
     def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False,
-                 check_averages: bool = False, switch_branches: bool = False):
+                 check_averages: bool = False, switch_branches: bool = False,
+                 history_donors: Callable[[], Sequence[str]] = lambda: ()):
         self.outer, self.averager, self.overlap, self.check_averages = outer, averager, overlap, check_averages
-        self.switch_branches = switch_branches
+        self.switch_branches, self.history_donors = switch_branches, history_donors
         self._previous_tag: Optional[list] = None  # switch_branches: the fingerprint before the last outer step
         self._previous_state: Optional[List[torch.Tensor]] = None  # ... and the outer state it was taken of
         self.applied_norms: Optional[List[float]] = None  # the last applied average's norm, per tensor
@@ -826,7 +828,7 @@ class OuterLoop:
             if self.switch_branches:
                 self._keep_previous(before)
             self.outer.step(averaged, keep=keep)
-        self.history.record(before, averaged)
+        self.history.record(before, averaged, self.fingerprint())
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
 
     def _keep_previous(self, fingerprint: list) -> None:
@@ -857,16 +859,19 @@ class OuterLoop:
         state reaches, and each sent a peer to download the whole state. A peer one step ahead (its group's round
         failed for the others) whose previous state is the group's just goes back.
 
-        A donor whose history lacks a step is skipped; a replay that ends elsewhere leaves the state to the download
-        that follows. A peer that could not catch up says why (``catch_up_failed``): at 16 trainers, three peers one
-        step behind downloaded the state and no line said why the replay had not helped."""
+        Donors: the groupmates that hold the group's state, then up to ``HISTORY_OUTSIDERS`` other full peers
+        (``history_donors``; :mod:`.outer_history` says why). A donor's history is used only if it holds the whole
+        path from this peer's state (or the kept one) to the group's (:func:`path_to`); a replay that ends elsewhere
+        nonetheless (a donor's lie) leaves the state to the download that follows. A peer that could not catch up
+        says why (``catch_up_failed``): at 16 trainers, three peers one step behind downloaded the state and no line
+        said why the replay had not helped."""
         previous = self._previous_tag if self.switch_branches else None
         if previous is not None and previous == list(winner):
             self._go_back(keep)
             if self.fingerprint() != list(winner):
                 return self._catch_up_failed(0, "replayed_elsewhere", "the kept state was not the one it was kept as")
             logger.info("Went back one outer step to the state its group holds, instead of downloading it")
-            emit("outer_caught_up", source=None, rounds=0, seconds=0.0, went_back=True)
+            emit("outer_caught_up", source=None, rounds=0, seconds=0.0, went_back=True, groupmate=True)
             return True
         starts = [(list(ours), False)] + ([(previous, True)] if previous is not None else [])
         starts = [(start, back) for start, back in starts if int(winner[0]) > int(start[0])]
@@ -875,8 +880,9 @@ class OuterLoop:
         missing = min(int(winner[0]) - int(start[0]) for start, _ in starts)
         if missing > self.history.rounds:
             return self._catch_up_failed(missing, "too_far", f"histories keep {self.history.rounds} outer step(s)")
+        outsiders = [peer for peer in self.history_donors() if peer not in self.donors][:HISTORY_OUTSIDERS]
         misses = []
-        for donor in self.donors:
+        for donor in [*self.donors, *outsiders]:
             started = time.monotonic()
             try:
                 entries = self.averager.fetch_history(donor, self.history)
@@ -884,43 +890,44 @@ class OuterLoop:
                 logger.info(f"No outer history from {donor}: {error!r}")
                 misses.append(f"{donor}: no history ({error!r})")
                 continue
-            start, back = next(((start, back) for start, back in starts if history_key(start) in entries),
-                               (None, False))
-            if start is None:
-                misses.append(f"{donor}: {len(entries)} step(s), none from this peer's state")
+            paths = [(path_to(entries, start, winner), back) for start, back in starts]
+            path, back = next(((path, back) for path, back in paths if path), (None, False))
+            if path is None:
+                misses.append(f"{donor}: {len(entries)} step(s), no path from this peer's state to its group's")
                 continue
             if back:
                 self._go_back(keep)
-            fingerprint, replayed = self._replay(entries, start, winner, keep, donor)
-            if fingerprint == list(winner):
-                seconds = time.monotonic() - started
+            replayed = self._replay(entries, path, keep, donor)
+            if self.fingerprint() == list(winner):
+                seconds, groupmate = time.monotonic() - started, donor in self.donors
                 logger.info(f"Caught up {replayed} outer step(s) from {donor}'s history in {seconds:.2f} s"
-                            f"{', having gone back one step' if back else ''}, instead of downloading the state")
-                emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds, went_back=back)
+                            f"{', having gone back one step' if back else ''}"
+                            f"{'' if groupmate else ' (a peer outside the group)'}, instead of downloading the state")
+                emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds, went_back=back,
+                     groupmate=groupmate)
                 return True
             if replayed or back:  # the state moved: only a download restores it
                 return self._catch_up_failed(missing, "replayed_elsewhere",
                                              f"{donor}'s history led {replayed} step(s) to another state")
             misses.append(f"{donor}: its first step was not plausible")
         return self._catch_up_failed(missing, "not_in_history" if misses else "no_donor",
-                                     "; ".join(misses) or "no groupmate to ask")
+                                     "; ".join(misses) or "no peer to ask")
 
-    def _replay(self, entries: Mapping, fingerprint: list, winner: list, keep: Optional[Sequence[torch.Tensor]],
-                donor: str) -> Tuple[list, int]:
-        """Apply ``entries`` (a donor's history) from ``fingerprint`` on while they lead towards ``winner``; the
-        fingerprint reached and the steps replayed."""
-        replayed = 0
-        while fingerprint != list(winner) and int(fingerprint[0]) < int(winner[0]) \
-                and history_key(fingerprint) in entries:
-            averaged = self.history.dense(entries[history_key(fingerprint)])
+    def _replay(self, entries: Mapping, path: Sequence, keep: Optional[Sequence[torch.Tensor]], donor: str) -> int:
+        """Apply ``entries`` (a donor's history) along ``path`` (:func:`path_to`) while each step is plausible and
+        leads where the entry says; the steps applied."""
+        for replayed, key in enumerate(path):
+            averaged = self.history.dense(entries[key])
             known = self.applied_norms or [float(momentum.norm()) for momentum in self.outer.momenta]
             reason = implausible_average(averaged, known) if self.check_averages else None
             if reason is not None:
                 logger.warning(f"Not replaying {donor}'s outer history: {reason}")
-                break
-            self._step(averaged, fingerprint, keep)
-            replayed, fingerprint = replayed + 1, self.fingerprint()
-        return fingerprint, replayed
+                return replayed
+            self._step(averaged, list(key), keep)
+            if history_key(self.fingerprint()) != entries[key].after:
+                logger.warning(f"{donor}'s outer history led to another state than it says")
+                return replayed + 1
+        return len(path)
 
     @staticmethod
     def _catch_up_failed(missing: int, kind: str, reason: str) -> bool:

@@ -186,7 +186,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
             auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean",
-                                    switch_branches=diloco.topk_fraction is not None)  # histories keep top-k only
+                                    switch_branches=diloco.topk_fraction is not None,  # histories keep top-k only
+                                    history_donors=self._full_trainers)
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
         # a state served while this peer's round awaits its outer step is one step behind the swarm's. With dense
@@ -541,6 +542,21 @@ class SwarmOptimizer(hivemind.Optimizer):
             speed = value.get("samples_per_second") if isinstance(value, dict) else None
             count += isinstance(speed, (int, float)) and speed > 1e-9
         return count
+
+    def _full_trainers(self) -> list[str]:
+        """The peer IDs of the other trainers that accept connections (not in client mode), by the progress records
+        the tracker last read, the furthest epoch first; not those this peer excluded."""
+        now, own = time.time(), str(self.dht.peer_id)
+        trainers = []
+        for record in self.tracker.last_records().values():
+            value, peer_id = getattr(record, "value", None), record_reporter(record)
+            if not isinstance(value, dict) or peer_id is None or peer_id == own or value.get("client_mode") is not False:
+                continue
+            if self._excluded.get(peer_id, 0.0) > now or not isinstance(value.get("samples_per_second"), (int, float)) \
+                    or not value["samples_per_second"] > 0 or not isinstance(value.get("epoch"), int):
+                continue
+            trainers.append((value["epoch"], peer_id))
+        return [peer_id for _, peer_id in sorted(trainers, reverse=True)]
 
     def load_state_from_peers(self, reason: str = "epoch", **kwargs: Any) -> None:
         """hivemind's download, ``reason`` (for the ``state_downloaded`` event) defaulting to hivemind's own:

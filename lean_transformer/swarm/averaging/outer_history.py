@@ -17,8 +17,15 @@ outer averager serves them through hivemind's state-download RPC, which that ave
 which authorized swarms gate like the rest: ``GatedRPCs``). A peer whose group converged on a fingerprint further
 on than its own asks the groupmates that hold it, one at a time (:meth:`FetchesOuterHistory.fetch_history`), and
 applies the entry for its own fingerprint, then the entry for the fingerprint that gives, and so on until it holds
-the group's, bit for bit (the outer step is deterministic); then it applies the round as its groupmates did. A gap,
-a mismatch, a malformed answer or a timeout falls back to the download (``diloco.OuterLoop._catch_up``).
+the group's, bit for bit (the outer step is deterministic); then it applies the round as its groupmates did. Each
+entry names the state it led to, so the peer finds the whole path from its state to the group's in an answer
+(:func:`path_to`) before it changes anything. A gap, a mismatch, a malformed answer or a timeout falls back to the
+download (``diloco.OuterLoop._catch_up``).
+
+Groupmates first, then other full peers: a client-mode peer (behind NAT) accepts no connection and serves nothing, and
+in a 16-trainer run (benchmarks/internet.py, a quarter of them NAT'ed) the three catch-ups that failed had only
+client-mode groupmates at the group's state; other full trainers, in other groups of the same rounds, held the
+steps. Such a peer's history is used only if it holds the whole path, so a peer on another branch changes nothing.
 
 Trust: the fingerprint is a checksum, not a hash, so a liar could forge an average that gives the group's
 checksum. A replayed average passes the plausibility check of a group's average (``diloco.implausible_average``,
@@ -42,6 +49,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
 HISTORY_ROUNDS = 4  # outer steps a peer keeps (and a peer catches up on at most)
+HISTORY_OUTSIDERS = 2  # full peers outside the group asked for a history after the groupmates
 HISTORY_BYTES_PER_VALUE = 4  # ... within one float32 anchor's bytes
 Key = Tuple[float, int]
 
@@ -62,10 +70,11 @@ def history_key(tag: Any) -> Optional[Key]:
 @dataclass(frozen=True)
 class HistoryEntry:
     """One applied outer average over the anchor's values concatenated: ``values`` at ``indices`` (int64), zero
-    elsewhere."""
+    elsewhere; ``after``: the fingerprint of the state it led to."""
 
     indices: torch.Tensor
     values: torch.Tensor
+    after: Key
 
     @property
     def bytes(self) -> int:
@@ -83,15 +92,15 @@ class OuterHistory:
         self._entries: "OrderedDict[Key, HistoryEntry]" = OrderedDict()
         self._lock = threading.Lock()  # recorded by the optimizer's thread, served by hivemind's
 
-    def record(self, before: Sequence, averaged: Sequence[torch.Tensor]) -> None:
-        """Keep ``averaged``, the outer gradient applied to the state whose fingerprint was ``before``, if at most a
-        third of its values are non-zero (12 bytes each, index and value, against 4 for every value)."""
-        key = history_key(list(before))
+    def record(self, before: Sequence, averaged: Sequence[torch.Tensor], after: Sequence) -> None:
+        """Keep ``averaged``, the outer gradient that took the state whose fingerprint was ``before`` to ``after``, if
+        at most a third of its values are non-zero (12 bytes each, index and value, against 4 for every value)."""
+        key, after_key = history_key(list(before)), history_key(list(after))
         flat = torch.cat([tensor.detach().reshape(-1).to("cpu", torch.float32) for tensor in averaged])
         nonzero = flat.nonzero().squeeze(1)
-        if key is None or nonzero.numel() * 3 >= self.total:
+        if key is None or after_key is None or nonzero.numel() * 3 >= self.total:
             return
-        entry = HistoryEntry(nonzero, flat[nonzero].clone())
+        entry = HistoryEntry(nonzero, flat[nonzero].clone(), after_key)
         budget = HISTORY_BYTES_PER_VALUE * self.total
         with self._lock:
             self._entries.pop(key, None)
@@ -100,11 +109,12 @@ class OuterHistory:
                 self._entries.popitem(last=False)
 
     def snapshot(self) -> Tuple[dict, List[torch.Tensor]]:
-        """What this peer serves: metadata (the keys, oldest first) and two tensors per entry (indices, values)."""
+        """What this peer serves: metadata (per entry, oldest first, the fingerprints before and after it) and two
+        tensors per entry (indices, values)."""
         with self._lock:
             entries = list(self._entries.items())
         tensors = [tensor for _, entry in entries for tensor in (entry.indices, entry.values)]
-        return {"outer_history": [list(key) for key, _ in entries]}, tensors
+        return {"outer_history": [[list(key), list(entry.after)] for key, entry in entries]}, tensors
 
     def parse(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> Dict[Key, HistoryEntry]:
         """A groupmate's :meth:`snapshot`, checked against this peer's shapes; ValueError says what is wrong."""
@@ -112,10 +122,14 @@ class OuterHistory:
         if not isinstance(keys, list) or len(keys) > self.rounds or len(tensors) != 2 * len(keys):
             raise ValueError(f"not an outer history of at most {self.rounds} entries ({len(tensors)} tensors)")
         entries = {}
-        for index, tag in enumerate(keys):
-            key, indices, values = history_key(tag), tensors[2 * index], tensors[2 * index + 1]
-            if key is None:
-                raise ValueError(f"entry {index}: {tag!r} is not an outer-state fingerprint")
+        for index, tags in enumerate(keys):
+            key, after = (history_key(tags[0]), history_key(tags[1])) if isinstance(tags, list) and len(tags) == 2 \
+                else (None, None)
+            indices, values = tensors[2 * index], tensors[2 * index + 1]
+            if key is None or after is None:
+                raise ValueError(f"entry {index}: {tags!r} is not a pair of outer-state fingerprints")
+            if after[0] != key[0] + 1:
+                raise ValueError(f"entry {index}: a step from {key[0]:g} outer steps to {after[0]:g}")
             if indices.dtype != torch.int64 or values.dtype != torch.float32 or indices.dim() != 1 \
                     or values.dim() != 1:
                 raise ValueError(f"entry {index}: {indices.dtype} indices and {values.dtype} values, not 1-D int64 "
@@ -124,7 +138,7 @@ class OuterHistory:
                     int(indices.min()) < 0 or int(indices.max()) >= self.total)):
                 raise ValueError(f"entry {index}: {indices.numel()} indices (not each within [0, {self.total})) for "
                                  f"{values.numel()} values")
-            entries[key] = HistoryEntry(indices, values)
+            entries[key] = HistoryEntry(indices, values, after)
         return entries
 
     def dense(self, entry: HistoryEntry) -> List[torch.Tensor]:
@@ -132,6 +146,16 @@ class OuterHistory:
         flat = torch.zeros(self.total, dtype=torch.float32)
         flat[entry.indices] = entry.values
         return [part.view(shape) for part, shape in zip(flat.split([s.numel() for s in self.shapes]), self.shapes)]
+
+
+def path_to(entries: Dict[Key, HistoryEntry], start: Sequence, goal: Sequence) -> Optional[List[Key]]:
+    """The fingerprints from which ``entries`` (a parsed history) lead, one step each, from ``start`` to ``goal``, in
+    order; None if they do not (a gap, or another branch)."""
+    key, goal_key, path = history_key(list(start)), history_key(list(goal)), []
+    while key is not None and key != goal_key and key in entries and len(path) < len(entries):
+        path.append(key)
+        key = entries[key].after
+    return path if key is not None and key == goal_key and path else None
 
 
 class ServesOuterHistory:
