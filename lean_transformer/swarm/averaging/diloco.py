@@ -50,6 +50,7 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
                                   serialize_torch_tensor)
@@ -736,11 +737,13 @@ class OuterLoop:
         the groups' different averages sent the smaller groups' members to download the state at their next round.
         Matchmaking gathers the fingerprint this peer will send; with ``overlap`` that depends on the round in
         flight, so a peer whose round is not yet applied (:meth:`apply_finished`) prepares nothing; with
-        ``samples_per_second``, it gathers the samples expected at the end (:func:`expected_samples`).
+        ``samples_per_second``, it gathers the samples expected at the end (:func:`expected_samples`), unless that
+        round is still looking for a group (:meth:`_give_up_unmatched`).
         :meth:`end_round` uses a prepared round only if the fingerprint it sends still matches (else it releases it
         and matches afresh)."""
         if self.averager.auxiliary or self._prepared is not None or self._released_running():
             return
+        self._give_up_unmatched()
         if self.overlap and self._pending is not None:  # the fingerprint it will send depends on that round
             return
         tag = self.fingerprint()
@@ -973,7 +976,28 @@ class OuterLoop:
         self._update_settled()
         return progress
 
+    def _give_up_unmatched(self) -> None:
+        """Overlap: cancel the background round if it found no group one matchmaking time after it was due; its
+        progress folds into the next round (as a round that failed). Such a round tries again until its deadline,
+        the averaging timeout later, while the swarm moves on to the next round: at 16 trainers
+        (benchmarks/internet.py, 360 s) 9 epoch ends waited 31-45 s for rounds that then found no group, and a round
+        in flight kept the next one from being prepared (:meth:`prepare`), so that one began unprepared too; the
+        late rounds that did find someone formed small groups apart from the swarm's. A round whose group formed
+        meanwhile serves it with weight 0 (``hivemind_fixes.averagers.CancelSafe``)."""
+        if self._pending is None:
+            return
+        control = self._pending[0]
+        if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) \
+                or get_dht_time() < control.scheduled_time + self.averager.matchmaking_time:
+            return
+        control.cancel()
+        (_, sent, sent_samples, _), self._pending = self._pending, None
+        self._unsent, self._settled = (sent, sent_samples), (None,)
+        self._update_settled()
+        logger.info("Gave up the outer round in flight: it found no group in time, its progress folds into the next")
+
     def _end_overlapped_round(self, alone: bool) -> Optional[int]:
+        self._give_up_unmatched()
         samples = self.samples_since_anchor
         progress = self._settle_pending() if self._pending is not None else self._progress()
         settled, self._settled = self._settled, None
