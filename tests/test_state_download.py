@@ -446,8 +446,9 @@ if __name__ == "__main__":
 
 def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     """DiLoCo's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records as the tracker
-    last read them (no DHT lookup on the training thread): trainers count, an aux peer (no speed) does not, nor a
-    record that expired since it was read, nor a trainer this peer excluded until its exclusion ends."""
+    last read them (no DHT lookup on the training thread while they show another trainer): trainers count, an aux
+    peer (no speed) does not, nor a record that expired since it was read, nor a trainer this peer excluded until its
+    exclusion ends. Records that show no other trainer are looked up afresh (a trainer may have joined since)."""
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
@@ -463,21 +464,26 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     records = {peer.to_bytes(): ValueWithExpiration(dict(peer_id=peer.to_bytes(), samples_per_second=speed), until)
                for peer, speed, until in ((own, 10.0, now + 60), (liar, 10.0, now + 60), (aux, 0.0, now + 60),
                                           (gone, 10.0, now - 1))}
-    tracker = SimpleNamespace(_last_metadata=records)
+    tracker, lookups = SimpleNamespace(_last_metadata=records), []
 
-    def no_lookup(*args, **kwargs):
-        raise AssertionError("a DHT lookup on the training thread")
+    def lookup(key, latest):  # as the DHT answers: the records that have not expired
+        lookups.append(key)
+        return ValueWithExpiration({key: record for key, record in records.items() if record.expiration_time > now},
+                                   now + 60)
 
     def trainers(excluded: dict) -> int:
-        peer = SimpleNamespace(dht=SimpleNamespace(get=no_lookup), _excluded=excluded,
-                               tracker=SimpleNamespace(last_records=lambda: TrustedProgress.last_records(tracker)))
+        peer = SimpleNamespace(dht=SimpleNamespace(get=lookup), _excluded=excluded,
+                               _count_trainers=lambda found: SwarmOptimizer._count_trainers(peer, found),
+                               tracker=SimpleNamespace(last_records=lambda: TrustedProgress.last_records(tracker),
+                                                       training_progress_key="progress"))
         return SwarmOptimizer._trainers_in_swarm(peer)
 
-    assert trainers({}) == 2
+    assert trainers({}) == 2 and lookups == []
+    assert trainers({str(liar): time.time() - 1}) == 2 and lookups == []  # the exclusion ended
     assert trainers({str(liar): time.time() + 600}) == 1  # alone: it steps with its own pseudo-gradient
-    assert trainers({str(liar): time.time() - 1}) == 2  # the exclusion ended
-    tracker._last_metadata = None  # nothing read yet
-    assert trainers({}) == 0
+    assert lookups == ["progress"]  # ... once the DHT's records confirm it
+    tracker._last_metadata = {own.to_bytes(): records[own.to_bytes()]}  # read before the other trainer joined
+    assert trainers({}) == 2 and len(lookups) == 2
 
 
 def test_a_peer_behind_asks_the_full_trainers_it_last_read_the_furthest_first():

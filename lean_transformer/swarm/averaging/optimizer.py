@@ -528,10 +528,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         forever. An excluded liar counted as a partner: in tests/test_lying_reducer.py, the last honest trainer left
         with it waited out 6 rounds' matchmaking (2.3 min) for a group that its own exclusion refused.
 
-        The records are those the tracker's background fetches last read, not a lookup of its own: this runs on the
-        training thread as the epoch ends, and at 16 DiLoCo trainers on 2 cores (benchmarks/internet.py) a lookup
-        took 11.5 s median, which every epoch end spent idle."""
-        records = self.tracker.last_records()
+        The records are those the tracker's background fetches last read: this runs on the training thread as the
+        epoch ends, and at 16 DiLoCo trainers on 2 cores (benchmarks/internet.py) a lookup took 11.5 s median, which
+        every epoch end spent idle. Only if they show no other trainer does it look the records up (they may predate a
+        trainer that just joined: in tests/test_diloco_swarm.py two trainers each stepped alone for 3 short epochs)."""
+        count = self._count_trainers(self.tracker.last_records())
+        if count <= 1:
+            entry = self.dht.get(self.tracker.training_progress_key, latest=True)
+            count = self._count_trainers(entry.value if entry is not None and isinstance(entry.value, dict) else {})
+        return count
+
+    def _count_trainers(self, records: Mapping) -> int:
         now = time.time()
         excluded = {peer_id for peer_id, until in self._excluded.items() if until > now}
         count = 0
