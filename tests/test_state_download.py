@@ -447,8 +447,9 @@ if __name__ == "__main__":
 def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     """DiLoCo's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records as the tracker
     last read them (no DHT lookup on the training thread while they show another trainer): trainers count, an aux
-    peer (no speed) does not, nor a record that expired since it was read, nor a trainer this peer excluded until its
-    exclusion ends. Records that show no other trainer are looked up afresh (a trainer may have joined since)."""
+    peer (no speed) does not, nor a trainer this peer excluded until its exclusion ends. Records that show no other
+    trainer are looked up afresh (a trainer may have joined since, or the others may have left: the DHT answers only
+    records that have not expired)."""
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
@@ -463,7 +464,7 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     now = get_dht_time()
     records = {peer.to_bytes(): ValueWithExpiration(dict(peer_id=peer.to_bytes(), samples_per_second=speed), until)
                for peer, speed, until in ((own, 10.0, now + 60), (liar, 10.0, now + 60), (aux, 0.0, now + 60),
-                                          (gone, 10.0, now - 1))}
+                                          (gone, 10.0, now - 1))}  # gone: read before it expired
     tracker, lookups = SimpleNamespace(_last_metadata=records), []
 
     def lookup(key, latest):  # as the DHT answers: the records that have not expired
@@ -478,12 +479,12 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
                                                        training_progress_key="progress"))
         return SwarmOptimizer._trainers_in_swarm(peer)
 
-    assert trainers({}) == 2 and lookups == []
-    assert trainers({str(liar): time.time() - 1}) == 2 and lookups == []  # the exclusion ended
-    assert trainers({str(liar): time.time() + 600}) == 1  # alone: it steps with its own pseudo-gradient
+    assert trainers({}) == 3 and lookups == []
+    assert trainers({str(liar): time.time() - 1}) == 3 and lookups == []  # the exclusion ended
+    assert trainers({str(liar): time.time() + 600, str(gone): time.time() + 600}) == 1  # alone: it steps on its own
     assert lookups == ["progress"]  # ... once the DHT's records confirm it
-    tracker._last_metadata = {own.to_bytes(): records[own.to_bytes()]}  # read before the other trainer joined
-    assert trainers({}) == 2 and len(lookups) == 2
+    tracker._last_metadata = {own.to_bytes(): records[own.to_bytes()]}  # read before the others joined
+    assert trainers({}) == 2 and len(lookups) == 2  # the DHT's: without the expired record
 
 
 def test_a_peer_behind_asks_the_full_trainers_it_last_read_the_furthest_first():

@@ -977,18 +977,21 @@ class OuterLoop:
         return progress
 
     def _give_up_unmatched(self) -> None:
-        """Overlap: cancel the background round if it found no group one matchmaking time after it was due; its
-        progress folds into the next round (as a round that failed). Such a round tries again until its deadline,
-        the averaging timeout later, while the swarm moves on to the next round: at 16 trainers
-        (benchmarks/internet.py, 360 s) 9 epoch ends waited 31-45 s for rounds that then found no group, and a round
-        in flight kept the next one from being prepared (:meth:`prepare`), so that one began unprepared too; the
-        late rounds that did find someone formed small groups apart from the swarm's. A round whose group formed
+        """Overlap: cancel the background round if it found no group one matchmaking window (the averager's, which
+        stretches with slow DHT lookups) after it was due; its progress folds into the next round (as a round that
+        failed). Such a round tries again until its deadline, the averaging timeout later, while the swarm moves on
+        to the next round: at 16 trainers (benchmarks/internet.py, 360 s) 9 epoch ends waited 31-45 s for rounds
+        that then found no group, and a round in flight kept the next one from being prepared (:meth:`prepare`), so
+        that one began unprepared too; the late rounds that did find someone formed small groups apart from the
+        swarm's. Not sooner: with lookups of 17 s (median) a round given up 15 s (--matchmaking_time) after it was
+        due had rarely found its group yet, and one run of 360 s averaged one group of 2. A round whose group formed
         meanwhile serves it with weight 0 (``hivemind_fixes.averagers.CancelSafe``)."""
         if self._pending is None:
             return
         control = self._pending[0]
+        window = max(self.averager.matchmaking_time, self.averager.window())
         if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) \
-                or get_dht_time() < control.scheduled_time + self.averager.matchmaking_time:
+                or get_dht_time() < control.scheduled_time + window:
             return
         control.cancel()
         (_, sent, sent_samples, _), self._pending = self._pending, None

@@ -552,12 +552,14 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _full_trainers(self) -> list[str]:
         """The peer IDs of the other trainers that accept connections (not in client mode), by the progress records
-        the tracker last read, the furthest epoch first; not those this peer excluded."""
-        now, own = time.time(), str(self.dht.peer_id)
+        the tracker last read, the furthest epoch first; not those this peer excluded, nor those whose records
+        expired since (they may have left: asking one would wait out a timeout)."""
+        now, dht_now, own = time.time(), get_dht_time(), str(self.dht.peer_id)
         trainers = []
         for record in self.tracker.last_records().values():
             value, peer_id = getattr(record, "value", None), record_reporter(record)
-            if not isinstance(value, dict) or peer_id is None or peer_id == own or value.get("client_mode") is not False:
+            if not isinstance(value, dict) or peer_id is None or peer_id == own or value.get("client_mode") is not False \
+                    or getattr(record, "expiration_time", 0.0) < dht_now:
                 continue
             if self._excluded.get(peer_id, 0.0) > now or not isinstance(value.get("samples_per_second"), (int, float)) \
                     or not value["samples_per_second"] > 0 or not isinstance(value.get("epoch"), int):

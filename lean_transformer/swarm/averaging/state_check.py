@@ -39,7 +39,6 @@ from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
 from torch import nn
 
 MARGIN = 0.05  # a candidate may score at most this fraction of the own loss worse on the same local batch
@@ -130,13 +129,11 @@ class IgnoresRefusedDonors:
                 self.global_progress = self._parse_swarm_progress_data(metadata)
 
     def last_records(self) -> dict:
-        """The swarm's progress records (subkey -> ``ValueWithExpiration``) as last read by the tracker's fetches, less
-        those that expired since: what the training thread may read without a lookup of its own."""
+        """The swarm's progress records (subkey -> ``ValueWithExpiration``) as the tracker's fetches last read them:
+        what the training thread may read without a lookup of its own. Some may have expired since (where lookups
+        take most of a record's 60 s, many have): they still say who was there a moment ago."""
         metadata = getattr(self, "_last_metadata", None)
-        if not isinstance(metadata, dict):
-            return {}
-        now = get_dht_time()
-        return {key: entry for key, entry in metadata.items() if getattr(entry, "expiration_time", now) > now}
+        return dict(metadata) if isinstance(metadata, dict) else {}
 
     def _parse_swarm_progress_data(self, metadata: Any) -> Any:
         self._last_metadata = metadata
