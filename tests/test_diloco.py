@@ -700,12 +700,13 @@ def test_a_peer_whose_groupmates_serve_no_history_catches_up_from_a_full_peer_ou
 
 
 @pytest.mark.swarm
-def test_an_overlapped_round_that_found_no_group_is_given_up_when_the_next_one_is_prepared(tmp_path, report):
+def test_an_overlapped_round_that_found_no_group_is_given_up_when_the_next_one_ends(tmp_path, report):
     """With overlap, a sends round 1 in the background with nobody to average with; b joins for round 2. When a
-    prepares round 2 (T + 6 s), round 1 is still looking for a group, 2 s past its due time: before, hivemind tried
-    again until its deadline (the averaging timeout later), a prepared nothing, and its end of round 2 waited for
-    that failure. Now a cancels round 1 and prepares round 2; a and b average round 2 as one group, a's pseudo-gradient
-    carrying round 1's progress with its samples, and both take the hand-computed outer step."""
+    ends round 2 (T + 10 s), round 1 is still looking for a group, past its due time: before, hivemind tried again
+    until its deadline (the averaging timeout later) and a's end of round 2 waited for that (meanwhile b, starting
+    at T + 11 s, could only join round 1). Now a cancels round 1 and begins round 2 at once; a and b average round
+    2 as one group, a's pseudo-gradient carrying round 1's progress with its samples, and both take the
+    hand-computed outer step."""
     results = peer_results(tmp_path, ["unmatched"], names="ab")["unmatched"]
     assert results["a"]["missed"] == ["cancelled"], results
     assert [results[name]["group_sizes"] for name in "ab"] == [[None, None, 2], [None, 2]], results
@@ -713,7 +714,7 @@ def test_an_overlapped_round_that_found_no_group_is_given_up_when_the_next_one_i
     for name in "ab":
         torch.testing.assert_close(torch.tensor(results[name]["anchor"]), torch.full((3,), hand_nesterov(1.0, [mean])),
                                    rtol=1e-4, atol=1e-5)
-    report(f"a's round 1 found no group: given up as a prepared round 2 (missed: {results['a']['missed']}); a's end "
+    report(f"a's round 1 found no group: given up as round 2 ended (missed: {results['a']['missed']}); a's end "
            f"of round 2 took {results['a']['end_seconds'][1]:.2f} s; round 2 averaged a and b, anchors as by hand")
 
 
@@ -977,9 +978,8 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
 
 
 def unmatched_peer(name: str, role: str) -> None:
-    """A peer of the given-up round test: a ends round 1 alone at T, prepares round 2 at T + 6 s and ends it at
-    T + 10 s; b prepares round 2 at T + 9 s and ends it at T + 10 s; both end round 3 at T + 18 s (which applies
-    round 2)."""
+    """A peer of the given-up round test: a ends round 1 alone at T and round 2 at T + 10 s; b ends round 2 at
+    T + 11 s; both end round 3 at T + 19 s (which applies round 2)."""
     from hivemind.utils import get_dht_time
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
@@ -994,17 +994,12 @@ def unmatched_peer(name: str, role: str) -> None:
     averager = PseudoGradientAverager(dht, "test_diloco_unmatched", [weight.shape], matchmaking_time=MATCHMAKING,
                                       allreduce_timeout=10.0)
     rounds = OuterLoop(OuterNesterov([weight], lr=LR, momentum=MOMENTUM), averager, overlap=True)
-    ends = {"a": [(0.0, 0.5), (10.0, 0.125), (18.0, 0.25)], "b": [(10.0, 0.25), (18.0, 0.25)]}[name]
-    prepare_at = {"a": 6.0, "b": 9.0}[name]
+    ends = {"a": [(0.0, 0.5), (10.0, 0.125), (19.0, 0.25)], "b": [(11.0, 0.25), (19.0, 0.25)]}[name]
     group_sizes, end_seconds, last_end = [], [], 0.0
     for end, progress in ends:
         with torch.no_grad():
             weight.sub_(progress)
         rounds.add_samples(4)
-        if end > prepare_at > 0:
-            time.sleep(max(0.0, start + prepare_at - get_dht_time()))
-            rounds.prepare(start + 10.0)
-            prepare_at = 0.0
         time.sleep(max(0.0, start + end - get_dht_time()))
         began, last_end = time.monotonic(), time.time()
         group_sizes.append(rounds.end_round())

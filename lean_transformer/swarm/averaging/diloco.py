@@ -737,13 +737,11 @@ class OuterLoop:
         the groups' different averages sent the smaller groups' members to download the state at their next round.
         Matchmaking gathers the fingerprint this peer will send; with ``overlap`` that depends on the round in
         flight, so a peer whose round is not yet applied (:meth:`apply_finished`) prepares nothing; with
-        ``samples_per_second``, it gathers the samples expected at the end (:func:`expected_samples`), unless that
-        round is still looking for a group (:meth:`_give_up_unmatched`).
+        ``samples_per_second``, it gathers the samples expected at the end (:func:`expected_samples`).
         :meth:`end_round` uses a prepared round only if the fingerprint it sends still matches (else it releases it
         and matches afresh)."""
         if self.averager.auxiliary or self._prepared is not None or self._released_running():
             return
-        self._give_up_unmatched()
         if self.overlap and self._pending is not None:  # the fingerprint it will send depends on that round
             return
         tag = self.fingerprint()
@@ -977,30 +975,27 @@ class OuterLoop:
         return progress
 
     def _give_up_unmatched(self) -> None:
-        """Overlap: cancel the background round if it found no group one matchmaking window (the averager's, which
-        stretches with slow DHT lookups) after it was due; its progress folds into the next round (as a round that
-        failed). Such a round tries again until its deadline, the averaging timeout later, while the swarm moves on
-        to the next round: at 16 trainers (benchmarks/internet.py, 360 s) 9 epoch ends waited 31-45 s for rounds
-        that then found no group, and a round in flight kept the next one from being prepared (:meth:`prepare`), so
-        that one began unprepared too; the late rounds that did find someone formed small groups apart from the
-        swarm's. Not sooner: with lookups of 17 s (median) a round given up 15 s (--matchmaking_time) after it was
-        due had rarely found its group yet, and one run of 360 s averaged one group of 2. A round whose group formed
-        meanwhile serves it with weight 0 (``hivemind_fixes.averagers.CancelSafe``)."""
-        if self._pending is None:
-            return
+        """Overlap, as the next round ends: cancel the background round if it is still looking for a group after its
+        due time; its progress folds into the round that begins now (as a round that failed). Such a round tries
+        again until its deadline, the averaging timeout later, while the swarm begins the next round without it: at
+        16 trainers (benchmarks/internet.py, 360 s) 9 epoch ends waited 31-45 s for rounds that then found no group.
+        Not sooner (when the next round is prepared, one matchmaking window after the round was due): where lookups
+        took 14-17 s (median), rounds given up then had rarely found their groups yet, and a 360 s run averaged 28
+        peer-rounds (59 without). A round whose group formed meanwhile serves it with weight 0
+        (``hivemind_fixes.averagers.CancelSafe``)."""
         control = self._pending[0]
-        window = max(self.averager.matchmaking_time, self.averager.window())
         if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) \
-                or get_dht_time() < control.scheduled_time + window:
+                or get_dht_time() < control.scheduled_time:
             return
         control.cancel()
         (_, sent, sent_samples, _), self._pending = self._pending, None
         self._unsent, self._settled = (sent, sent_samples), (None,)
         self._update_settled()
-        logger.info("Gave up the outer round in flight: it found no group in time, its progress folds into the next")
+        logger.info("Gave up the outer round in flight: it found no group in time, its progress folds into this one")
 
     def _end_overlapped_round(self, alone: bool) -> Optional[int]:
-        self._give_up_unmatched()
+        if self._pending is not None:
+            self._give_up_unmatched()
         samples = self.samples_since_anchor
         progress = self._settle_pending() if self._pending is not None else self._progress()
         settled, self._settled = self._settled, None
