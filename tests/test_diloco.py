@@ -699,25 +699,6 @@ def test_a_peer_whose_groupmates_serve_no_history_catches_up_from_a_full_peer_ou
            "a's history (outside its group), anchors of b and c bit-identical, no download")
 
 
-@pytest.mark.swarm
-def test_an_overlapped_round_that_found_no_group_is_given_up_when_the_next_one_ends(tmp_path, report):
-    """With overlap, a sends round 1 in the background with nobody to average with; b joins for round 2. When a
-    ends round 2 (T + 10 s), round 1 is still looking for a group, past its due time: before, hivemind tried again
-    until its deadline (the averaging timeout later) and a's end of round 2 waited for that (meanwhile b, starting
-    at T + 11 s, could only join round 1). Now a cancels round 1 and begins round 2 at once; a and b average round
-    2 as one group, a's pseudo-gradient carrying round 1's progress with its samples, and both take the
-    hand-computed outer step."""
-    results = peer_results(tmp_path, ["unmatched"], names="ab")["unmatched"]
-    assert results["a"]["missed"] == ["cancelled"], results
-    assert [results[name]["group_sizes"] for name in "ab"] == [[None, None, 2], [None, 2]], results
-    mean = ((0.5 + 0.125) * 8 + 0.25 * 4) / 12  # a: rounds 1 and 2, 8 samples; b: round 2, 4 samples
-    for name in "ab":
-        torch.testing.assert_close(torch.tensor(results[name]["anchor"]), torch.full((3,), hand_nesterov(1.0, [mean])),
-                                   rtol=1e-4, atol=1e-5)
-    report(f"a's round 1 found no group: given up as round 2 ended (missed: {results['a']['missed']}); a's end "
-           f"of round 2 took {results['a']['end_seconds'][1]:.2f} s; round 2 averaged a and b, anchors as by hand")
-
-
 def peer_results(root: Path, modes: list, names: str = "abc") -> dict:
     """Runs peers a, b and c (or ``names``) once per mode, each time in a folder of its own; by mode, each peer's
     last printed line (JSON)."""
@@ -977,45 +958,6 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
-def unmatched_peer(name: str, role: str) -> None:
-    """A peer of the given-up round test: a ends round 1 alone at T and round 2 at T + 10 s; b ends round 2 at
-    T + 11 s; both end round 3 at T + 19 s (which applies round 2)."""
-    from hivemind.utils import get_dht_time
-
-    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
-    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
-
-    dht = start_dht(role)
-    rendezvous = Path(os.environ["RENDEZVOUS"])
-    events = rendezvous / f"{name}.events.jsonl"
-    open_events(events, role="trainer")
-    start = common_time(role)
-    weight = torch.nn.Parameter(torch.full((3,), 1.0))
-    averager = PseudoGradientAverager(dht, "test_diloco_unmatched", [weight.shape], matchmaking_time=MATCHMAKING,
-                                      allreduce_timeout=10.0)
-    rounds = OuterLoop(OuterNesterov([weight], lr=LR, momentum=MOMENTUM), averager, overlap=True)
-    ends = {"a": [(0.0, 0.5), (10.0, 0.125), (19.0, 0.25)], "b": [(11.0, 0.25), (19.0, 0.25)]}[name]
-    group_sizes, end_seconds, last_end = [], [], 0.0
-    for end, progress in ends:
-        with torch.no_grad():
-            weight.sub_(progress)
-        rounds.add_samples(4)
-        time.sleep(max(0.0, start + end - get_dht_time()))
-        began, last_end = time.monotonic(), time.time()
-        group_sizes.append(rounds.end_round())
-        end_seconds.append(time.monotonic() - began)
-    (rendezvous / f"{name}.done").touch()
-    wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "ab"), timeout=60,
-               what="the other's rounds", interval=0.05)
-    rounds.cancel_rounds()  # the last round, left in flight (its event may or may not be written before the end)
-    close_events()
-    missed = [event["reason"] for event in read_events(events, "round_missed") if event["time"] < last_end]
-    print(json.dumps(dict(group_sizes=group_sizes, end_seconds=end_seconds, missed=missed,
-                          anchor=rounds.outer.anchor[0].tolist())), flush=True)
-    averager.shutdown()
-    dht.shutdown()
-
-
 # the catch-up tests: per peer, whether it ends each of the two rounds (at T and T + 8 s); "alone": on its own
 CATCH_UP_ROUNDS = {"catch_up": {"a": (True, True), "b": (True, True), "c": (False, True), "d": ("alone", True)},
                    "outsider": {"a": (True, False), "b": (True, True), "c": (False, True)}}
@@ -1103,8 +1045,6 @@ if __name__ == "__main__":
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "released"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
-    elif sys.argv[2] == "unmatched":
-        unmatched_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] in CATCH_UP_ROUNDS:
         catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:

@@ -50,7 +50,6 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
-from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
                                   serialize_torch_tensor)
@@ -974,28 +973,7 @@ class OuterLoop:
         self._update_settled()
         return progress
 
-    def _give_up_unmatched(self) -> None:
-        """Overlap, as the next round ends: cancel the background round if it is still looking for a group after its
-        due time; its progress folds into the round that begins now (as a round that failed). Such a round tries
-        again until its deadline, the averaging timeout later, while the swarm begins the next round without it: at
-        16 trainers (benchmarks/internet.py, 360 s) 9 epoch ends waited 31-45 s for rounds that then found no group.
-        Not sooner (when the next round is prepared, one matchmaking window after the round was due): where lookups
-        took 14-17 s (median), rounds given up then had rarely found their groups yet, and a 360 s run averaged 28
-        peer-rounds (59 without). A round whose group formed meanwhile serves it with weight 0
-        (``hivemind_fixes.averagers.CancelSafe``)."""
-        control = self._pending[0]
-        if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) \
-                or get_dht_time() < control.scheduled_time:
-            return
-        control.cancel()
-        (_, sent, sent_samples, _), self._pending = self._pending, None
-        self._unsent, self._settled = (sent, sent_samples), (None,)
-        self._update_settled()
-        logger.info("Gave up the outer round in flight: it found no group in time, its progress folds into this one")
-
     def _end_overlapped_round(self, alone: bool) -> Optional[int]:
-        if self._pending is not None:
-            self._give_up_unmatched()
         samples = self.samples_since_anchor
         progress = self._settle_pending() if self._pending is not None else self._progress()
         settled, self._settled = self._settled, None
