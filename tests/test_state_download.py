@@ -474,7 +474,6 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
 
     def trainers(excluded: dict) -> int:
         peer = SimpleNamespace(dht=SimpleNamespace(get=lookup), _excluded=excluded,
-                               _count_trainers=lambda found: SwarmOptimizer._count_trainers(peer, found),
                                tracker=SimpleNamespace(last_records=lambda: TrustedProgress.last_records(tracker),
                                                        training_progress_key="progress"))
         return SwarmOptimizer._trainers_in_swarm(peer)

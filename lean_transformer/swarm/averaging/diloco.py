@@ -822,14 +822,17 @@ class OuterLoop:
         return group_size
 
     def _step(self, averaged: Sequence[torch.Tensor], before: list,
-              keep: Optional[Sequence[torch.Tensor]] = None) -> None:
-        """Apply one outer step to the state whose fingerprint is ``before``, and keep it in the history."""
+              keep: Optional[Sequence[torch.Tensor]] = None) -> list:
+        """Apply one outer step to the state whose fingerprint is ``before``, and keep it in the history; the
+        fingerprint it led to."""
         with self.lock:
             if self.switch_branches:
                 self._keep_previous(before)
             self.outer.step(averaged, keep=keep)
-        self.history.record(before, averaged, self.fingerprint())
+        after = self.fingerprint()
+        self.history.record(before, averaged, after)
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
+        return after
 
     def _keep_previous(self, fingerprint: list) -> None:
         """Copy the outer state (its fingerprint: ``fingerprint``) before it takes a step (``switch_branches``)."""
@@ -923,8 +926,7 @@ class OuterLoop:
             if reason is not None:
                 logger.warning(f"Not replaying {donor}'s outer history: {reason}")
                 return replayed
-            self._step(averaged, list(key), keep)
-            if history_key(self.fingerprint()) != entries[key].after:
+            if history_key(self._step(averaged, list(key), keep)) != entries[key].after:
                 logger.warning(f"{donor}'s outer history led to another state than it says")
                 return replayed + 1
         return len(path)

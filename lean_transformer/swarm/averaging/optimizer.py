@@ -12,7 +12,8 @@ import logging
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence,
+                    Union)
 
 import hivemind
 import torch
@@ -532,39 +533,22 @@ class SwarmOptimizer(hivemind.Optimizer):
         epoch ends, and at 16 DiLoCo trainers on 2 cores (benchmarks/internet.py) a lookup took 11.5 s median, which
         every epoch end spent idle. Only if they show no other trainer does it look the records up (they may predate a
         trainer that just joined: in tests/test_diloco_swarm.py two trainers each stepped alone for 3 short epochs)."""
-        count = self._count_trainers(self.tracker.last_records())
+        count = len(list(trainer_records(self.tracker.last_records(), self._excluded)))
         if count <= 1:
             entry = self.dht.get(self.tracker.training_progress_key, latest=True)
-            count = self._count_trainers(entry.value if entry is not None and isinstance(entry.value, dict) else {})
-        return count
-
-    def _count_trainers(self, records: Mapping) -> int:
-        now = time.time()
-        excluded = {peer_id for peer_id, until in self._excluded.items() if until > now}
-        count = 0
-        for record in records.values():
-            if excluded and record_reporter(record) in excluded:
-                continue
-            value = getattr(record, "value", None)
-            speed = value.get("samples_per_second") if isinstance(value, dict) else None
-            count += isinstance(speed, (int, float)) and speed > 1e-9
+            records = entry.value if entry is not None and isinstance(entry.value, dict) else {}
+            count = len(list(trainer_records(records, self._excluded)))
         return count
 
     def _full_trainers(self) -> list[str]:
         """The peer IDs of the other trainers that accept connections (not in client mode), by the progress records
         the tracker last read, the furthest epoch first; not those this peer excluded, nor those whose records
         expired since (they may have left: asking one would wait out a timeout)."""
-        now, dht_now, own = time.time(), get_dht_time(), str(self.dht.peer_id)
-        trainers = []
-        for record in self.tracker.last_records().values():
-            value, peer_id = getattr(record, "value", None), record_reporter(record)
-            if not isinstance(value, dict) or peer_id is None or peer_id == own or value.get("client_mode") is not False \
-                    or getattr(record, "expiration_time", 0.0) < dht_now:
-                continue
-            if self._excluded.get(peer_id, 0.0) > now or not isinstance(value.get("samples_per_second"), (int, float)) \
-                    or not value["samples_per_second"] > 0 or not isinstance(value.get("epoch"), int):
-                continue
-            trainers.append((value["epoch"], peer_id))
+        now, own = get_dht_time(), str(self.dht.peer_id)
+        trainers = [(value["epoch"], peer_id) for peer_id, record, value in trainer_records(
+                        self.tracker.last_records(), self._excluded)
+                    if peer_id not in (None, own) and value.get("client_mode") is False
+                    and getattr(record, "expiration_time", 0.0) >= now and isinstance(value.get("epoch"), int)]
         return [peer_id for _, peer_id in sorted(trainers, reverse=True)]
 
     def load_state_from_peers(self, reason: str = "epoch", **kwargs: Any) -> None:
@@ -719,6 +703,17 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.outer_loop.cancel_rounds()
             self.outer_loop.averager.shutdown()
         super().shutdown()
+
+
+def trainer_records(records: Mapping, excluded: Mapping[str, float]) -> Iterator[tuple[Optional[str], Any, dict]]:
+    """(reporter's peer ID or None, record, its value) of each progress record that shows training (aux peers
+    report no samples/s), except those of the peers in ``excluded`` (peer ID -> Unix time the exclusion ends)."""
+    now = time.time()
+    for record in records.values():
+        value, peer_id = getattr(record, "value", None), record_reporter(record)
+        speed = value.get("samples_per_second") if isinstance(value, dict) else None
+        if isinstance(speed, (int, float)) and speed > 1e-9 and not excluded.get(peer_id, 0.0) > now:
+            yield peer_id, record, value
 
 
 def gradient_averager_class(gated: bool, host_gradients: bool) -> type[GradientAverager]:
