@@ -492,7 +492,7 @@ def test_a_held_outer_loop_serves_nothing_until_the_caller_lets_go(overlap):
             assert rounds.end_round() is None  # a round was sent; no group formed
             assert not rounds.settled.is_set()
         assert rounds.settled.is_set() != overlap
-        rounds.cancel_rounds()
+        rounds.leave(grace=0.0)
         assert rounds.settled.is_set()
 
 
@@ -600,20 +600,24 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
     """Three peers; a and b end the round at T, c (a slow peer, finishing its last local step) STAGGER s later, more
     than the matchmaking time. Begun at each peer's end, the round splits: a and b average as two, c finds nobody
     and misses it, and the anchors part. Prepared MATCHMAKING s before T (OuterLoop.prepare, as SwarmOptimizer does
-    when the swarm's expected end of the round is that near), the three form one group and it waits for c."""
-    results = peer_results(tmp_path, ["unprepared", "prepared"])
+    when the swarm's expected end of the round is that near), the three form one group and it waits for c; so
+    too when c is in client mode (behind NAT: it cannot lead, and joins a or b's group ahead)."""
+    results = peer_results(tmp_path, ["unprepared", "prepared", "prepared_client"])
     unprepared, prepared = results["unprepared"], results["prepared"]
     sizes = {mode: [results[mode][name]["group_size"] for name in "abc"] for mode in results}
     assert sizes["unprepared"] == [2, 2, None], unprepared
     assert unprepared["a"]["anchor"] == unprepared["b"]["anchor"] != unprepared["c"]["anchor"]
     assert sizes["prepared"] == [3, 3, 3], prepared
     mean = (0.5 + 0.25 - 1.0) / 3  # 4 samples each
-    for name in "abc":
-        assert prepared[name]["anchor"] == prepared["a"]["anchor"]
-        torch.testing.assert_close(torch.tensor(prepared[name]["anchor"]),
-                                   torch.full((3,), hand_nesterov(1.0, [mean])), rtol=1e-4, atol=1e-5)
+    assert sizes["prepared_client"] == [3, 3, 3], results["prepared_client"]
+    for mode in ("prepared", "prepared_client"):
+        for name in "abc":
+            assert results[mode][name]["anchor"] == prepared["a"]["anchor"]
+    torch.testing.assert_close(torch.tensor(prepared["a"]["anchor"]), torch.full((3,), hand_nesterov(1.0, [mean])),
+                               rtol=1e-4, atol=1e-5)
     report(f"c ended its round {STAGGER} s after a and b (matchmaking {MATCHMAKING} s): begun at each end, group "
-           f"sizes {sizes['unprepared']}; prepared {MATCHMAKING} s ahead, {sizes['prepared']}")
+           f"sizes {sizes['unprepared']}; prepared {MATCHMAKING} s ahead, {sizes['prepared']}, and "
+           f"{sizes['prepared_client']} with c in client mode")
 
 
 @pytest.mark.swarm
@@ -630,6 +634,25 @@ def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_wi
                                    rtol=1e-4, atol=1e-5)
     assert results["c"]["anchor"] == [1.0] * 3
     report("a peer that dropped its prepared round: the other two averaged as the group of 3, c with weight 0")
+
+
+@pytest.mark.swarm
+def test_a_peer_that_leaves_while_its_group_waits_for_it_serves_the_round_before_its_averager_stops(tmp_path, report):
+    """a, b and c prepare a round together; a and b end it, c is stopped instead while they wait for its part: it
+    leaves (OuterLoop.leave, as SwarmOptimizer.shutdown does), then shuts its averager down at once. c serves the
+    formed group with weight 0 and waits for the round to end: a and b average as the group of 3, exactly their own
+    mean. Before, c cancelled its rounds and its averager stopped mid-round (hivemind cancels its running groups):
+    a and b both missed the round, as 6 DiLoCo trainers did in benchmarks/internet.py when one groupmate left."""
+    results = peer_results(tmp_path, ["leaving"])["leaving"]
+    assert [results[name]["group_size"] for name in "abc"] == [3, 3, None], results
+    assert results["c"]["served"] == 1, results
+    mean = (0.5 + 0.25) / 2  # c counts for nothing
+    for name in "ab":
+        torch.testing.assert_close(torch.tensor(results[name]["anchor"]), torch.full((3,), hand_nesterov(1.0, [mean])),
+                                   rtol=1e-4, atol=1e-5)
+    assert results["c"]["anchor"] == [1.0] * 3
+    report("a peer stopped while its group of 3 waited for it: it served the round with weight 0 before its averager "
+           "stopped, and the other two averaged as the group of 3")
 
 
 @pytest.mark.swarm
@@ -852,13 +875,14 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
-    dht = start_dht(role)
+    client_mode = mode == "prepared_client" and name == "c"
+    dht = start_dht(role, client_mode=client_mode)
     rendezvous = Path(os.environ["RENDEZVOUS"])
     end = common_time(role)
     weight = torch.nn.Parameter(torch.full((3,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_staggered", [weight.shape], matchmaking_time=MATCHMAKING,
-                                      allreduce_timeout=10.0)
+                                      allreduce_timeout=10.0, client_mode=client_mode)
     rounds = OuterLoop(outer, averager)
     with torch.no_grad():
         weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0}[name])
@@ -867,15 +891,18 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
         time.sleep(max(0.0, end - MATCHMAKING - get_dht_time()))
         rounds.prepare(end)
     time.sleep(max(0.0, end + (STAGGER if name == "c" else 0.0) - get_dht_time()))
+    served = None
     if mode == "released" and name == "c":  # as after a state download, with a and b waiting for it
         rounds.forget_pending()
         group_size = None
         wait_until(lambda: all((rendezvous / f"{other}.done").exists() for other in "ab"), timeout=60,
                    what="a and b's round", interval=0.05)
+    elif mode == "leaving" and name == "c":  # stopped by a signal: SwarmOptimizer.shutdown, then the averager's
+        group_size, served = None, rounds.leave(grace=10.0)
     else:
         group_size = rounds.end_round()
         (rendezvous / f"{name}.done").touch()
-    print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist())), flush=True)
+    print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist(), served=served)), flush=True)
     averager.shutdown()
     dht.shutdown()
 
@@ -953,7 +980,7 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     anchor = hashlib.sha256(outer.anchor[0].numpy().tobytes()).hexdigest()
     print(json.dumps(dict(group_size=group_sizes[-1], behind=behind, loaded_steps=loaded_steps, caught_up=caught_up,
                           catch_up_failed=failed, anchor=anchor)), flush=True)
-    rounds.cancel_rounds()
+    rounds.leave(grace=0.0)
     averager.shutdown()
     dht.shutdown()
 
@@ -1029,7 +1056,7 @@ def peer(name: str, compression: str, role: str) -> None:
             weight.sub_(shift)
         rounds.add_samples(samples)
         group_sizes.append(rounds.end_round())  # hivemind retries matchmaking until the round's timeout
-    rounds.cancel_rounds()
+    rounds.leave(grace=0.0)
     averager.shutdown()
     dht.shutdown()
     print(json.dumps(dict(weight=weight.tolist(), anchor=outer.anchor[0].tolist(), group_sizes=group_sizes)),
@@ -1043,7 +1070,7 @@ if __name__ == "__main__":
         sparse_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] in ("deferred", "applied", "at_once"):
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
-    elif sys.argv[2] in ("prepared", "unprepared", "released"):
+    elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in CATCH_UP_ROUNDS:
         catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])

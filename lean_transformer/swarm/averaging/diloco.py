@@ -43,6 +43,7 @@ import math
 import statistics
 import threading
 import time
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -50,6 +51,7 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import (CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor,
                                   serialize_torch_tensor)
@@ -61,7 +63,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.averaging.answer_check import GROSS_RATIO, ChecksAnswers
-from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry, serving_only
+from lean_transformer.swarm.hivemind_fixes.averagers import CancelSafe, end_step_without_retry, give_up, serving_only
 from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessages
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
@@ -1007,10 +1009,27 @@ class OuterLoop:
         self.samples_since_anchor = 0
         self._update_settled()
 
-    def cancel_rounds(self) -> None:
-        """Cancel every round this peer has begun (it is leaving)."""
-        self.forget_pending()
-        self._cancel_released()
+    def leave(self, grace: float) -> int:
+        """This peer leaves the swarm: give up its rounds that have no group yet, serve those whose group has formed
+        (with weight 0 where it sent nothing) and wait up to ``grace`` s for them to end, before the caller shuts the
+        averager down; returns how many it served. A formed group needs every member: each reduces a part of the
+        others' tensors, and a member whose averager stopped mid-round (hivemind cancels its running groups) answered
+        its part with nothing or not at all, failing the round for the whole group. benchmarks/internet.py, 16 DiLoCo
+        trainers on 0.7 cores: a trainer stopped by SIGTERM while its group waited for its trigger failed the round
+        of its 6 groupmates, who missed it and retried until the round's timeout (tests/test_diloco.py)."""
+        self.forget_pending()  # every round left to its group, with weight 0 where nothing was sent
+        rounds, self._released = self._released, []
+        served = []
+        for control in rounds:
+            if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                give_up(control)
+            elif not control.done():
+                served.append(control)
+        deadline = time.monotonic() + grace
+        for control in served:
+            with contextlib.suppress(CancelledError, Exception):  # its groupmates' outcome, not this peer's
+                control.result(max(0.0, deadline - time.monotonic()))
+        return len(served)
 
 
 def wire_bytes_per_parameter(shapes: Sequence[torch.Size], compression: Optional[CompressionBase],

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 # a matchmaking declaration must outlive the store that publishes it and the lookups that find it: twice the slowest
 # recent lookup (see SwarmOptimizer.matchmaking_window)
 LOOKUP_MARGIN = 2.0
+# a leaving DiLoCo peer serves the rounds whose group has formed for at most this long (OuterLoop.leave): within the
+# trainer's --shutdown_timeout (25 s by default), of which the final backup and goodbye took up to 8 s on
+# benchmarks/internet.py's starved peers
+LEAVE_GRACE = 10.0
 
 
 def matchmaking_window(matchmaking_time: float, lookups: Iterable[float], cap: float) -> float:
@@ -353,8 +357,11 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _maybe_prepare_outer_round(self) -> None:
         """DiLoCo: begin the outer round's matchmaking once the swarm is expected to end the round within the
         matchmaking time (:meth:`OuterLoop.prepare`), as hivemind's gradient averaging pre-schedules its rounds.
-        Not in client mode: such a peer cannot lead a group, and joins one when its round ends."""
-        if self.client_mode or self.tracker.global_progress.num_peers <= 1:  # alone: its round forms no group
+        In client mode too: such a peer cannot lead a group but joins one ahead. Begun only at its own end of the
+        round, a client-mode trainer came to groups that had formed without it: in benchmarks/internet.py (16 DiLoCo
+        trainers, a quarter in client mode) the two least-averaging full-length trainers were both client-mode,
+        at 67% of their rounds against a median of 100%."""
+        if self.tracker.global_progress.num_peers <= 1:  # alone: its round forms no group
             return
         expected = self.tracker.estimated_next_update_time
         if expected - get_dht_time() <= self.matchmaking_window():
@@ -700,7 +707,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.outer_loop is not None:
             if self.host_grads is not None:
                 self.host_grads.remove_hooks()
-            self.outer_loop.cancel_rounds()
+            if served := self.outer_loop.leave(grace=min(LEAVE_GRACE, self.averaging_timeout)):
+                logger.info(f"Leaving: served {served} outer round(s) whose group had formed before stopping")
             self.outer_loop.averager.shutdown()
         super().shutdown()
 

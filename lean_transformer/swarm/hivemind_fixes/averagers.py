@@ -204,7 +204,7 @@ class LeavesUngrouped(DecentralizedAverager):
             self._rounds = [each for each in self._rounds if not each.done()] + [control]
             leaving = self._leaving
         if leaving:
-            _give_up(control)
+            give_up(control)
         return control
 
     def leave(self) -> int:
@@ -212,10 +212,10 @@ class LeavesUngrouped(DecentralizedAverager):
         with self._rounds_lock:
             self._leaving = True
             rounds = list(self._rounds)
-        return sum(_give_up(control) for control in rounds)
+        return sum(give_up(control) for control in rounds)
 
 
-def _give_up(control: StepControl) -> bool:
+def give_up(control: StepControl) -> bool:
     """Cancel a round that has found no group yet (one that finds its group meanwhile serves it with weight 0: see
     :class:`CancelSafe`)."""
     if control.done() or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
