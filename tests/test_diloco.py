@@ -124,7 +124,8 @@ def test_a_prepared_round_claims_the_samples_a_peer_expects_when_the_round_ends(
 
 def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hold():
     """After a split, the fewest peers download: the fingerprint most members hold, then the most outer steps, then
-    the larger checksum; what a peer sent that is not a fingerprint counts for nothing."""
+    the larger checksum; what a peer sent that is not a fingerprint counts for nothing. The peers behind ask the
+    members that hold it, except those in client mode (they accept no connections)."""
     from lean_transformer.swarm.averaging.diloco import OuterLoop, converged_state
 
     five, lone = [7.0, 100], [7.0, 900]  # the lone peer's checksum is larger: it used to win
@@ -140,6 +141,8 @@ def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hol
     rounds = OuterLoop(OuterNesterov([weight]), averager=None)
     rounds._applied([torch.zeros(3)], 6, tags, sent_tag=lone)
     assert rounds.behind and sorted(rounds.donors) == [f"p{index}" for index in range(5)]
+    rounds._applied([torch.zeros(3)], 6, tags, serving={"p1", "p3", "lone"}, sent_tag=lone)  # the others: client mode
+    assert rounds.behind and sorted(rounds.donors) == ["p1", "p3"]
     rounds._applied([torch.zeros(3)], 6, tags, sent_tag=five)
     assert not rounds.behind and rounds.donors == []
 
@@ -666,9 +669,8 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
     round 2; b, which applied the step only at its end of round 2, holds the same anchor. Top-k rounds: a serves at
     once, while round 1 is in flight (waiting made a newcomer's first download wait up to a round's time); c loads
     the state from before round 1's step and replays that step from a groupmate's history in round 2."""
-    results = peer_results(tmp_path, ["deferred", "applied", "at_once"])
-    deferred, applied, at_once = results["deferred"], results["applied"], results["at_once"]
-    assert [deferred[name]["behind"] for name in "abc"] == [False, False, True], deferred
+    results = peer_results(tmp_path, ["applied", "at_once"])
+    applied, at_once = results["applied"], results["at_once"]
     assert [applied[name]["behind"] for name in "abc"] == [False, False, False], applied
     assert [applied[name]["group_size"] for name in "abc"] == [3, 3, 3], applied
     assert applied["a"]["anchor"] == applied["b"]["anchor"] == applied["c"]["anchor"]
@@ -678,9 +680,9 @@ def test_a_newcomer_that_downloads_while_a_round_is_in_flight_sends_the_swarms_f
     assert [at_once[name]["behind"] for name in "abc"] == [False, False, False], at_once
     assert [at_once[name]["group_size"] for name in "abc"] == [3, 3, 3], at_once
     assert at_once["a"]["anchor"] == at_once["b"]["anchor"] == at_once["c"]["anchor"]
-    report("newcomer c loaded a's state after a's round 1 was over: served before the step applied, c was behind "
-           "its group after round 2; with the step applied at once, all three in step, anchors bit-identical; "
-           "top-k rounds: served while round 1 was in flight, c replayed its step from a's history, all three in step")
+    report("newcomer c loaded a's state while a's round 1 was in flight: served once its step was applied, all "
+           "three in step, anchors bit-identical; top-k rounds: served at once, c replayed the step from a's "
+           "history, all three in step")
 
 
 @pytest.mark.swarm
@@ -908,10 +910,9 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
 
 
 def newcomer_peer(name: str, mode: str, role: str) -> None:
-    """A peer of the newcomer test: a and b (overlap) send round 1 at T; a serves its outer state: as before
-    (``deferred``) once that round's all-reduce is over, its step not applied yet; or (``applied``) asked while the
-    round is in flight, once its step is applied (``OuterLoop.settled``), which it is as soon as the all-reduce is
-    over; or (``at_once``, top-k rounds) asked while the round is in flight, at once. c loads it; all end round 2 at
+    """A peer of the newcomer test: a and b (overlap) send round 1 at T; a serves its outer state, asked while the
+    round is in flight: once its step is applied (``applied``, ``OuterLoop.settled``), which it is as soon as the
+    all-reduce is over, or at once (``at_once``, top-k rounds). c loads it; all end round 2 at
     T + 8 s and round 3 at T + 16 s. Prints whether the peer's outer state lost its group's vote in round 2
     (``behind``) and the outer steps it replayed from a groupmate's history (``caught_up``)."""
     from hivemind.utils import get_dht_time
@@ -943,23 +944,18 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
         rounds.end_round()  # sends round 1
 
         def serve() -> None:  # as a donor's serving thread does (ValidatedStateSharing.get_current_state)
-            if mode != "deferred":
-                assert rounds.settled.wait(30)  # SwarmOptimizer's serve_gate
+            assert rounds.settled.wait(30)  # SwarmOptimizer's serve_gate
             torch.save([tensor.clone() for tensor in outer.state_tensors()], served.with_suffix(".tmp"))
             served.with_suffix(".tmp").rename(served)
 
         if name == "a":
             server = threading.Thread(target=serve)
-            if mode != "deferred":  # asked while round 1 is in flight
-                server.start()
+            server.start()  # asked while round 1 is in flight
             if mode == "at_once":
                 server.join(30)
                 assert not rounds.finished_in_background(), "round 1 was over before the state was served"
             wait_until(rounds.finished_in_background, timeout=30, what="round 1's all-reduce", interval=0.05)
-            if mode != "deferred":
-                rounds.apply_finished()  # as SwarmOptimizer.step does between two local steps
-            else:
-                server.start()
+            rounds.apply_finished()  # as SwarmOptimizer.step does between two local steps
             server.join()
     group_sizes, behind = [], False
     for index, end in enumerate([start + 8.0, start + 16.0]):
@@ -1068,7 +1064,7 @@ if __name__ == "__main__":
         partial_round_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] == "sparse":
         sparse_peer(sys.argv[1], sys.argv[3])
-    elif sys.argv[2] in ("deferred", "applied", "at_once"):
+    elif sys.argv[2] in ("applied", "at_once"):
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])

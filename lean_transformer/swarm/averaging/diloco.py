@@ -45,7 +45,8 @@ import threading
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (Any, AsyncIterator, Callable, Collection, Iterable, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 import hivemind
 import torch
@@ -447,9 +448,9 @@ class PseudoGradientAverager:
     """All-reduces pseudo-gradients with the peers under ``prefix``, weighted by samples, through hivemind.
 
     ``start(pseudo_gradients, samples, tag)`` begins a round in the background; ``finish(round)`` returns the swarm's
-    weighted mean, the group size and the group's tags by peer ID (each peer's ``tag``, all-gathered: the outer loop
-    sends the
-    fingerprint of its outer state), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
+    weighted mean, the group size, the group's tags by peer ID (each peer's ``tag``, all-gathered: the outer loop
+    sends the fingerprint of its outer state) and the peer IDs of the members not in client mode (those that serve
+    states), or ``None`` when no group formed or the all-reduce failed within ``timeout``.
     ``average`` does both. With ``topk_fraction`` the peers send top-k values with error feedback (a sparse
     all-reduce) instead of ``compression``; ``aggregation`` picks the reducers' rule (mean or centered_clip).
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging). ``window``: how
@@ -474,6 +475,7 @@ class PseudoGradientAverager:
         self.allreduce_timeout = allreduce_timeout
         self.window = window if window is not None else lambda: matchmaking_time
         self.auxiliary = averager_opts.get("auxiliary", False)
+        self.client_mode = averager_opts.get("client_mode", False)  # gathered: a client-mode peer serves nothing
 
     def prepare(self, scheduled_time: float, samples: int, tag: Any = None) -> Any:
         """Begin matchmaking for a round expected to end at ``scheduled_time`` (DHT time): the group forms meanwhile and
@@ -482,7 +484,8 @@ class PseudoGradientAverager:
         its groupmates compare their own final samples with: :func:`checks_answers`) and its outer state's
         fingerprint as it will be then."""
         timeout = max(0.0, scheduled_time - get_dht_time()) + self.timeout
-        return self.averager.step(scheduled_time=scheduled_time, gather=dict(tag=tag, samples=max(1, samples)),
+        return self.averager.step(scheduled_time=scheduled_time,
+                                  gather=dict(tag=tag, samples=max(1, samples), client=self.client_mode),
                                   timeout=timeout, require_trigger=True, wait=False)
 
     def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None,
@@ -502,7 +505,7 @@ class PseudoGradientAverager:
             prepared.allow_allreduce()
             return prepared
         window = max(self.matchmaking_time, self.window())
-        return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples),
+        return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples, client=self.client_mode),
                                   scheduled_time=get_dht_time() + window, timeout=window + self.allreduce_timeout,
                                   wait=False)
 
@@ -528,8 +531,9 @@ class PseudoGradientAverager:
         if gathered is None or self.auxiliary:
             return None
         tags = {str(peer): data.get("tag") for peer, data in gathered.items() if isinstance(data, dict)}
+        serving = {str(peer) for peer, data in gathered.items() if isinstance(data, dict) and not data.get("client")}
         with self.averager.get_tensors() as buffers:
-            return [buffer.clone() for buffer in buffers], len(gathered), tags
+            return [buffer.clone() for buffer in buffers], len(gathered), tags, serving
 
     def average(self, pseudo_gradients: Sequence[torch.Tensor], samples: int, tag: Any = None) -> Optional[tuple]:
         return self.finish(self.start(pseudo_gradients, samples, tag))
@@ -804,9 +808,12 @@ class OuterLoop:
         return [float(self.outer.steps), checksum % (1 << 62)]  # within msgpack's integers
 
     def _applied(self, averaged: Sequence[torch.Tensor], group_size: int, tags: Optional[Mapping[str, Any]] = None,
-                 keep: Optional[Sequence[torch.Tensor]] = None, sent_tag: Optional[list] = None,
-                 own: Optional[Sequence[torch.Tensor]] = None) -> Optional[int]:
-        """Apply a round's average (``own``: this peer's pseudo-gradient in it, for the check); None if rejected."""
+                 serving: Optional[Collection[str]] = None, keep: Optional[Sequence[torch.Tensor]] = None,
+                 sent_tag: Optional[list] = None, own: Optional[Sequence[torch.Tensor]] = None) -> Optional[int]:
+        """Apply a round's average (``own``: this peer's pseudo-gradient in it, for the check); None if rejected.
+        ``serving``: the groupmates that serve their state and history (not in client mode), if known; only they
+        become :attr:`donors`. Asked anyway, client-mode groupmates cost a peer behind a refused connection each
+        before its replay: 30 in benchmarks/internet.py's 16 DiLoCo trainers, on the training thread."""
         if self.check_averages and own is not None:
             reason = implausible_average(averaged, *self.references(own))
             if reason is not None:
@@ -816,7 +823,8 @@ class OuterLoop:
         tags = tags or {}
         winner = converged_state(tags) if sent_tag is not None else None
         behind = winner is not None and list(sent_tag) != winner
-        self.donors = [peer for peer, tag in tags.items() if behind and fingerprint_of(tag) == winner]
+        self.donors = [peer for peer, tag in tags.items() if behind and fingerprint_of(tag) == winner
+                       and (serving is None or peer in serving)]
         self.behind = behind and not self._catch_up(sent_tag, winner, keep)
         self.outer_steps_behind = (int(sent_tag[0]), int(winner[0])) if self.behind else None
         self._step(averaged, list(sent_tag) if sent_tag is not None and not behind else self.fingerprint(), keep)
