@@ -113,6 +113,35 @@ def test_a_part_handler_cancelled_before_the_allreduce_begins_leaves_the_round_t
     assert outcome == {"hivemind": "invalid state", "lean_transformer": "AVERAGED_PART"}[variant]
 
 
+@pytest.mark.parametrize("variant", ["hivemind", "lean_transformer"])
+def test_a_round_cancelled_twice_raises_nothing(variant):
+    """hivemind_fixes.step_cancel: a round's control cancelled a second time (in a swarm: by the peer and by its
+    averager's process at about the same time). hivemind's second cancel signals the averager again and raises
+    InvalidStateError (an ERROR traceback in its background thread); ours returns True, as a cancelled future's
+    cancel does. Either way the round and its trigger end cancelled and the averager is signalled once; ours is what
+    every process runs."""
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils.mpfuture import MPFuture
+
+    from lean_transformer.swarm.hivemind_fixes import step_cancel
+
+    assert StepControl.cancel is step_cancel.cancel_once  # installed by importing the swarm code
+    cancel = {"hivemind": step_cancel.HIVEMIND_CANCEL, "lean_transformer": step_cancel.cancel_once}[variant]
+    trigger, signal = MPFuture(), MPFuture()  # first: the first future of a process must be an MPFuture itself
+    control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=True, weight=1.0,
+                          data_for_gather=b"")
+    control.attach(trigger, signal)
+    assert cancel(control) is True
+    try:
+        second = cancel(control)
+    except InvalidStateError:
+        second = "InvalidStateError"
+    assert second == {"hivemind": "InvalidStateError", "lean_transformer": True}[variant]
+    assert control.cancelled() and trigger.cancelled() and signal.done() and signal.result() is None
+
+
 def test_a_round_cancelled_while_matchmaking_leaves_hivemind_stuck_and_ours_averaging(report):
     results = run_cases("gc")
     hivemind_result, ours = results["hivemind"], results["lean_transformer"]

@@ -1022,8 +1022,9 @@ def catch_up_peer(name: str, mode: str, role: str) -> None:
                what="the others' rounds", interval=0.05)
     close_events()
     caught_up = read_events(rendezvous / f"{name}.events.jsonl", "outer_caught_up")
+    failed = [event["reason"] for event in read_events(rendezvous / f"{name}.events.jsonl", "catch_up_failed")]
     donors = dht.get("test_diloco_catch_up.all_averagers", latest=True)  # hivemind's list: the history needs none
-    print(json.dumps(dict(group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps),
+    print(json.dumps(dict(failed=failed, group_sizes=group_sizes, behind=rounds.behind, steps=int(outer.steps),
                           caught_up=[event["went_back"] for event in caught_up],
                           from_groupmate=[event["groupmate"] for event in caught_up],
                           listed_as_donor=donors is not None and bool(donors.value),

@@ -78,6 +78,9 @@ that the swarm code uses explicitly.
   trip to torch's shared-memory manager, which a peer starved of CPU misses (1 s), and the error ended a trainer's
   progress tracker. Here buffers hold a page and an unanswered allocation is tried again (bounded). Reproduced by
   ``tests/test_shared_bytes.py``. Drop when hivemind allocates its futures' state without torch's manager.
+- :mod:`.step_cancel`: a round's ``StepControl`` cancelled twice (by the peer and by its averager's process at
+  about the same time) raises ``InvalidStateError`` in hivemind's background thread, an ERROR traceback. Here a
+  repeated cancel does nothing. Reproduced by ``tests/test_averagers.py``. Drop when hivemind's cancel is idempotent.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).
@@ -95,9 +98,10 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import dht_pacing, quiet_logs, shared_bytes, unary_calls
+from lean_transformer.swarm.hivemind_fixes import dht_pacing, quiet_logs, shared_bytes, step_cancel, unary_calls
 
 dht_pacing.install()
 quiet_logs.install()
 shared_bytes.install()
+step_cancel.install()
 unary_calls.install()
