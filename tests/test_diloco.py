@@ -125,7 +125,7 @@ def test_a_prepared_round_claims_the_samples_a_peer_expects_when_the_round_ends(
 def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hold():
     """After a split, the fewest peers download: the fingerprint most members hold, then the most outer steps, then
     the larger checksum; what a peer sent that is not a fingerprint counts for nothing. The peers behind ask the
-    members that hold it, except those in client mode (they accept no connections)."""
+    members that hold it, except those in client mode (they accept no connections), and serve nothing meanwhile."""
     from lean_transformer.swarm.averaging.diloco import OuterLoop, converged_state
 
     five, lone = [7.0, 100], [7.0, 900]  # the lone peer's checksum is larger: it used to win
@@ -141,6 +141,10 @@ def test_a_group_whose_outer_states_differ_converges_on_the_one_most_members_hol
     rounds = OuterLoop(OuterNesterov([weight]), averager=None)
     rounds._applied([torch.zeros(3)], 6, tags, sent_tag=lone)
     assert rounds.behind and sorted(rounds.donors) == [f"p{index}" for index in range(5)]
+    assert not rounds.settled.is_set()  # it serves nothing until it holds the group's state
+    with rounds.unsettled():  # as SwarmOptimizer downloads it
+        rounds.behind = False
+    assert rounds.settled.is_set()
     rounds._applied([torch.zeros(3)], 6, tags, serving={"p1", "p3", "lone"}, sent_tag=lone)  # the others: client mode
     assert rounds.behind and sorted(rounds.donors) == ["p1", "p3"]
     rounds._applied([torch.zeros(3)], 6, tags, sent_tag=five)

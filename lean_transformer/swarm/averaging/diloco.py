@@ -717,7 +717,12 @@ class OuterLoop:
             self._update_settled()
 
     def _update_settled(self) -> None:
-        if not self._held and (self._pending is None or self.switch_branches):
+        """Set :attr:`settled` unless a caller holds it, a round sent awaits its step, or this peer's state lost its
+        group's vote (:attr:`behind`, until the caller downloads the group's): served then, a state labelled with the
+        new epoch carried the losing anchor (tests/test_diloco_swarm.py in CI: two trainers that had stepped alone
+        for three rounds averaged the fourth, the loser served the aux peer during its download, and the aux
+        checkpointed an anchor that no trainer kept)."""
+        if not self._held and not self.behind and (self._pending is None or self.switch_branches):
             self.settled.set()
 
     def _start_round(self, deltas: Sequence[torch.Tensor], samples: int, tag: list) -> Any:
@@ -826,6 +831,8 @@ class OuterLoop:
         self.donors = [peer for peer, tag in tags.items() if behind and fingerprint_of(tag) == winner
                        and (serving is None or peer in serving)]
         self.behind = behind and not self._catch_up(sent_tag, winner, keep)
+        if self.behind:
+            self.settled.clear()  # until the caller has downloaded the group's state (_update_settled)
         self.outer_steps_behind = (int(sent_tag[0]), int(winner[0])) if self.behind else None
         self._step(averaged, list(sent_tag) if sent_tag is not None and not behind else self.fingerprint(), keep)
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1

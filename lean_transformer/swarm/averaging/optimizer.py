@@ -351,8 +351,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         ours, theirs = self.outer_loop.outer_steps_behind
         logger.info(f"This peer's outer state ({ours} outer steps) differs from the one {len(self.outer_loop.donors)} "
                     f"groupmate(s) hold ({theirs}): downloading theirs")
-        self.outer_loop.behind = False
-        self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors(), reason="outer_state")
+        with self.outer_loop.unsettled():  # its own state is not the swarm's: served, it would pass on the lost one
+            self.outer_loop.behind = False
+            self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors(),
+                                       reason="outer_state")
 
     def _maybe_prepare_outer_round(self) -> None:
         """DiLoCo: begin the outer round's matchmaking once the swarm is expected to end the round within the
