@@ -17,7 +17,7 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
   machine: the quota, not the fight for 2 cores, sets each peer's speed. Its DHT, p2pd and averagers share the rest
   of the box, as on a volunteer's machine, where the GPU sets the training's speed and the host's cores serve the
   network; ``--quota peer`` puts them under the quota too (the slowest of 16 trainers then has 0.02 cores for
-  everything);
+  everything). A peer sent SIGTERM loses its quota: stopping is the host's work;
 - churn: ``--leaves`` trainers leave during the window (alternately SIGTERM and SIGKILL, each preferring a peer that
   is inside an averaging round), ``--joins`` new ones join through two live full peers' ``--initial_peers`` lines
   (one of them may leave before the newcomer's DHT has reached it).
@@ -117,6 +117,11 @@ class InternetNetwork(WanNetwork):
             for pid in spare_pids:
                 with contextlib.suppress(ProcessLookupError):  # one that exited meanwhile
                     (spare / "cgroup.procs").write_text(str(pid))
+
+    def lift_cpu_limit(self, peer: int) -> None:
+        """Take ``peer``'s quota away (a peer told to stop: see :func:`stop`)."""
+        if self.cgroup(peer).exists():
+            (self.cgroup(peer) / "cpu.cfs_quota_us").write_text("-1")
 
     def command(self, peer: int, argv: Sequence[str]) -> List[str]:
         command = ["ip", "netns", "exec", self.namespaces[peer], *argv]
@@ -234,6 +239,19 @@ def apply_quotas(slots: Sequence[Slot], network: InternetNetwork, quota: str) ->
             slot.limited = time.time()
 
 
+def stop(slot: Slot, network: InternetNetwork, signal_name: str) -> None:
+    """Send ``slot``'s peer SIGTERM or SIGKILL. A peer told to stop by SIGTERM loses its CPU quota first: the quota
+    stands for its accelerator's speed, and what a leaving peer does (its last backup, its goodbye, its
+    interpreter's exit) is its host's work. Under a quota of 0.01-0.02 cores, trainers stopped at the window's end
+    took minutes to write a 6 MB backup: the shutdown watchdog (25 s) fired half a minute late, lost the backup
+    and still did not end them within 60 s."""
+    if signal_name == "SIGTERM":
+        network.lift_cpu_limit(slot.index)
+        slot.process.terminate()
+    else:
+        slot.process.kill()
+
+
 def in_round(slot: Slot, kind: str) -> bool:
     """Whether the peer's last round of ``kind`` has started and not yet ended."""
     last = None
@@ -296,7 +314,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
                 busy = [s for s in live if in_round(s, MAIN_KIND[mode])]
                 victim = rng.choice(busy or live)
                 victim.stop_signal = ["SIGTERM", "SIGKILL"][(args.leaves - len(leaves) - 1) % 2]
-                (victim.process.terminate if victim.stop_signal == "SIGTERM" else victim.process.kill)()
+                stop(victim, network, victim.stop_signal)
                 victim.stopped = time.time()
                 progress(f"  {elapsed:.0f} s: {victim.stop_signal} to {victim.name} "
                          f"({'inside' if busy else 'outside'} a round)")
@@ -321,7 +339,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
         progress("  window over; stopping the peers")
         for slot in slots:
             if slot.process is not None:
-                slot.process.terminate()
+                stop(slot, network, "SIGTERM")
         for slot in slots:
             if slot.process is not None:
                 try:

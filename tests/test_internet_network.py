@@ -49,6 +49,8 @@ def test_relay_gives_the_round_trip_asked_for_and_nat_refuses_inbound():
         outbound = measure(network, 2, "127.0.0.1", PORT + 2)  # the NAT'ed peer dials out through the relay
         cgroup = network.cgroup(1)
         assert cgroup.exists() and (cgroup / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        network.lift_cpu_limit(1)  # a peer told to stop
+        assert (cgroup / "cpu.cfs_quota_us").read_text().strip() == "-1"
     assert 0.078 <= relayed <= 0.110, relayed
     assert 0.078 <= outbound <= 0.110, outbound
     assert network.leftovers() == []

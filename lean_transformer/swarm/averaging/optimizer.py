@@ -40,6 +40,7 @@ from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradien
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
 from lean_transformer.swarm.hivemind_fixes.dht_pacing import PacedReports
+from lean_transformer.swarm.hivemind_fixes.progress_fetch import FetchesUnlocked
 from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
 from lean_transformer.swarm.protocol.dht import TimedLookups
@@ -90,14 +91,14 @@ class ParametersOnly(AdaptiveCompressionBase):
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-class TrustedProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, ProgressTracker):
+class TrustedProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, FetchesUnlocked, ProgressTracker):
     """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`), its
-    reports paced and its stores' outcomes read."""
+    reports paced, its stores' outcomes read and its lookups run without its lock."""
 
 
-class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, RoundProgress):
+class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, FetchesUnlocked, RoundProgress):
     """DiLoCo's progress tracker (:class:`.diloco.RoundProgress`), blind to the donors whose states this peer
-    refused, its reports paced and its stores' outcomes read."""
+    refused, its reports paced, its stores' outcomes read and its lookups run without its lock."""
 
 
 @dataclass(frozen=True)
