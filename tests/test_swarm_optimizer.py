@@ -3,7 +3,8 @@ restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a 
 a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a peer
 that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
 has found no group; a groupmate that starts its all-reduce late is still averaged in; a peer that leaves with rounds
-it will not finish logs no traceback; a gradient round is pre-scheduled and declared for the matchmaking window."""
+it will not finish logs no traceback; a gradient round is pre-scheduled and declared for the matchmaking window; a
+DiLoCo epoch end whose last round is still running trains on."""
 from __future__ import annotations
 
 import json
@@ -339,6 +340,50 @@ def run_gradient_window() -> dict:
     return result
 
 
+def run_round_in_flight() -> dict:
+    """A lone DiLoCo peer (overlap) whose round sent in the background is still running (no partner: it looks for a
+    group until its deadline, 8 s) when its next epoch ends (2 local steps of 4 samples, target 8), each local step
+    0.1 s of "compute": its steps meanwhile, and its epoch and outer steps once the round is over."""
+    import functools
+    import time
+
+    import hivemind
+    import torch
+
+    from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    peer = SwarmOptimizer(dht=dht, run_id="swarm_optimizer_in_flight", target_batch_size=8, batch_size_per_step=4,
+                          params=[dict(params=list(model.parameters()))], offload_optimizer=True,
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), matchmaking_time=3.0,
+                          averaging_timeout=5.0, diloco=DiLoCoSettings(local_steps=2, overlap=True))
+
+    def local_step() -> float:
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        time.sleep(0.1)
+        started = time.monotonic()
+        peer.step(batch_size=4)
+        peer.zero_grad()
+        return time.monotonic() - started
+
+    try:
+        peer.outer_loop.end_round()  # the round sent at the last epoch end
+        steps, started = [], time.monotonic()
+        while peer.outer_loop.seconds_in_flight() is not None and time.monotonic() < started + 30:
+            steps.append(local_step())
+        over = []  # the round is over: the epoch ends at the next step
+        while peer.local_epoch == 0 and len(over) < 3:
+            over.append(local_step())
+        return dict(steps_in_flight=len(steps), slowest_step=round(max(steps), 1), epoch=peer.local_epoch,
+                    outer_steps=float(peer.outer_loop.outer.steps), steps_after=len(over))
+    finally:
+        peer.shutdown()
+        dht.shutdown()
+
+
 def run_script(*args: str, stderr: bool = False) -> Union[dict, Tuple[dict, str]]:
     done = preloaded.run([sys.executable, __file__, *args], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
@@ -413,8 +458,17 @@ def test_a_gradient_round_is_declared_for_the_matchmaking_window():
     assert result == {"0.1": None, "2.5": dict(declared=5.0, deadline=14.5)}, result
 
 
+@pytest.mark.swarm
+def test_an_epoch_end_with_the_last_round_still_running_trains_on():
+    result = run_script("in_flight")
+    # the epoch end waits for the round and the peer takes local steps meanwhile (before: its step blocked until the
+    # round's deadline, 8 s, and it took 2 steps); then it ends its epoch, alone, with one outer step
+    assert result["steps_in_flight"] >= 10 and result["slowest_step"] < 1.0, result
+    assert (result["epoch"], result["outer_steps"]) == (1, 1.0) and result["steps_after"] <= 1, result
+
+
 if __name__ == "__main__":
     scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]),
                    late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
-                   leave_mid_round=run_leaving_mid_round, window=run_gradient_window)
+                   leave_mid_round=run_leaving_mid_round, window=run_gradient_window, in_flight=run_round_in_flight)
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

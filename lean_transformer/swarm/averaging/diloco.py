@@ -954,6 +954,14 @@ class OuterLoop:
         emit("catch_up_failed", rounds=missing, kind=kind, reason=reason)
         return False
 
+    def seconds_in_flight(self) -> Optional[float]:
+        """Overlap: the seconds until the deadline of the round sent in the background, if it is still running and
+        its deadline has not passed; None otherwise."""
+        if not self.overlap or self._pending is None or self._pending[0].done():
+            return None
+        left = self._pending[0].deadline - get_dht_time()
+        return left if left > 0 else None
+
     def finished_in_background(self) -> bool:
         """Overlap: whether the background round is over and :meth:`apply_finished` would settle it."""
         return self.overlap and self._pending is not None and self._pending[0].done()

@@ -39,7 +39,7 @@ from lean_transformer.swarm.averaging.early_join import EarlyJoin, can_join_earl
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
-from lean_transformer.swarm.hivemind_fixes.dht_pacing import PacedReports
+from lean_transformer.swarm.hivemind_fixes.dht_pacing import REPORT_INTERVAL, PacedReports
 from lean_transformer.swarm.hivemind_fixes.progress_fetch import FetchesUnlocked
 from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
@@ -57,6 +57,9 @@ LOOKUP_MARGIN = 2.0
 # trainer's --shutdown_timeout (25 s by default), of which the final backup and goodbye took up to 8 s on
 # benchmarks/internet.py's starved peers
 LEAVE_GRACE = 10.0
+# a DiLoCo trainer that sees no other trainer steps alone only once this many matchmaking windows have passed since its
+# first local step (SwarmOptimizer._alone); until then it waits for one to appear
+STARTUP_WINDOWS = 2.0
 
 
 def matchmaking_window(matchmaking_time: float, lookups: Iterable[float], cap: float) -> float:
@@ -91,9 +94,9 @@ class ParametersOnly(AdaptiveCompressionBase):
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-class TrustedProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, FetchesUnlocked, ProgressTracker):
+class TrustedProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, ProgressTracker):
     """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`), its
-    reports paced, its stores' outcomes read and its lookups run without its lock."""
+    reports paced and its stores' outcomes read."""
 
 
 class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, FetchesUnlocked, RoundProgress):
@@ -164,6 +167,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.last_epoch_end: Optional[EpochEnd] = None
         self._early_join: Optional[EarlyJoin] = None  # gradient mode: joins rounds during long micro-batches
         self._joined_early: Optional[StepControl] = None  # the round it joined, until this epoch's step takes it
+        self._waiting_epoch: Optional[int] = None  # DiLoCo: the last epoch whose end waited for a round in flight
+        self._first_step: Optional[float] = None  # DiLoCo: time.monotonic() at this peer's first local step
         self._state_averager_class = GatedTrainingStateAverager if gate is not None else TrainingStateAverager
         self._progress_tracker_class = TrustedProgress if diloco is None else TrustedRoundProgress
         outer = None
@@ -315,6 +320,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             with self._early_join.training_step() if self._early_join is not None else contextlib.nullcontext():
                 return super().step(closure, batch_size=batch_size, grad_scaler=grad_scaler)
         epoch = self.local_epoch
+        if self._first_step is None:
+            self._first_step = time.monotonic()
         if not self.auxiliary:  # before the step: the round it may end includes these samples
             self.outer_loop.add_samples(batch_size if batch_size is not None else self.batch_size_per_step)
             if self.host_grads is not None:
@@ -387,7 +394,29 @@ class SwarmOptimizer(hivemind.Optimizer):
             while scheduler._step_count <= target:
                 scheduler.step()
 
+    def _epoch_end_waits_for_round(self) -> bool:
+        """DiLoCo with --outer_overlap: whether this peer's epoch end waits, and it trains on, because the outer round
+        it sent at its last epoch end is still running (until that round ends, at most until its deadline).
+
+        Why: the epoch end first applies that round (:meth:`OuterLoop.end_round`), and blocked until its all-reduce
+        was over. In benchmarks/internet.py (16 DiLoCo trainers, 2 cores, links of 20-150 ms) a group of 12 took
+        35 s past a trainer's next epoch end, and waits like it were 2.6% of the swarm's wall time. The round the
+        trainer sends next begins as late either way (when the last one is over, as before): meanwhile it takes local
+        steps, which the next round's pseudo-gradient carries. Nor does hivemind's out-of-sync check download the
+        state meanwhile (:meth:`_should_load_state_from_peers`): blocked, the peer did not check either, and the
+        round's outcome decides whether it is behind (the group's vote, then a catch-up or a download)."""
+        if self.outer_loop is None or self.auxiliary or not self.tracker.ready_to_update_epoch:
+            return False
+        seconds = self.outer_loop.seconds_in_flight()
+        if seconds is not None and self._waiting_epoch != self.local_epoch:
+            self._waiting_epoch = self.local_epoch
+            logger.info(f"Epoch {self.local_epoch} ends while this peer's last outer round is still running: "
+                        f"training on until it is over (at most {seconds:.0f} s)")
+        return seconds is not None
+
     def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
+        if self._epoch_end_waits_for_round():
+            return
         self.last_epoch_end = EpochEnd.now(self.tracker)
         if self.outer_loop is None:
             epoch, self._group_epochs, self._group_epoch = self.local_epoch, None, None
@@ -474,7 +503,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         in (the swarm is further ahead than its last group) still downloads. Client-mode groupmates never count:
         hivemind's swarm epoch is the full peers' only. Nor does a peer whose :class:`.EarlyJoin` joined this epoch's
         round: the step that takes the round moves it to the swarm's epoch."""
-        if self._early_join is not None and self._early_join.pending:
+        if self._early_join is not None and self._early_join.pending or self._epoch_end_waits_for_round():
             return False
         group_epoch = self._group_epoch
         if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
@@ -515,7 +544,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _end_outer_round(self) -> None:
         with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
             self.state_averager.step(wait_for_delayed_updates=True)
-            alone = not self.auxiliary and self._trainers_in_swarm() <= 1
+            alone = not self.auxiliary and self._alone()
             if not self.auxiliary and not alone:
                 logger.info(f"Epoch {self.local_epoch} ends: all-reducing pseudo-gradients with the swarm")
             group_size = self.outer_loop.end_round(alone=alone)
@@ -531,6 +560,27 @@ class SwarmOptimizer(hivemind.Optimizer):
                                 f"(round {int(self.outer_loop.outer.steps)})")
                     emit("outer_step", epoch=self.local_epoch, group_size=group_size,
                          outer_steps=int(self.outer_loop.outer.steps))
+
+    def _alone(self) -> bool:
+        """Whether no other trainer is in the swarm, so that this DiLoCo peer's outer round steps with its own
+        pseudo-gradient. A peer that sees none within ``STARTUP_WINDOWS`` matchmaking windows of its first local step
+        waits until then for one to appear, looking the records up every ``REPORT_INTERVAL``: a trainer publishes its
+        first progress record only after its first local step (hivemind stores none without samples), and the
+        record then takes a report interval, a store and a fetch to be seen. Two trainers that started together each
+        saw only itself: in tests/test_diloco_swarm.py (CI, and 1 of 3 runs here beside tests/test_slow_peer.py)
+        both stepped alone for their first 1-5 rounds, 0.2 s apart, on two branches of the anchor, and the aux
+        peer checkpointed the branch that lost the pair's first vote."""
+        deadline = self._first_step + STARTUP_WINDOWS * self.matchmaking_window()
+        waiting = False
+        while self._trainers_in_swarm() <= 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            if not waiting:
+                waiting = True
+                logger.info(f"No other trainer seen yet: waiting up to {left:.0f} s for one before stepping alone")
+            time.sleep(min(left, REPORT_INTERVAL))
+        return False
 
     def _trainers_in_swarm(self) -> int:
         """Peers whose progress records show training (aux peers report no samples/s), except those this peer

@@ -83,9 +83,9 @@ that the swarm code uses explicitly.
   repeated cancel does nothing. Reproduced by ``tests/test_averagers.py``. Drop when hivemind's cancel is idempotent.
 - :mod:`.progress_fetch`: the progress tracker holds its lock for the whole DHT lookup of the swarm's records, and
   every epoch end (and state download) takes that lock, so it waits for the lookup in flight: 4-12 s per epoch end
-  with 16 trainers across emulated internet links. Here the lookup runs unlocked and a lookup begun before the epoch
-  changed is not that epoch's fetch. Reproduced by ``tests/test_progress_fetch.py``. Drop when hivemind fetches
-  outside its lock.
+  with 16 DiLoCo trainers across emulated internet links. Here (DiLoCo's tracker) the lookup runs unlocked and a
+  lookup begun before the epoch changed is not that epoch's fetch. Reproduced by ``tests/test_progress_fetch.py``.
+  Drop when hivemind fetches outside its lock.
 - Matchmaking deadlock (an option, in :func:`lean_transformer.swarm.averaging.optimizer.averager_options`): with hivemind's
   request timeout (3 s) at or above a short matchmaking window, two peers that wait for each other can miss every
   round; the timeout is kept to half the window. Covered by the swarm tests (``tests/test_trainer_swarm.py``).

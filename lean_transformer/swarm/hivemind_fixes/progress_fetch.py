@@ -14,6 +14,11 @@ which the new local epoch bounds from below), but does not mark the progress fet
 once-per-epoch synchronization check waits for (``fetched_global_progress_this_epoch``): that check reads the next
 lookup's records. Reproduced by ``tests/test_progress_fetch.py``. Drop when hivemind fetches outside the lock (not
 in 1.1.12, nor in its master, checked 2026-11-30).
+
+DiLoCo's tracker only. In gradient-averaging mode the epoch end holds the lock through the whole all-reduce anyway,
+and there the unlocked fetch shortened the fast trainers' epochs of tests/test_slow_peer.py (about one slow
+micro-batch each) enough that its slow trainer joined every round early before finishing a micro-batch, in 4 of 7
+runs beside another swarm test (0 of 6 with hivemind's fetch): left as hivemind's until that is understood.
 """
 from __future__ import annotations
 
