@@ -4,7 +4,8 @@ a newcomer whose view of the swarm's epoch predates its download: it does not do
 that takes its group's epoch label joins that epoch's parameter round; a leaving peer gives up a parameter round that
 has found no group; a groupmate that starts its all-reduce late is still averaged in; a peer that leaves with rounds
 it will not finish logs no traceback; a gradient round is pre-scheduled and declared for the matchmaking window; a
-DiLoCo epoch end whose last round is still running trains on."""
+DiLoCo epoch end whose last round is still running trains on; a DiLoCo peer waits for a trainer that started with it
+before stepping alone."""
 from __future__ import annotations
 
 import json
@@ -384,6 +385,50 @@ def run_round_in_flight() -> dict:
         dht.shutdown()
 
 
+def run_startup_alone() -> dict:
+    """A DiLoCo peer at its first epoch end, right after its first local step (matchmaking time 2 s), sees no other
+    trainer: whether it concludes it is alone, and when, with a second trainer whose first progress record appears
+    1 s later (a trainer that started with it), and with none."""
+    import functools
+    import threading
+    import time
+
+    import torch
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
+    from lean_transformer.swarm.averaging.optimizer import STARTUP_WINDOWS, SwarmOptimizer
+
+    dhts, result = two_dhts(), {}
+    try:
+        for case in "partner", "none":
+            run_id = f"swarm_optimizer_startup_{case}"
+            model = torch.nn.Linear(4, 3)
+            peer = SwarmOptimizer(dht=dhts[0], run_id=run_id, target_batch_size=8, batch_size_per_step=4,
+                                  params=[dict(params=list(model.parameters()))], offload_optimizer=True,
+                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), matchmaking_time=2.0,
+                                  averaging_timeout=5.0, diloco=DiLoCoSettings(local_steps=2))
+            partner = ProgressTracker(dhts[1], run_id, 8, private_key=RSAPrivateKey(), start=True)
+            try:
+                if case == "partner":  # its first local step: 4 samples in 0.5 s
+                    threading.Timer(1.0, partner.report_local_progress, (0, 4)).start()
+                    partner.performance_ema.reset_timer()
+                model(torch.randn(4, 4)).pow(2).mean().backward()
+                peer.step(batch_size=4)  # its first local step (its epoch ends at the next)
+                started = time.monotonic()
+                alone, seconds = peer._alone(), time.monotonic() - started
+                result[case] = dict(alone=alone, seconds=round(seconds, 1),  # and the wait it was allowed
+                                    allowed=round(STARTUP_WINDOWS * peer.matchmaking_window(), 1))
+            finally:
+                partner.shutdown()
+                peer.shutdown()
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    return result
+
+
 def run_script(*args: str, stderr: bool = False) -> Union[dict, Tuple[dict, str]]:
     done = preloaded.run([sys.executable, __file__, *args], 120, dict(os.environ, **preloaded.PEER_ENV))
     lines = done.stdout.strip().splitlines()
@@ -467,8 +512,19 @@ def test_an_epoch_end_with_the_last_round_still_running_trains_on():
     assert (result["epoch"], result["outer_steps"]) == (1, 1.0) and result["steps_after"] <= 1, result
 
 
+@pytest.mark.swarm
+def test_a_diloco_peer_waits_for_a_partner_that_started_with_it_before_stepping_alone():
+    result = run_script("startup")
+    # before: alone at once in both cases (the partner's record was not there yet); now the partner's record is seen
+    # about 1 s later, and with none the peer steps alone after 2 matchmaking windows (4 s here) from its first step
+    partner, none = result["partner"], result["none"]
+    assert partner["alone"] is False and 0.8 <= partner["seconds"] < partner["allowed"] - 0.5, result
+    assert none["alone"] is True and none["allowed"] - 1.0 <= none["seconds"] <= none["allowed"] + 1.5, result
+
+
 if __name__ == "__main__":
     scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]),
                    late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
-                   leave_mid_round=run_leaving_mid_round, window=run_gradient_window, in_flight=run_round_in_flight)
+                   leave_mid_round=run_leaving_mid_round, window=run_gradient_window, in_flight=run_round_in_flight,
+                   startup=run_startup_alone)
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)
