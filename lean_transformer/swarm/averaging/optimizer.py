@@ -567,9 +567,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         waits until then for one to appear, looking the records up every ``REPORT_INTERVAL``: a trainer publishes its
         first progress record only after its first local step (hivemind stores none without samples), and the
         record then takes a report interval, a store and a fetch to be seen. Two trainers that started together each
-        saw only itself: in tests/test_diloco_swarm.py (CI, and 1 of 3 runs here beside tests/test_slow_peer.py)
-        both stepped alone for their first 1-5 rounds, 0.2 s apart, on two branches of the anchor, and the aux
-        peer checkpointed the branch that lost the pair's first vote."""
+        saw only itself: in tests/test_diloco_swarm.py (on CI, and in both swarms of one run here) both stepped
+        alone for their first 1-5 rounds, 0.2 s apart, on two branches of the anchor; in one the aux peer then
+        refused both trainers' states as worse than its snapshot of the branch that lost (tests/test_swarm_optimizer.py
+        reproduces the wait)."""
         deadline = self._first_step + STARTUP_WINDOWS * self.matchmaking_window()
         waiting = False
         while self._trainers_in_swarm() <= 1:
