@@ -243,7 +243,7 @@ def stop(slot: Slot, network: InternetNetwork, signal_name: str) -> None:
     """Send ``slot``'s peer SIGTERM or SIGKILL. A peer told to stop by SIGTERM loses its CPU quota first: the quota
     stands for its accelerator's speed, and what a leaving peer does (its last backup, its goodbye, its
     interpreter's exit) is its host's work. Under a quota of 0.01-0.02 cores, trainers stopped at the window's end
-    took minutes to write a 6 MB backup: the shutdown watchdog (25 s) fired half a minute late, lost the backup
+    spent 50 s and more on a 6 MB backup: the shutdown watchdog (25 s) fired up to 30 s late, lost the backup
     and still did not end them within 60 s."""
     if signal_name == "SIGTERM":
         network.lift_cpu_limit(slot.index)
