@@ -19,25 +19,33 @@ import pytest
 import preloaded
 
 
-def run_lone_peers() -> dict:
+def small_peer(dht, run_id: str, **options) -> tuple:
+    """A small linear model (seeded) and its SwarmOptimizer: 4 samples a step, target batch 8, SGD, offloaded."""
     import functools
 
+    import torch
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, SwarmOptimizer(dht=dht, run_id=run_id, target_batch_size=8, batch_size_per_step=4,
+                                 params=[dict(params=list(model.parameters()))], offload_optimizer=True,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                 **dict(dict(matchmaking_time=0.5, averaging_timeout=5.0), **options))
+
+
+def run_lone_peers() -> dict:
     import hivemind
     import torch
 
     from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
-    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     result = {}
     for mode, diloco in ("gradients", None), ("diloco", DiLoCoSettings(local_steps=2)):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 3)
+        model, optimizer = small_peer(dht, f"swarm_optimizer_{mode}", diloco=diloco)
         initial = [param.detach().clone() for param in model.parameters()]
-        optimizer = SwarmOptimizer(dht=dht, run_id=f"swarm_optimizer_{mode}", target_batch_size=8,
-                                   batch_size_per_step=4, params=[dict(params=list(model.parameters()))],
-                                   optimizer=functools.partial(torch.optim.SGD, lr=0.1), offload_optimizer=True,
-                                   matchmaking_time=0.5, averaging_timeout=5.0, diloco=diloco)
         state = optimizer.checkpoint_state()
         with torch.no_grad():
             for param in model.parameters():
@@ -345,22 +353,16 @@ def run_round_in_flight() -> dict:
     """A lone DiLoCo peer (overlap) whose round sent in the background is still running (no partner: it looks for a
     group until its deadline, 8 s) when its next epoch ends (2 local steps of 4 samples, target 8), each local step
     0.1 s of "compute": its steps meanwhile, and its epoch and outer steps once the round is over."""
-    import functools
     import time
 
     import hivemind
     import torch
 
     from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
-    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    peer = SwarmOptimizer(dht=dht, run_id="swarm_optimizer_in_flight", target_batch_size=8, batch_size_per_step=4,
-                          params=[dict(params=list(model.parameters()))], offload_optimizer=True,
-                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), matchmaking_time=3.0,
-                          averaging_timeout=5.0, diloco=DiLoCoSettings(local_steps=2, overlap=True))
+    model, peer = small_peer(dht, "swarm_optimizer_in_flight", matchmaking_time=3.0,
+                             diloco=DiLoCoSettings(local_steps=2, overlap=True))
 
     def local_step() -> float:
         model(torch.randn(4, 4)).pow(2).mean().backward()
@@ -389,7 +391,6 @@ def run_startup_alone() -> dict:
     """A DiLoCo peer at its first epoch end, right after its first local step (matchmaking time 2 s), sees no other
     trainer: whether it concludes it is alone, and when, with a second trainer whose first progress record appears
     1 s later (a trainer that started with it), and with none."""
-    import functools
     import threading
     import time
 
@@ -398,20 +399,16 @@ def run_startup_alone() -> dict:
     from hivemind.utils.crypto import RSAPrivateKey
 
     from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
-    from lean_transformer.swarm.averaging.optimizer import STARTUP_WINDOWS, SwarmOptimizer
+    from lean_transformer.swarm.averaging.optimizer import STARTUP_WINDOWS
 
     dhts, result = two_dhts(), {}
     try:
         for case in "partner", "none":
             run_id = f"swarm_optimizer_startup_{case}"
-            model = torch.nn.Linear(4, 3)
-            peer = SwarmOptimizer(dht=dhts[0], run_id=run_id, target_batch_size=8, batch_size_per_step=4,
-                                  params=[dict(params=list(model.parameters()))], offload_optimizer=True,
-                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), matchmaking_time=2.0,
-                                  averaging_timeout=5.0, diloco=DiLoCoSettings(local_steps=2))
+            model, peer = small_peer(dhts[0], run_id, matchmaking_time=2.0, diloco=DiLoCoSettings(local_steps=2))
             partner = ProgressTracker(dhts[1], run_id, 8, private_key=RSAPrivateKey(), start=True)
             try:
-                if case == "partner":  # its first local step: 4 samples in 0.5 s
+                if case == "partner":  # its first local step: 4 samples, 1 s from now
                     threading.Timer(1.0, partner.report_local_progress, (0, 4)).start()
                     partner.performance_ema.reset_timer()
                 model(torch.randn(4, 4)).pow(2).mean().backward()

@@ -405,14 +405,16 @@ class SwarmOptimizer(hivemind.Optimizer):
         steps, which the next round's pseudo-gradient carries. Nor does hivemind's out-of-sync check download the
         state meanwhile (:meth:`_should_load_state_from_peers`): blocked, the peer did not check either, and the
         round's outcome decides whether it is behind (the group's vote, then a catch-up or a download)."""
-        if self.outer_loop is None or self.auxiliary or not self.tracker.ready_to_update_epoch:
+        if self.outer_loop is None or self.auxiliary:
             return False
-        seconds = self.outer_loop.seconds_in_flight()
-        if seconds is not None and self._waiting_epoch != self.local_epoch:
+        seconds = self.outer_loop.seconds_in_flight()  # before the tracker's estimate: called at every local step
+        if seconds is None or not self.tracker.ready_to_update_epoch:
+            return False
+        if self._waiting_epoch != self.local_epoch:
             self._waiting_epoch = self.local_epoch
             logger.info(f"Epoch {self.local_epoch} ends while this peer's last outer round is still running: "
                         f"training on until it is over (at most {seconds:.0f} s)")
-        return seconds is not None
+        return True
 
     def _update_global_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
         if self._epoch_end_waits_for_round():
@@ -503,7 +505,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         in (the swarm is further ahead than its last group) still downloads. Client-mode groupmates never count:
         hivemind's swarm epoch is the full peers' only. Nor does a peer whose :class:`.EarlyJoin` joined this epoch's
         round: the step that takes the round moves it to the swarm's epoch."""
-        if self._early_join is not None and self._early_join.pending or self._epoch_end_waits_for_round():
+        if (self._early_join is not None and self._early_join.pending) or self._epoch_end_waits_for_round():
             return False
         group_epoch = self._group_epoch
         if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
