@@ -90,6 +90,7 @@ BAD = {
     "zero outer lr": (["--outer_lr", "0"], "--outer_lr: must be positive"),
     "outer momentum of 1": (["--outer_momentum", "1"], "--outer_momentum: must be in [0, 1)"),
     "top-k fraction above 1": (["--outer_topk_fraction", "1.5"], "--outer_topk_fraction"),
+    "branch depth beyond the history": (["--outer_branch_depth", "5"], "--outer_branch_depth: must be in [0, 4]"),
     "unknown outer compression": (["--outer_compression", "zip"], "--outer_compression"),
     "local steps with delayed steps": (["--local_steps", "5", "--delay_optimizer_step"],
                                        "--delay_optimizer_step: does not apply with --local_steps"),

@@ -341,36 +341,42 @@ def test_a_peer_behind_that_cannot_replay_its_missed_steps_says_why(tmp_path):
         (rounds.history.rounds + 1, "too_far"), (1, "no_donor")], failed
 
 
-def test_a_peer_one_step_ahead_of_its_group_goes_back_to_the_groups_state_bit_for_bit(tmp_path):
-    """switch_branches: a peer whose last outer step its group did not take (that round failed for the others)
-    holds the group's state as it was before that step: it goes back to it, anchor, momentum, step count and
-    parameters (minus its own progress with overlap) bit for bit, with no history to fetch and no download. Without
-    switch_branches nothing is kept and it downloads."""
+@pytest.mark.parametrize("ahead_by", [1, 2])
+def test_a_peer_steps_ahead_of_its_group_goes_back_to_the_groups_state_bit_for_bit(tmp_path, ahead_by):
+    """branch_depth: a peer whose last outer steps its group did not take (those rounds failed for the others)
+    kept the group's state from before them: it goes back to it, anchor, momentum, step count and parameters (minus
+    its own progress with overlap) bit for bit, with no history to fetch and no download; the states it kept from
+    before that one stay kept. With fewer states kept than the steps it is ahead, nothing replays it (it downloads)."""
     from lean_transformer.swarm.averaging.diloco import OuterLoop
     from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
 
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(64, generator=generator))
-    rounds = OuterLoop(OuterNesterov([weight]), averager=None, switch_branches=True)
-    rounds._step([torch.randn(64, generator=generator)], rounds.fingerprint())  # momentum is not zero any more
-    group = rounds.fingerprint()
-    before = [tensor.clone() for tensor in rounds.outer.state_tensors()]
-    rounds._step([torch.randn(64, generator=generator)], group)  # the step its group did not take
+    def stepped(branch_depth: int):
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(64, generator=generator))
+        rounds = OuterLoop(OuterNesterov([weight]), averager=None, branch_depth=branch_depth)
+        first = rounds.fingerprint()
+        rounds._step([torch.randn(64, generator=generator)], first)  # momentum is not zero any more
+        group, before = rounds.fingerprint(), [tensor.clone() for tensor in rounds.outer.state_tensors()]
+        for _ in range(ahead_by):  # the steps its group did not take
+            rounds._step([torch.randn(64, generator=generator)], rounds.fingerprint())
+        return rounds, weight, first, group, before, [torch.randn(64, generator=generator)]
+
+    rounds, weight, first, group, before, progress = stepped(branch_depth=2)
+    shallow, *_ = stepped(branch_depth=ahead_by - 1)
     ahead = rounds.fingerprint()
-    progress = [torch.randn(64, generator=generator)]
+    assert ahead == shallow.fingerprint() and int(ahead[0]) == int(group[0]) + ahead_by
     open_events(tmp_path / "events.jsonl", "trainer")
     try:
         assert rounds._catch_up(ahead, group, keep=progress)
-        assert not OuterLoop(OuterNesterov([torch.nn.Parameter(weight.detach().clone())]), averager=None)._catch_up(
-            ahead, group, keep=None)  # nothing kept: nothing replays it, no event
+        assert not shallow._catch_up(ahead, group, keep=None)  # nothing replays it, no event
     finally:
         close_events()
     assert rounds.fingerprint() == group
     assert all(torch.equal(now, then) for now, then in zip(rounds.outer.state_tensors(), before))
     assert torch.equal(weight.detach(), before[0] - progress[0])
     assert [(e["rounds"], e["went_back"]) for e in read_events(tmp_path / "events.jsonl", "outer_caught_up")] == [
-        (0, True)]
-    assert not rounds._catch_up(group, ahead, keep=None)  # once back, the state before that is not kept
+        (0, ahead_by)]
+    assert [tag for tag, _ in rounds._kept] == ([first] if ahead_by == 1 else [])  # the group's state's past
 
 
 @pytest.mark.cuda
@@ -696,19 +702,38 @@ def test_peers_that_missed_a_round_or_took_it_apart_catch_up_from_a_groupmates_h
     c's outer state is one step behind the group's: before, it applied round 2 on its own anchor, lost the group's
     vote and downloaded the whole state. Now it replays round 1's average from a or b's history
     (OuterLoop._catch_up), then round 2. d's is on another branch at the group's step count: before, it lost the
-    vote and downloaded; now it goes back to its state before round 1 (switch_branches) and replays a and b's
+    vote and downloaded; now it goes back to its state before round 1 (branch_depth) and replays a and b's
     round 1 from there. Two outer steps each, and the four anchors bit-identical."""
     results = peer_results(tmp_path, ["catch_up"], names="abcd")["catch_up"]
     assert [results[name]["group_sizes"] for name in "abcd"] == [[2, 4], [2, 4], [None, 4], [1, 4]], results
     assert not any(results[name]["behind"] for name in "abcd"), results
     assert [results[name]["steps"] for name in "abcd"] == [2, 2, 2, 2], results
     assert len({results[name]["anchor_sha256"] for name in "abcd"}) == 1, results
-    assert [results[name]["caught_up"] for name in "abcd"] == [[], [], [False], [True]], results
+    assert [results[name]["caught_up"] for name in "abcd"] == [[], [], [0], [1]], results  # steps gone back
     assert [results[name]["from_groupmate"] for name in "abcd"] == [[], [], [True], [True]], results
     # the outer averagers serve their history by peer ID and declare nothing in the DHT (hivemind_fixes.store_outcomes)
     assert not any(results[name]["listed_as_donor"] for name in "abcd"), results
     report("c missed round 1 of a and b, d took it alone; then all four averaged round 2: c replayed round 1 from a "
            "groupmate's history, d went back one step and replayed it too; anchors bit-identical, no download")
+
+
+@pytest.mark.swarm
+def test_a_peer_on_a_branch_two_rounds_deep_goes_back_two_steps_and_replays_its_groups(tmp_path, report):
+    """Top-k rounds: a and b average rounds 1 and 2 while d takes both alone (a split that lasts two rounds, as 16
+    trainers' rounds did: groups of 4, 5 and 7); all three average round 3. d's outer state and the one it kept from
+    before its last step are both on its own branch: with one state kept (before), no history held a path from
+    either, and d downloaded the whole state (11 of 12 catch-ups in benchmarks/internet.py). Now it keeps two
+    (branch_depth), goes back to its state before round 1 and replays a and b's rounds 1 and 2 from a groupmate's
+    history. Three outer steps each, and the three anchors bit-identical."""
+    results = peer_results(tmp_path, ["two_back"], names="abd")["two_back"]
+    assert [results[name]["group_sizes"] for name in "abd"] == [[2, 2, 3], [2, 2, 3], [1, 1, 3]], results
+    assert not any(results[name]["behind"] for name in "abd"), results
+    assert [results[name]["steps"] for name in "abd"] == [3, 3, 3], results
+    assert len({results[name]["anchor_sha256"] for name in "abd"}) == 1, results
+    assert [results[name]["caught_up"] for name in "abd"] == [[], [], [2]], results  # steps gone back
+    assert results["d"]["from_groupmate"] == [True], results
+    report("d took rounds 1 and 2 alone while a and b averaged them, then all three averaged round 3: d went back "
+           "two steps and replayed a and b's rounds from a groupmate's history; anchors bit-identical, no download")
 
 
 @pytest.mark.swarm
@@ -934,7 +959,7 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_newcomer", [weight.shape], matchmaking_time=MATCHMAKING,
                                       allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION if sparse else None)
-    rounds = OuterLoop(outer, averager, overlap=True, switch_branches=sparse)  # as SwarmOptimizer sets them
+    rounds = OuterLoop(outer, averager, overlap=True, branch_depth=2 if sparse else 0)  # as SwarmOptimizer does
     loaded_steps = None
     if name == "c":
         wait_until(served.exists, timeout=60, what="a's served state", interval=0.05)
@@ -985,10 +1010,15 @@ def newcomer_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
-# the catch-up tests: per peer, whether it ends each of the two rounds (at T and T + 8 s); "alone": on its own
+# the catch-up tests: per peer, whether it ends each round (at T, T + 8 s, ...); "alone": on its own
 CATCH_UP_ROUNDS = {"catch_up": {"a": (True, True), "b": (True, True), "c": (False, True), "d": ("alone", True)},
-                   "outsider": {"a": (True, False), "b": (True, True), "c": (False, True)}}
+                   "outsider": {"a": (True, False), "b": (True, True), "c": (False, True)},
+                   "two_back": {"a": (True, True, True), "b": (True, True, True), "d": ("alone", "alone", True)}}
 CLIENT_MODE = {"outsider": "b"}  # ... and the client-mode peer
+# ... and the fraction sent, where not SPARSE_FRACTION: at 5%, a and b's three entries (groups of 2, 2 and 3: up to
+# 10%, 10% and 15% of the values, 12 bytes each) may outgrow a history's 4 bytes per anchor value (OuterHistory), and
+# whether a had recorded round 3 (dropping round 1) before d asked would decide the test
+CATCH_UP_FRACTION = {"two_back": 0.02}
 
 
 def catch_up_peer(name: str, mode: str, role: str) -> None:
@@ -1009,12 +1039,14 @@ def catch_up_peer(name: str, mode: str, role: str) -> None:
     weight = torch.nn.Parameter(torch.full((SPARSE_SIZE,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_catch_up", [weight.shape], matchmaking_time=MATCHMAKING,
-                                      allreduce_timeout=10.0, topk_fraction=SPARSE_FRACTION, client_mode=client_mode)
+                                      allreduce_timeout=10.0, topk_fraction=CATCH_UP_FRACTION.get(mode, SPARSE_FRACTION),
+                                      client_mode=client_mode)
     full_peers = [rendezvous / f"{other}.peer_id" for other in names if other not in (name, CLIENT_MODE.get(mode))]
-    rounds = OuterLoop(outer, averager, switch_branches=True,
+    rounds = OuterLoop(outer, averager, branch_depth=2,
                        history_donors=lambda: [path.read_text() for path in full_peers if path.exists()])
     group_sizes = []
-    for index, end in enumerate([start, start + 8.0]):
+    for index in range(len(CATCH_UP_ROUNDS[mode][name])):
+        end = start + 8.0 * index
         with torch.no_grad():
             weight.sub_(sparse_delta(name, index))
         rounds.add_samples(4)

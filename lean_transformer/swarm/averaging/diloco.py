@@ -84,7 +84,8 @@ NEVER = 2**62  # average_state_every in DiLoCo mode: hivemind never averages par
 class DiLoCoSettings:
     """DiLoCo mode (``--local_steps``): an outer round every ``local_steps`` inner steps (of the swarm's target batch
     each), outer SGD-Nesterov with ``outer_lr`` and ``outer_momentum``, ``overlap`` (a one-round-delayed outer
-    update), and the pseudo-gradients sent with ``compression`` or, with ``topk_fraction``, as top-k values."""
+    update), and the pseudo-gradients sent with ``compression`` or, with ``topk_fraction``, as top-k values;
+    ``branch_depth``: with top-k, the outer states a peer keeps from before its last outer steps (``OuterLoop``)."""
 
     local_steps: int
     outer_lr: float = 0.7
@@ -92,6 +93,7 @@ class DiLoCoSettings:
     overlap: bool = False
     compression: CompressionBase = NoCompression()
     topk_fraction: Optional[float] = None
+    branch_depth: int = 0
 
 
 class RoundProgress(ProgressTracker):
@@ -642,22 +644,23 @@ class OuterLoop:
     decides otherwise is out of step with its group and downloads the state its group converges on, as after a
     split.
 
-    ``switch_branches`` (top-k rounds, whose averages groupmates keep in their histories): keep a copy of the outer
-    state from before the last outer step (8 bytes per parameter of host memory, beside the 8 of the outer state),
-    so that a peer whose group converged on another branch of the same round goes back to it and replays the
-    group's step from a groupmate's history instead of downloading the whole state (:meth:`_catch_up`). Such a
-    peer also serves its state while a round it sent is in flight (:attr:`settled`): a newcomer that loads it one
-    outer step behind replays the step from its first group's histories. ``history_donors``: the full peers outside
-    its group that a peer behind may also ask for a history (peer IDs, the likeliest first).
+    ``branch_depth`` (top-k rounds, whose averages groupmates keep in their histories): keep copies of the outer
+    state from before each of the last ``branch_depth`` outer steps (8 bytes per parameter of host memory each,
+    beside the 8 of the outer state), so that a peer whose group converged on another branch of those rounds goes
+    back to where the branches parted and replays the group's steps from a groupmate's history instead of
+    downloading the whole state (:meth:`_catch_up`). Such a peer also serves its state while a round it sent is in
+    flight (:attr:`settled`): a newcomer that loads it one outer step behind replays the step from its first
+    group's histories. ``history_donors``: the full peers outside its group that a peer behind may also ask for a
+    history (peer IDs, the likeliest first).
     """
 
     def __init__(self, outer: OuterNesterov, averager: PseudoGradientAverager, overlap: bool = False,
-                 check_averages: bool = False, switch_branches: bool = False,
+                 check_averages: bool = False, branch_depth: int = 0,
                  history_donors: Callable[[], Sequence[str]] = lambda: ()):
         self.outer, self.averager, self.overlap, self.check_averages = outer, averager, overlap, check_averages
-        self.switch_branches, self.history_donors = switch_branches, history_donors
-        self._previous_tag: Optional[list] = None  # switch_branches: the fingerprint before the last outer step
-        self._previous_state: Optional[List[torch.Tensor]] = None  # ... and the outer state it was taken of
+        self.branch_depth, self.history_donors = branch_depth, history_donors
+        # the outer states from before the last outer steps, the latest first: (fingerprint, state tensors)
+        self._kept: List[Tuple[list, List[torch.Tensor]]] = []
         self.applied_norms: Optional[List[float]] = None  # the last applied average's norm, per tensor
         self.lock: Any = contextlib.nullcontext()  # held while the outer state changes (a peer may be serving it)
         self.samples_since_anchor = self.rounds = 0
@@ -671,7 +674,7 @@ class OuterLoop:
         self._unsent: Optional[tuple] = None  # overlap: (progress, samples) of a failed round, to fold into the next
         self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
         self._released: List[Any] = []  # rounds left to their groups (_release) that may still run
-        # set while no caller holds it clear (unsettled) and, unless switch_branches, no round this peer sent awaits
+        # set while no caller holds it clear (unsettled) and, unless branch_depth, no round this peer sent awaits
         # its outer step: the outer state it would serve is one a newcomer can go on from (SwarmOptimizer's serve gate)
         self.settled = threading.Event()
         self.settled.set()
@@ -722,19 +725,19 @@ class OuterLoop:
         new epoch carried the losing anchor (tests/test_diloco_swarm.py in CI: two trainers that had stepped alone
         for three rounds averaged the fourth, the loser served the aux peer during its download, and the aux
         checkpointed an anchor that no trainer kept)."""
-        if not self._held and not self.behind and (self._pending is None or self.switch_branches):
+        if not self._held and not self.behind and (self._pending is None or self.branch_depth):
             self.settled.set()
 
     def _start_round(self, deltas: Sequence[torch.Tensor], samples: int, tag: list) -> Any:
         """Send ``deltas`` in this round (the prepared one if it was prepared with ``tag``). Until its outer step is
         applied, the state this peer would serve waits (:attr:`settled`), unless groupmates will keep the round's
-        average in their histories (``switch_branches``): a newcomer that loads the state from before the step
+        average in their histories (``branch_depth``): a newcomer that loads the state from before the step
         catches up from them in its first round (:meth:`_catch_up`). Waiting took most of a newcomer's time to
         join with ``overlap`` on slow links, where a round is in flight most of the time: in benchmarks/internet.py
         (16 DiLoCo trainers, 240 s) joiners waited 53-55 s for the first part of a 5.8 MiB state, then took 4 s for
         all of it."""
         self._cancel_released()
-        if not self.switch_branches:
+        if not self.branch_depth:
             self.settled.clear()
         return self.averager.start(deltas, max(1, samples), tag, prepared=self._take(tag))
 
@@ -843,41 +846,47 @@ class OuterLoop:
         """Apply one outer step to the state whose fingerprint is ``before``, and keep it in the history; the
         fingerprint it led to."""
         with self.lock:
-            if self.switch_branches:
-                self._keep_previous(before)
+            if self.branch_depth:
+                self._keep(before)
             self.outer.step(averaged, keep=keep)
         after = self.fingerprint()
         self.history.record(before, averaged, after)
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
         return after
 
-    def _keep_previous(self, fingerprint: list) -> None:
-        """Copy the outer state (its fingerprint: ``fingerprint``) before it takes a step (``switch_branches``)."""
+    def _keep(self, fingerprint: list) -> None:
+        """Copy the outer state (its fingerprint: ``fingerprint``) before it takes a step (``branch_depth``), into
+        the buffers of the oldest kept state once ``branch_depth`` are kept."""
         state = self.outer.state_tensors()
-        if self._previous_state is None:
-            self._previous_state = [tensor.clone() for tensor in state]
+        if len(self._kept) < self.branch_depth:
+            copies = [tensor.clone() for tensor in state]
         else:
-            for kept, tensor in zip(self._previous_state, state):
-                kept.copy_(tensor)
-        self._previous_tag = list(fingerprint)
+            _, copies = self._kept.pop()
+            for copy, tensor in zip(copies, state):
+                copy.copy_(tensor)
+        self._kept.insert(0, (list(fingerprint), copies))
 
-    def _go_back(self, keep: Optional[Sequence[torch.Tensor]]) -> None:
-        """Restore the outer state from before the last outer step (the parameters restart from it, minus ``keep``)."""
+    def _go_back(self, depth: int, keep: Optional[Sequence[torch.Tensor]]) -> None:
+        """Restore the outer state from before the last ``depth`` + 1 outer steps (the parameters restart from it,
+        minus ``keep``); the states kept from after it are dropped, the older ones are still its past."""
         with self.lock:
-            self.outer.load_state_tensors(self._previous_state, keep)
-        self._previous_tag = None  # the state before that one is not kept
+            self.outer.load_state_tensors(self._kept[depth][1], keep)
+        del self._kept[:depth + 1]
 
     def _catch_up(self, ours: list, winner: list, keep: Optional[Sequence[torch.Tensor]]) -> bool:
         """Bring this peer's outer state from its fingerprint ``ours`` to its group's ``winner`` without downloading
         it; whether it now holds ``winner``.
 
         A peer behind replays the outer steps it missed from a groupmate's history (:mod:`.outer_history`). With
-        ``switch_branches``, a peer on another branch goes back to its state before its last outer step and replays
-        the group's steps from there: groups that averaged the same round apart (a split) apply different averages
-        to one anchor, and when they meet the smaller ones lose the vote at the same step count. At 16 trainers
-        (benchmarks/internet.py), 8 of 12 such losses had the group's step count, which no replay from the current
-        state reaches, and each sent a peer to download the whole state. A peer one step ahead (its group's round
-        failed for the others) whose previous state is the group's just goes back.
+        ``branch_depth``, a peer on another branch goes back to a state it kept from before its last outer steps and
+        replays the group's steps from there: groups that averaged the same round apart (a split) apply different
+        averages to one anchor, and when they meet the smaller ones lose the vote at the same step count. At 16
+        trainers (benchmarks/internet.py), 8 of 12 such losses had the group's step count, which no replay from the
+        current state reaches, and each sent a peer to download the whole state. Rounds that split twice in a row
+        part the branches two steps back: with one state kept, 11 of 12 catch-ups then found no path in any history
+        and downloaded (16 DiLoCo trainers, 3e04c22). The state kept from the fewest steps back that leads to the
+        group's is used; a kept state that is the group's (a peer ahead: its group's round failed for the others)
+        is just gone back to.
 
         Donors: the groupmates that hold the group's state, then up to ``HISTORY_OUTSIDERS`` other full peers
         (``history_donors``; :mod:`.outer_history` says why). A donor's history is used only if it holds the whole
@@ -885,15 +894,17 @@ class OuterLoop:
         nonetheless (a donor's lie) leaves the state to the download that follows. A peer that could not catch up
         says why (``catch_up_failed``): at 16 trainers, three peers one step behind downloaded the state and no line
         said why the replay had not helped."""
-        previous = self._previous_tag if self.switch_branches else None
-        if previous is not None and previous == list(winner):
-            self._go_back(keep)
+        kept = [tag for tag, _ in self._kept]
+        if list(winner) in kept:
+            depth = kept.index(list(winner))
+            self._go_back(depth, keep)
             if self.fingerprint() != list(winner):
                 return self._catch_up_failed(0, "replayed_elsewhere", "the kept state was not the one it was kept as")
-            logger.info("Went back one outer step to the state its group holds, instead of downloading it")
-            emit("outer_caught_up", source=None, rounds=0, seconds=0.0, went_back=True, groupmate=True)
+            logger.info(f"Went back {depth + 1} outer step(s) to the state its group holds, instead of downloading it")
+            emit("outer_caught_up", source=None, rounds=0, seconds=0.0, went_back=depth + 1, groupmate=True)
             return True
-        starts = [(list(ours), False)] + ([(previous, True)] if previous is not None else [])
+        # (fingerprint, how many steps back: 0 for the current state, or depth + 1 of a kept one)
+        starts = [(list(ours), 0)] + [(tag, depth + 1) for depth, tag in enumerate(kept)]
         starts = [(start, back) for start, back in starts if int(winner[0]) > int(start[0])]
         if not starts:  # not behind, and no earlier state kept: another state at the same step, which nothing replays
             return False
@@ -911,17 +922,18 @@ class OuterLoop:
                 misses.append(f"{donor}: no history ({error!r})")
                 continue
             paths = [(path_to(entries, start, winner), back) for start, back in starts]
-            path, back = next(((path, back) for path, back in paths if path), (None, False))
+            path, back = next(((path, back) for path, back in paths if path), (None, 0))
             if path is None:
-                misses.append(f"{donor}: {len(entries)} step(s), no path from this peer's state to its group's")
+                misses.append(f"{donor}: {len(entries)} step(s), no path from this peer's state (or the "
+                              f"{len(kept)} kept) to its group's")
                 continue
             if back:
-                self._go_back(keep)
+                self._go_back(back - 1, keep)
             replayed = self._replay(entries, path, keep, donor)
             if self.fingerprint() == list(winner):
                 seconds, groupmate = time.monotonic() - started, donor in self.donors
                 logger.info(f"Caught up {replayed} outer step(s) from {donor}'s history in {seconds:.2f} s"
-                            f"{', having gone back one step' if back else ''}"
+                            f"{f', having gone back {back} step(s)' if back else ''}"
                             f"{'' if groupmate else ' (a peer outside the group)'}, instead of downloading the state")
                 emit("outer_caught_up", source=donor, rounds=replayed, seconds=seconds, went_back=back,
                      groupmate=groupmate)
@@ -1028,7 +1040,7 @@ class OuterLoop:
             self._release(self._pending[0])
         self._take(None)
         self._pending, self._base, self._settled, self._unsent = None, None, None, None
-        self._previous_tag = None  # another lineage's: nothing goes back to it
+        self._kept.clear()  # another lineage's: nothing goes back to them
         self.samples_since_anchor = 0
         self._update_settled()
 

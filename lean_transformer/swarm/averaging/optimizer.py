@@ -197,7 +197,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
             auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean",
-                                    switch_branches=diloco.topk_fraction is not None,  # histories keep top-k only
+                                    branch_depth=diloco.branch_depth if diloco.topk_fraction is not None else 0,
                                     history_donors=self._full_trainers)
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
@@ -232,7 +232,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 collaboration.outer_overlap,
                 NoCompression() if topk else make_compression(collaboration.outer_compression,
                                                               collaboration.size_adaptive_threshold),
-                collaboration.outer_topk_fraction if topk else None)
+                collaboration.outer_topk_fraction if topk else None, collaboration.outer_branch_depth)
         state_compression = ParametersOnly(make_compression(collaboration.state_compression,
                                                             collaboration.size_adaptive_threshold))
         return cls(

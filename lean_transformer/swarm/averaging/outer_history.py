@@ -48,7 +48,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-HISTORY_ROUNDS = 4  # outer steps a peer keeps (and a peer catches up on at most)
+from lean_transformer.swarm.protocol.settings import HISTORY_ROUNDS
+
 HISTORY_OUTSIDERS = 2  # full peers outside the group asked for a history after the groupmates
 HISTORY_BYTES_PER_VALUE = 4  # ... within one float32 anchor's bytes
 Key = Tuple[float, int]

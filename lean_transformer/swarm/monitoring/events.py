@@ -42,8 +42,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       converged on another outer state), ``checkpoint`` (an aux peer's copy)
 ``outer_caught_up``   (DiLoCo) replayed the outer steps it missed from a groupmate's history instead of downloading
                       the state (:mod:`lean_transformer.swarm.averaging.outer_history`): ``source``, ``rounds``,
-                      ``seconds``, ``went_back`` (it first went back one outer step: its group had averaged the same
-                      round apart, or not at all)
+                      ``seconds``, ``went_back`` (the outer steps it first went back, 0 if none: its group had averaged
+                      those rounds apart, or not at all)
 ``catch_up_failed``   (DiLoCo) was behind its group and no groupmate's history replayed the outer steps it missed
                       (it downloads the state): ``rounds`` (steps behind), ``kind`` (``too_far``, ``no_donor``,
                       ``not_in_history`` or ``replayed_elsewhere``), ``reason`` (for each donor asked)

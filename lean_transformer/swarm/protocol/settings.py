@@ -35,6 +35,7 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*"
 
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+HISTORY_ROUNDS = 4  # DiLoCo: outer steps a peer's history keeps, and a peer catches up on at most (outer_history.py)
 
 
 def require(condition: bool, flag: str, message: str) -> None:
@@ -194,6 +195,12 @@ class CollaborationSettings:
                 "--outer_topk_fraction largest values with error feedback, float16 values + int32 indices)."})
     outer_topk_fraction: float = field(default=0.01, metadata={"agree": True,
         "help": "Fraction of each pseudo-gradient tensor sent with --outer_compression topk."})
+    # 2: rounds that split twice in a row part the branches two steps back (benchmarks/internet.py, 16 trainers)
+    outer_branch_depth: int = field(default=2, metadata={
+        "help": "With --outer_compression topk: outer states kept from before this peer's last outer steps (8 "
+                "bytes per parameter of host memory each), so that a peer whose group averaged those rounds on "
+                "another branch goes back and replays the group's steps from its history instead of downloading "
+                "the whole state. 0 keeps none."})
     aggregation: Aggregation = field(default="centered_clip", metadata={"agree": True,
         "help": "How each reducer of an all-reduce combines the peers' gradients (or DiLoCo pseudo-gradients): "
                 "centered_clip (BTARD's CenteredClip: a peer sending a huge wrong update moves the result by at most "
@@ -220,6 +227,8 @@ class CollaborationSettings:
         require(0 <= self.outer_momentum < 1, "outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         require(0 < self.outer_topk_fraction <= 1, "outer_topk_fraction",
                 f"must be in (0, 1], got {self.outer_topk_fraction}")
+        require(0 <= self.outer_branch_depth <= HISTORY_ROUNDS, "outer_branch_depth",
+                f"must be in [0, {HISTORY_ROUNDS}] (the outer steps a history keeps), got {self.outer_branch_depth}")
         if self.local_steps > 0:
             for name in ("delay_optimizer_step", "delay_grad_averaging", "reuse_grad_buffers"):
                 require(not getattr(self, name), name, "does not apply with --local_steps (local optimizer steps)")
