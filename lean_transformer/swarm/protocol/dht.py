@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _LOG_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} ")
 _BOOTSTRAP_RETRY_DELAY = 2.0  # seconds between tries while no initial peer answers
+# hivemind deems a DHT request lost after 3 s (``wait_timeout``): a bootstrap whose pings all go unanswered that long
+# fails, and any peer that misses one request leaves the routing table. 3 s assumes a data centre: in
+# benchmarks/internet.py (16 DiLoCo trainers + aux, 2 cores, 20-150 ms links) 14 of 20 trainers' first bootstraps
+# failed so and were tried again, and a newcomer whose one live entry peer stayed that slow gave up after 90 s. A dead
+# peer costs a request this long once per peer, before it leaves the table.
+DHT_WAIT_TIMEOUT = 10.0
 
 
 class SwarmConnectionError(RuntimeError):
@@ -58,6 +64,7 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
             use_auto_relay=network.use_auto_relay,
             record_validators=[RememberedChecks(record_validators)],
             authorizer=authorizer,
+            wait_timeout=DHT_WAIT_TIMEOUT,
             start=False,
         )
         try:
