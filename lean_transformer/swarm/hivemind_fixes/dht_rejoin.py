@@ -3,9 +3,9 @@
 What hivemind 1.1.12 does wrong: a DHT node removes a peer from its routing table when a single request to it goes
 unanswered (``DHTProtocol.update_routing_table(..., responded=False)``). It adds peers again only when they answer it
 or call it. Nobody calls a client-mode node. So a volunteer behind NAT that joined through one entry peer is cut off
-for good once that peer misses one request within the DHT's ``wait_timeout`` (3 s by default, 10 s here; a busy aux
-peer). Its stores and lookups then reach nobody: it sees only its own progress record, trains alone, and no peer sees
-it.
+for good once that peer misses one request within the DHT's ``wait_timeout`` (3 s by default, 10 s in ``build_dht``;
+a busy aux peer). Its stores and lookups then reach nobody: it sees only its own progress record, trains alone, and no
+peer sees it.
 ``benchmarks/internet.py``, 16 trainers: the first NAT'ed trainer, in two runs, for the whole 240 s window.
 
 The fix: a task in the DHT's own process looks at the routing table every ``period`` seconds. When the table is
