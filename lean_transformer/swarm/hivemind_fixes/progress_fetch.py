@@ -16,9 +16,12 @@ lookup's records. Reproduced by ``tests/test_progress_fetch.py``. Drop when hive
 in 1.1.12, nor in its master, checked 2026-11-30).
 
 DiLoCo's tracker only. In gradient-averaging mode the epoch end holds the lock through the whole all-reduce anyway,
-and there the unlocked fetch shortened the fast trainers' epochs of tests/test_slow_peer.py (about one slow
-micro-batch each) enough that its slow trainer joined every round early before finishing a micro-batch, in 4 of 7
-runs beside another swarm test (0 of 6 with hivemind's fetch): left as hivemind's until that is understood.
+and there tests/test_slow_peer.py failed with the unlocked fetch in 4 of 7 runs beside another swarm test (0 of 6
+with hivemind's fetch), and in 2 of 3 again with hivemind's 3 s DHT wait (0 of 5 with the 10 s one): the slow trainer,
+one epoch behind and taking its group's label, joined the next round early (``EarlyJoin``) 0.05-0.6 s after its epoch
+changed, with no samples, 6-10 s before the others began that round, and missed every other round. The progress it
+acted on likely came from a lookup that ran during its all-reduce (hivemind's fetcher waits for the round), not
+verified; nor why it read the round as due: left as hivemind's until that is known.
 """
 from __future__ import annotations
 
