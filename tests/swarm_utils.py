@@ -1,4 +1,5 @@
-"""Shared by the tests that run whole swarms of peer processes: what the peers report in their events."""
+"""Shared by the tests that run whole swarms of peer processes: what the peers report in their events, and what a
+DHT's routing table holds."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from lean_transformer.swarm.peers.processes import PeerExited, PeerProcess, wait_until
+
+
+async def routing_table_size(dht, node) -> int:
+    """How many peers a DHT's routing table holds (``dht.run_coroutine(routing_table_size)``)."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 @dataclass(frozen=True)

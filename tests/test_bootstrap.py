@@ -17,7 +17,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from aux_utils import closed_port, start_peer
-from swarm_utils import assert_shut_down
+from swarm_utils import assert_shut_down, routing_table_size
 
 from lean_transformer.demo.local_swarm import command_line
 from lean_transformer.swarm.auth import load_identity_key
@@ -90,7 +90,3 @@ def test_a_newcomer_joins_at_the_first_try_through_an_entry_peer_that_answers_se
         for dht in (newcomer, entry):
             if dht is not None:
                 dht.shutdown()
-
-
-async def routing_table_size(dht, node) -> int:
-    return len(node.protocol.routing_table.uid_to_peer_id)

@@ -11,12 +11,10 @@ import time
 
 import pytest
 
+from swarm_utils import routing_table_size
+
 pytestmark = pytest.mark.swarm
 STOPPED_AFTER = 2.0  # seconds the entry peer stays stopped after the client gave up its store
-
-
-async def routing_table_size(dht, node) -> int:
-    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 @pytest.mark.parametrize("rejoin", [False, True], ids=["hivemind", "ours"])

@@ -32,7 +32,7 @@ def small_peer(dht, run_id: str, **options) -> tuple:
     return model, SwarmOptimizer(dht=dht, run_id=run_id, target_batch_size=8, batch_size_per_step=4,
                                  params=[dict(params=list(model.parameters()))], offload_optimizer=True,
                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                                 **dict(dict(matchmaking_time=0.5, averaging_timeout=5.0), **options))
+                                 **{"matchmaking_time": 0.5, "averaging_timeout": 5.0, **options})
 
 
 def run_lone_peers() -> dict:
