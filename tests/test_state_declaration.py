@@ -5,7 +5,7 @@ averager that shares its state and re-declares it every second, and a second DHT
 20 ms for 4 seconds, then once more after the donor shuts down. hivemind's averager lets its entry expire before it
 stores the next one, so the entry's remaining lifetime falls to zero once a period (and the list is empty until the
 new store lands), and leaves it behind when it shuts down (until it expires); ours keeps at least one period left
-and takes it off.
+and takes it off. Ours also lists a new label (DiLoCo's outer-state fingerprint) at once, not a period later.
 """
 from __future__ import annotations
 
@@ -45,11 +45,13 @@ def test_a_donor_stays_listed_between_its_declarations(report):
     assert ours["polls"] > 50 and ours["missing"] == 0 and ours["least_left"] > 0.5 * PERIOD, ours
     assert theirs["least_left"] < 0.2 * PERIOD, theirs  # hivemind's entry runs out before it is renewed
     assert not ours["listed_after_leaving"] and ours["leaving"] < ours["least_left"], ours  # taken off, not expired
+    assert ours["labelled"] is not None and ours["labelled"] < 0.5 * PERIOD, ours  # DiLoCo's fingerprint, at once
     report(f"donor re-declared every {PERIOD:g} s, list read every 20 ms for {4 * PERIOD:g} s: hivemind's entry had "
            f"{theirs['least_left']:.3f} s left at worst, missing from {theirs['missing']} of {theirs['polls']} reads; "
            f"ours {ours['least_left']:.3f} s, missing from {ours['missing']} of {ours['polls']}; read "
            f"{ours['leaving']:.2f} s after the donor began to shut down, ours was off the list, hivemind's "
-           f"{'still on it' if theirs['listed_after_leaving'] else 'expired meanwhile'}")
+           f"{'still on it' if theirs['listed_after_leaving'] else 'expired meanwhile'}; a new label was listed "
+           f"{ours['labelled']:.3f} s after it was set")
 
 
 def test_a_declaration_that_times_out_logs_no_traceback():
@@ -161,13 +163,30 @@ def main(variant: str) -> None:
             else:
                 least_left = min(least_left, entry.expiration_time - get_dht_time())
             time.sleep(0.02)
+        labelled = None
+        if variant == "lean_transformer":  # a new label is declared at once, not at the next period
+            while True:  # set just after a renewal (the entry has ~2 periods left): the next one is a period away
+                found = reader.get("donors.all_averagers", latest=True)
+                entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+                if entry is not None and entry.expiration_time - get_dht_time() > 1.9 * PERIOD:
+                    break
+                assert time.monotonic() < end + 4 * PERIOD, "the donor's entry was never renewed"
+                time.sleep(0.01)
+            label_set = time.monotonic()
+            donor.state_label = (3.0, 12345)
+            while labelled is None and time.monotonic() < label_set + 4 * PERIOD:
+                found = reader.get("donors.all_averagers", latest=True)
+                entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+                if entry is not None and entry.value == [0.0, [3.0, 12345]]:
+                    labelled = time.monotonic() - label_set
+                time.sleep(0.02)
         leaving = time.monotonic()
         donor.shutdown()
         found = reader.get("donors.all_averagers", latest=True)
         entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
-        listed_after_leaving = entry is not None and isinstance(entry.value, (int, float))
+        listed_after_leaving = entry is not None and entry.value is not None
         print(json.dumps(dict(polls=polls, missing=missing, least_left=least_left, leaving=time.monotonic() - leaving,
-                              listed_after_leaving=listed_after_leaving)))
+                              listed_after_leaving=listed_after_leaving, labelled=labelled)))
     finally:
         donor.shutdown()
         reader.shutdown()

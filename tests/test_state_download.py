@@ -24,8 +24,8 @@ import preloaded
 from aux_utils import start_peer, stop_all
 
 from lean_transformer.demo.local_swarm import command_line
-from lean_transformer.swarm.hivemind_fixes.state_download import (StateLayout, ValidatedStateSharing, rank_donors,
-                                                                  shared_copies)
+from lean_transformer.swarm.hivemind_fixes.state_download import (StateLayout, ValidatedStateSharing, donor_entry,
+                                                                  parse_entry, rank_donors, shared_copies)
 
 TINY = dict(host_maddrs="/ip4/127.0.0.1/tcp/0", per_device_batch_size=4, max_sequence_length=32,
             target_batch_size=16, matchmaking_time=0.5, averaging_timeout=10, shutdown_timeout=20)
@@ -266,6 +266,28 @@ def test_donors_named_by_the_caller_are_tried_first_then_by_priority():
     priorities[named.to_bytes() + b"x"] = "not a priority"
     assert rank_donors(priorities, own) == [high, low, named]
     assert rank_donors(priorities, own, donors=[str(named)]) == [named, high, low]
+
+
+def test_among_donors_of_one_priority_those_whose_label_most_donors_declare_come_first():
+    """DiLoCo's outer-state fingerprints after a round that split: 4 donors hold one, 3 another, one none."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    peers = [PeerID(f"peer {index}".encode()) for index in range(11)]
+    own, *majority, minority_1, minority_2, unlabelled, ahead, named, malformed = peers
+    entries = {peer.to_bytes(): ValueWithExpiration(donor_entry(4, label), 1e12) for peer, label in (
+        *((peer, (7.0, 123)) for peer in majority), (minority_1, (7.0, 456)), (minority_2, (7.0, 456)),
+        (unlabelled, None), (ahead, (6.0, 789)), (named, (7.0, 456)))}
+    entries[ahead.to_bytes()] = ValueWithExpiration(donor_entry(5, (6.0, 789)), 1e12)  # the higher epoch still first
+    entries[own.to_bytes()] = ValueWithExpiration(donor_entry(4, (7.0, 456)), 1e12)  # its own label counts for nothing
+    for value in ([4, [1.0, float("nan")]], [4, [1] * 5], [4, "label"], [4, [1.0, 2], 3], [True, [1.0, 2]]):
+        assert parse_entry(value) is None, value
+        entries[malformed.to_bytes()] = ValueWithExpiration(value, 1e12)
+        for _ in range(20):  # ties in random order: every draw must keep the majority's label ahead
+            ranked = rank_donors(entries, own)
+            assert ranked[0] == ahead and set(ranked[1:5]) == set(majority), value
+            assert set(ranked[5:8]) == {minority_1, minority_2, named} and ranked[8:] == [unlabelled], value
+    assert rank_donors(entries, own, donors=[str(named)])[:2] == [named, ahead]
 
 
 class Offers(ValidatedStateSharing):

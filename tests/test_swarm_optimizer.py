@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import pytest
 
@@ -56,7 +56,9 @@ def run_lone_peers() -> dict:
         optimizer.load_checkpoint_state(loaded)  # anchor and momentum + 2, outer step count 2
         checkpoint_params = [param.detach().clone() for param in model.parameters()]
         optimizer.cancel_rounds_in_flight()  # no round in flight: nothing to cancel
+        expected = optimizer.outer_loop.fingerprint() if optimizer.outer_loop is not None else None
         result[mode] = dict(
+            donor_entry_labelled=donor_entry_labelled(dht, f"swarm_optimizer_{mode}_state_averager", expected),
             no_host_grads=optimizer.host_grads is None,
             state_keys=sorted(state),
             state_tensors=len(state.get("outer", [])),
@@ -68,6 +70,24 @@ def run_lone_peers() -> dict:
         optimizer.shutdown()
     dht.shutdown()
     return result
+
+
+def donor_entry_labelled(dht, prefix: str, fingerprint: Optional[list]) -> Optional[bool]:
+    """Whether this DHT's peer is listed as a donor with ``fingerprint`` as its label (None: with no label), within
+    10 s; None if it is not listed at all."""
+    import time
+
+    from lean_transformer.swarm.hivemind_fixes.state_download import parse_entry
+
+    deadline, entry = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        found = dht.get(f"{prefix}.all_averagers", latest=True)
+        value = found.value.get(dht.peer_id.to_bytes()) if found is not None and isinstance(found.value, dict) else None
+        entry = parse_entry(value.value) if value is not None else None
+        if entry is not None and entry[1] == (None if fingerprint is None else tuple(fingerprint)):
+            return True
+        time.sleep(0.05)
+    return None if entry is None else False
 
 
 def swarm_peer(dht, run_id: str, seed: int = 0, **options):
@@ -450,14 +470,15 @@ def test_a_peer_that_takes_its_groups_epoch_label_joins_that_epochs_parameter_ro
 @pytest.mark.swarm
 def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
     result = run_script()
-    # gradient averaging: no state of its own, the drifted parameters stay (hivemind's own state is all there is)
-    assert result["gradients"] == dict(no_host_grads=True, state_keys=[], state_tensors=0,
+    # gradient averaging: no state of its own, the drifted parameters stay (hivemind's own state is all there is);
+    # each peer is listed as a donor, in DiLoCo mode labelled with its outer state's fingerprint, here with no label
+    assert result["gradients"] == dict(donor_entry_labelled=True, no_host_grads=True, state_keys=[], state_tensors=0,
                                        restarted_to_initial=False, shift_after_checkpoint=[1.0, 1.0], outer_steps=None,
                                        no_rounds_in_flight=True)
     # DiLoCo: anchor (2 tensors), momentum (2) and the step count; the parameters restart from the anchor, then
     # from the checkpoint's (anchor + 2)
-    assert result["diloco"] == dict(no_host_grads=True, state_keys=["outer"], state_tensors=5,
-                                    restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0], outer_steps=2.0,
+    assert result["diloco"] == dict(donor_entry_labelled=True, no_host_grads=True, state_keys=["outer"],
+                                    state_tensors=5, restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0], outer_steps=2.0,
                                     no_rounds_in_flight=True)
 
 

@@ -209,6 +209,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         outer.bind(self._offloaded_parameters())
         if host_gradients:
             self.host_grads = self._host_gradients_into_offloaded_optimizer()
+        self._label_outer_state()
 
     @classmethod
     def from_settings(cls, dht: hivemind.DHT, model: nn.Module, task: TrainingTask, network: NetworkSettings,
@@ -350,6 +351,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.outer_loop.apply_finished()
             if self.offload_optimizer:
                 self.state_averager._apply_optimizer_parameters_()
+            self._label_outer_state()
             self._download_if_behind()
 
     def _download_if_behind(self) -> None:
@@ -552,6 +554,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             group_size = self.outer_loop.end_round(alone=alone)
             if self.offload_optimizer:
                 self.state_averager._apply_optimizer_parameters_()
+            self._label_outer_state()
             if not self.auxiliary:
                 if group_size is None and self.outer_loop.nothing_to_apply:
                     logger.info("First outer round sent in the background: its step applies when the next one ends")
@@ -690,6 +693,14 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.outer_loop.outer.reset_parameters()
         if self.offload_optimizer:
             self.state_averager._apply_optimizer_parameters_()
+        self._label_outer_state()
+
+    def _label_outer_state(self) -> None:
+        """DiLoCo: label this peer's entry in the DHT's list of donors with its outer state's fingerprint, so that a
+        peer that downloads prefers the state most donors hold (``state_download.rank_donors``): after a round split
+        into groups, the one the swarm's next votes most likely settle on."""
+        if self.outer_loop is not None and not self.client_mode:
+            self.state_averager.state_label = self.outer_loop.fingerprint()
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the inner optimizer, the schedule and the epoch: in DiLoCo mode ``outer``,

@@ -48,6 +48,13 @@ while its epoch's step waits behind a parameter round, and one whose first hand-
 hivemind checks a downloaded state's length, ends a cut stream with an error, overlaps its declarations, unlists a
 leaving donor, moves the epoch with its step and keeps serving after a failed hand-over (not fixed in 1.1.12, nor
 in its master, checked 2026-11-29).
+
+Ours, not a fix: a donor's entry may carry a label (:attr:`ValidatedStateSharing.state_label`), and among donors of
+the same priority a downloader tries first those whose label the most donors share. A DiLoCo trainer labels its
+entry with its outer state's fingerprint: after a round that split into groups, the swarm holds several outer
+states at the same epoch, and a newcomer that downloaded a minority's (hivemind ties are random) lost its group's
+next vote and downloaded again, with no earlier state kept to replay from (benchmarks/internet.py, 16 DiLoCo
+trainers: 10 of the 14 catch-ups that failed).
 """
 from __future__ import annotations
 
@@ -57,6 +64,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from collections import Counter
 from itertools import chain
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -82,6 +90,7 @@ MIN_CHUNK_TIMEOUT = 10.0  # seconds to wait for the next part of a state, whatev
 UNLIST_TIMEOUT = 2.0  # seconds a leaving donor waits for the DHT to take it off the list
 PROGRESS_EVERY = 5.0  # seconds between two progress lines of a state download (none for a shorter download)
 MAX_CHECKED_DONORS = 3  # states one download scores with its check (each a whole download) before it keeps its own
+MAX_LABEL_ITEMS = 4  # numbers in a donor's label (DiLoCo's outer-state fingerprint takes 2)
 
 
 @dataclass(frozen=True)
@@ -165,18 +174,43 @@ def optimizer_skeleton(flat_metadata: Any) -> Optional[tuple[tuple[str, Any], ..
     return tuple(skeleton)
 
 
-def rank_donors(priorities: dict, own: PeerID, donors: Sequence[str] = ()) -> list[PeerID]:
-    """The peers of the DHT's donor list (subkey: peer ID bytes -> priority) in the order to try them: ``donors``
-    (peer IDs) first, then by priority, ties in random order; malformed entries and this peer left out."""
-    ranked = {}
-    for peer_id, info in priorities.items():
-        if isinstance(info, ValueWithExpiration) and isinstance(info.value, (int, float)):
-            try:
-                peer = PeerID(peer_id)
-            except Exception:  # a malformed key in the DHT record
-                continue
-            ranked[peer] = (str(peer) in donors, float(info.value), random.random())
-    ranked.pop(own, None)
+def donor_entry(priority: float, label: Optional[tuple]) -> Any:
+    """A donor's value in the DHT's list: hivemind's priority alone, or [priority, label] (see :func:`parse_entry`)."""
+    return priority if label is None else [priority, list(label)]
+
+
+def parse_entry(value: Any) -> Optional[tuple[float, Optional[tuple]]]:
+    """(priority, label) of a donor's entry (a peer's message: anything), the label None if it has none; None if
+    malformed. A label is a list of at most ``MAX_LABEL_ITEMS`` integers or finite floats."""
+    def number(item: Any) -> bool:
+        return isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item)
+
+    if number(value):
+        return float(value), None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and number(value[0]) and \
+            isinstance(value[1], (list, tuple)) and len(value[1]) <= MAX_LABEL_ITEMS and all(map(number, value[1])):
+        return float(value[0]), tuple(value[1])
+    return None
+
+
+def rank_donors(entries: dict, own: PeerID, donors: Sequence[str] = ()) -> list[PeerID]:
+    """The peers of the DHT's donor list (subkey: peer ID bytes -> entry, :func:`parse_entry`) in the order to try
+    them: ``donors`` (peer IDs) first, then by priority, then by how many donors declare the same label (the most
+    first: in DiLoCo, the outer state most of the swarm holds), ties in random order; malformed entries and this
+    peer left out (its own label counts for nothing either)."""
+    parsed = {}
+    for peer_id, info in entries.items():
+        entry = parse_entry(info.value) if isinstance(info, ValueWithExpiration) else None
+        if entry is None:
+            continue
+        try:
+            parsed[PeerID(peer_id)] = entry
+        except Exception:  # a malformed key in the DHT record
+            continue
+    parsed.pop(own, None)
+    holders = Counter(label for _, label in parsed.values() if label is not None)
+    ranked = {peer: (str(peer) in donors, priority, holders[label] if label is not None else 0, random.random())
+              for peer, (priority, label) in parsed.items()}
     return sorted(ranked, key=ranked.get, reverse=True)
 
 
@@ -194,6 +228,7 @@ class ValidatedStateSharing:
 
     download_check: Optional[Callable[[], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
     serve_gate: Optional[threading.Event] = None
+    _state_label: Optional[tuple] = None  # see state_label
 
     def __init__(self, *args: Any, serve_wait: float = 0.0, **kwargs: Any):
         self.serve_wait = serve_wait  # set before hivemind starts the averager's process, where downloads run
@@ -227,10 +262,31 @@ class ValidatedStateSharing:
         """Seconds a downloader waits for each part of a state (and a server for the step it must not serve within)."""
         return max(MIN_CHUNK_TIMEOUT, self.next_chunk_timeout or self.request_timeout)
 
+    @property
+    def state_label(self) -> Optional[tuple]:
+        """What this peer's entry in the DHT's list of donors says of its state besides its priority (None: nothing):
+        at most ``MAX_LABEL_ITEMS`` numbers, e.g. DiLoCo's outer-state fingerprint. Setting it re-declares the entry."""
+        return self._state_label
+
+    @state_label.setter
+    def state_label(self, label: Optional[Sequence[float]]) -> None:
+        label = None if label is None else tuple(label)
+        if label is not None and parse_entry([0, label]) is None:
+            raise ValueError(f"a donor's label is at most {MAX_LABEL_ITEMS} finite numbers, not {label!r}")
+        if label != self._state_label:
+            self._state_label = label
+            self._outer_pipe.send(("_set_state_label", [label], {}))
+
+    async def _set_state_label(self, label: Optional[tuple]) -> None:
+        """Executed in the averager's process."""
+        self._state_label = label
+        self._state_updated.set()
+
     def _declare_as_donor(self, sharing: bool) -> MPFuture:
         """Store this peer's entry in the DHT's list of donors (``None`` takes it off), valid for two periods."""
+        value = donor_entry(self.state_sharing_priority, self._state_label) if sharing else None
         return self.dht.store(f"{self._matchmaking.group_key_manager.prefix}.all_averagers",
-                              subkey=self.peer_id.to_bytes(), value=self.state_sharing_priority if sharing else None,
+                              subkey=self.peer_id.to_bytes(), value=value,
                               expiration_time=get_dht_time() + 2 * self.declare_state_period, return_future=True)
 
     async def _declare_for_download_periodically(self) -> None:
