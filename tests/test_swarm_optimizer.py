@@ -204,40 +204,6 @@ def run_label_taker() -> dict:
     return result
 
 
-def run_diloco_lag() -> dict:
-    """Two DiLoCo peers with top-k rounds: A moves on to epochs the swarm reached while B's round ran late. B, which
-    applied a round, is 2 epochs behind (it takes A's label), then 3 (it downloads); a B that never joined nor applied a
-    round, 2 behind, downloads. Whether it downloads is what ``_should_load_state_from_peers`` returns."""
-    import tempfile
-
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    from lean_transformer.swarm.averaging.diloco import DiLoCoSettings
-    from lean_transformer.swarm.monitoring.events import open_events, read_events
-    from lean_transformer.swarm.peers.processes import wait_until
-
-    events = Path(tempfile.mkdtemp()) / "events.jsonl"
-    open_events(events, "trainer")
-    dhts, peers, result = two_dhts(), [], {}
-    try:
-        a, b = (swarm_peer(dht, "diloco_lag", seed, diloco=DiLoCoSettings(local_steps=2, topk_fraction=0.05,
-                                                                          branch_depth=2),
-                           tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5,
-                                             private_key=RSAPrivateKey())) for seed, dht in enumerate(dhts))
-        peers += [a, b]
-        move_to(b, 3)
-        for case, swarm, rounds in ("2 behind", 5, 1), ("3 behind", 8, 1), ("2 behind, no round", 7, 0):
-            b.outer_loop.rounds = rounds
-            move_to(a, swarm)
-            wait_until(lambda: b.tracker.global_epoch == swarm, 30, f"B reads A's epoch {swarm}", interval=0.1)
-            result[case] = dict(downloads=b._should_load_state_from_peers(), epoch=b.local_epoch)
-        result["labels"] = [[event["epoch"], event["previous"]] for event in read_events(events, "label_taken")]
-    finally:
-        for each in (*peers, *dhts):
-            each.shutdown()
-    return result
-
-
 def run_leaver(order: str) -> dict:
     """A peer leaves while its delayed step has this epoch's parameter round, which no one else takes part in.
     ``order``: "held" (the delayed step holds the round, looking for a group), "queued" (the delayed step waits
@@ -502,15 +468,6 @@ def test_a_peer_that_takes_its_groups_epoch_label_joins_that_epochs_parameter_ro
 
 
 @pytest.mark.swarm
-def test_a_diloco_peer_at_most_two_epochs_behind_takes_the_swarms_label_instead_of_downloading():
-    result = run_script("diloco_lag")
-    # 2 behind: the label, no download (its next round's group brings its outer state up); 3 behind, or 2 behind with
-    # no state of the swarm's (never joined nor applied a round): the download, as hivemind's
-    assert result == {"2 behind": dict(downloads=False, epoch=5), "3 behind": dict(downloads=True, epoch=5),
-                      "2 behind, no round": dict(downloads=True, epoch=5), "labels": [[5, 3]]}, result
-
-
-@pytest.mark.swarm
 def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
     result = run_script()
     # gradient averaging: no state of its own, the drifted parameters stay (hivemind's own state is all there is);
@@ -521,8 +478,8 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
     # DiLoCo: anchor (2 tensors), momentum (2) and the step count; the parameters restart from the anchor, then
     # from the checkpoint's (anchor + 2)
     assert result["diloco"] == dict(donor_entry_labelled=True, no_host_grads=True, state_keys=["outer"],
-                                    state_tensors=5, restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0],
-                                    outer_steps=2.0, no_rounds_in_flight=True)
+                                    state_tensors=5, restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0], outer_steps=2.0,
+                                    no_rounds_in_flight=True)
 
 
 @pytest.mark.swarm
@@ -584,8 +541,7 @@ def test_a_diloco_peer_waits_for_a_partner_that_started_with_it_before_stepping_
 
 
 if __name__ == "__main__":
-    scripts = dict(stale=run_stale_newcomer, label=run_label_taker, diloco_lag=run_diloco_lag,
-                   leave=lambda: run_leaver(sys.argv[2]),
+    scripts = dict(stale=run_stale_newcomer, label=run_label_taker, leave=lambda: run_leaver(sys.argv[2]),
                    late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
                    leave_mid_round=run_leaving_mid_round, window=run_gradient_window, in_flight=run_round_in_flight,
                    startup=run_startup_alone)

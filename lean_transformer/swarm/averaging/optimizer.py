@@ -60,10 +60,6 @@ LEAVE_GRACE = 10.0
 # a DiLoCo trainer that sees no other trainer steps alone only once this many matchmaking windows have passed since its
 # first local step (SwarmOptimizer._alone); until then it waits for one to appear
 STARTUP_WINDOWS = 2.0
-# a DiLoCo trainer with top-k rounds whose epoch fell at most this many behind the swarm's takes the swarm's label
-# instead of downloading the state (SwarmOptimizer._takes_swarm_epoch): its group's histories hold the steps it
-# missed (HISTORY_ROUNDS, fewer for big groups within a history's byte budget)
-CATCH_UP_EPOCHS = 2
 
 
 def matchmaking_window(matchmaking_time: float, lookups: Iterable[float], cap: float) -> float:
@@ -517,45 +513,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
             logger.info(f"This peer's last group stepped from epoch {group_epoch - 1} (this peer: "
                         f"{self.local_epoch - 1}): taking the swarm's epoch {group_epoch}, no download")
-            self._take_epoch_label(group_epoch)
+            with self.tracker.pause_updates():
+                self.state_averager.local_epoch = group_epoch
+                self.tracker.update_epoch(new_epoch=group_epoch)
+            emit("label_taken", epoch=group_epoch, previous=group_epoch - 1)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+                self.grad_averager.state_sharing_priority = self.local_epoch
             self._join_group_state_round()
         if group_epoch is not None and self.local_epoch != group_epoch - 1:
             self._group_epoch = None  # taken, or moved on (the next round notes its own)
-        return super()._should_load_state_from_peers() and not self._takes_swarm_epoch()
-
-    def _takes_swarm_epoch(self) -> bool:
-        """DiLoCo with top-k rounds, for a trainer out of sync with the swarm's epoch: whether it took the swarm's
-        label instead of downloading the state, which it does when it is at most ``CATCH_UP_EPOCHS`` behind and holds
-        a state of the swarm's (it joined, or applied a round). Its next round's group then brings its outer state to
-        theirs: a replay of the steps it missed from a groupmate's history, a download only if that fails
-        (:meth:`OuterLoop._catch_up`); the inner optimizer state is each trainer's own in DiLoCo, so a download
-        brings nothing else it lacks. Why: in benchmarks/internet.py (16 DiLoCo trainers, churn; seed 0 at 148bb12)
-        all 3 downloads after joining were of this kind: a member killed mid-round failed its group's all-reduce,
-        the survivors retried it while the swarm went 2 epochs on, and each then downloaded the whole state where it
-        lacked 1-2 outer steps. (While its round is still running it trains on and checks nothing:
-        :meth:`_epoch_end_waits_for_round`.)"""
-        swarm, own = self.tracker.global_epoch, self.local_epoch
-        if self.outer_loop is None or self.auxiliary or not self.outer_loop.branch_depth or \
-                not 0 < swarm - own <= CATCH_UP_EPOCHS or \
-                (self.outer_loop.rounds == 0 and self.state_averager.adopted_count == 0):
-            return False
-        logger.info(f"This peer's epoch {own} is {swarm - own} behind the swarm's: taking the swarm's epoch {swarm}; "
-                    f"its next round brings its outer state to its group's (from a groupmate's history, else a "
-                    f"download)")
-        self._take_epoch_label(swarm)
-        return True
-
-    def _take_epoch_label(self, epoch: int) -> None:
-        """Move this peer's epoch to ``epoch`` without a step or a download (a ``label_taken`` event)."""
-        previous = self.local_epoch
-        with self.tracker.pause_updates():
-            self.state_averager.local_epoch = epoch
-            self.tracker.update_epoch(new_epoch=epoch)
-        emit("label_taken", epoch=epoch, previous=previous)
-        if not self.client_mode:
-            self.state_averager.state_sharing_priority = epoch
-            if self.grad_averager is not None:
-                self.grad_averager.state_sharing_priority = epoch
+        return super()._should_load_state_from_peers()
 
     def _join_group_state_round(self) -> None:
         """After taking the group's epoch label: the group's step to that epoch began hivemind's parameter-averaging

@@ -30,9 +30,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``round_missed``      the round failed, found no group, was cancelled, or only served its group with weight 0:
                       ``kind``, ``epoch``, ``reason`` (``cancelled``, ``leaving`` (cancelled or served as the peer
                       left: not a round it missed while training), ``served its group with weight 0``, or the error)
-``label_taken``       its last group had stepped from the epoch label one above its own, or (DiLoCo, top-k) the
-                      swarm's epoch was at most 2 ahead of its own: it took the label ``epoch`` (from ``previous``)
-                      instead of downloading the state; no step of its own
+``label_taken``       its last group had stepped from the epoch label one above its own: it took the group's label
+                      ``epoch`` (from ``previous``) instead of downloading the state; no step of its own
 ``joined_early``      (gradient mode) the swarm's ``epoch`` ended during this peer's micro-batch, ``seconds_left`` (as
                       expected) before its end: it joined the round with the ``samples`` accumulated until then
                       (:mod:`~lean_transformer.swarm.averaging.early_join`)
