@@ -478,8 +478,8 @@ def test_checkpoint_state_and_restart_from_anchor_in_both_modes():
     # DiLoCo: anchor (2 tensors), momentum (2) and the step count; the parameters restart from the anchor, then
     # from the checkpoint's (anchor + 2)
     assert result["diloco"] == dict(donor_entry_labelled=True, no_host_grads=True, state_keys=["outer"],
-                                    state_tensors=5, restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0], outer_steps=2.0,
-                                    no_rounds_in_flight=True)
+                                    state_tensors=5, restarted_to_initial=True, shift_after_checkpoint=[2.0, 2.0],
+                                    outer_steps=2.0, no_rounds_in_flight=True)
 
 
 @pytest.mark.swarm
