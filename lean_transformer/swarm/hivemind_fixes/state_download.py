@@ -54,7 +54,8 @@ the same priority a downloader tries first those whose label the most donors sha
 entry with its outer state's fingerprint: after a round that split into groups, the swarm holds several outer
 states at the same epoch, and a newcomer that downloaded a minority's (hivemind ties are random) lost its group's
 next vote and downloaded again, with no earlier state kept to replay from (benchmarks/internet.py, 16 DiLoCo
-trainers: 10 of the 14 catch-ups that failed).
+trainers: 7 of the 9 failed catch-ups with no state kept followed a download from a donor drawn so). Older peers
+skip a labelled entry as malformed: all peers of a run should run the same version.
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
