@@ -6,7 +6,8 @@ rather than lucky, by holding one side still at the moment that matters:
 
 - ``gc``: A pre-schedules a round and cancels it while it looks for a group (as hivemind.Optimizer does when it
   finds itself alone). A's DHT process is paused (SIGSTOP) across the cancellation, so that the round's clean-up
-  waits on a DHT store, and a garbage collection runs in A's averager process meanwhile. Then A and B average.
+  waits on a DHT store, and once it does (asked in A's averager process) a garbage collection runs there. Then A and
+  B average.
 - ``zombie``: A pre-schedules a round and cancels it while it looks for a group, the way ``StepControl.cancel``
   does, but pausing where a busy process may be descheduled: after the trigger is cancelled and the averager told,
   before the round is marked cancelled. Then B looks for a group. A holds 1.0 and B 0.0 (one sample each). On a
@@ -210,11 +211,22 @@ def stop_outside_the_update_lock(pid: int) -> None:
     raise AssertionError(f"process {pid} held MPFuture's update lock at every try")
 
 
+def ask(averager, method: str) -> object:
+    """The result of ``method(future=...)`` run in ``averager``'s process (one of the test averager's own methods)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    future = MPFuture()
+    averager._outer_pipe.send((method, [], dict(future=future)))
+    return future.result(30)
+
+
 def main(variant: str, case: str) -> None:
     import faulthandler
+    import inspect
 
     import hivemind
     import torch
+    from hivemind.averaging.matchmaking import PotentialLeaders
     from hivemind.optim import grad_averager
     from hivemind.utils.mpfuture import MPFuture
 
@@ -229,6 +241,19 @@ def main(variant: str, case: str) -> None:
 
         async def _collect_garbage(self, future: MPFuture) -> None:
             future.set_result(gc.collect())
+
+        async def _cleanup_waits_for_dht(self, future: MPFuture) -> None:
+            """Whether a task of this process waits in matchmaking's clean-up for the (stopped) DHT: hivemind's
+            ``PotentialLeaders._declare_averager_periodically``, past its ``finally``, where it withdraws the
+            declaration."""
+            try:
+                code = PotentialLeaders._declare_averager_periodically.__code__
+                lines, first = inspect.getsourcelines(code)
+                cleanup = first + next(index for index, line in enumerate(lines) if line.strip() == "finally:")
+                future.set_result(any(frame.f_code is code and frame.f_lineno > cleanup
+                                      for task in asyncio.all_tasks() for frame in task.get_stack()))
+            except Exception as error:  # said in the test's process, not lost in this one's
+                future.set_exception(error)
 
         async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                      ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -257,10 +282,13 @@ def main(variant: str, case: str) -> None:
         stop_outside_the_update_lock(dhts[0].pid)
         try:
             control.cancel()
-            time.sleep(3.0)  # the clean-up now awaits A's DHT (1 s was too short twice under the full suite's load)
-            future = MPFuture()
-            a._outer_pipe.send(("_collect_garbage", [], dict(future=future)))
-            future.result(30)
+            # until the round's clean-up awaits A's DHT: a fixed 3 s was too short once under the full suite's load
+            # (the control then saw nothing destroyed), 1 s twice
+            deadline = time.monotonic() + 30
+            while not ask(a, "_cleanup_waits_for_dht"):
+                assert time.monotonic() < deadline, "A's matchmaking clean-up never waited for its stopped DHT"
+                time.sleep(0.05)
+            ask(a, "_collect_garbage")
         finally:
             os.kill(dhts[0].pid, signal.SIGCONT)
         time.sleep(1.0)
@@ -270,9 +298,7 @@ def main(variant: str, case: str) -> None:
         steps = [peer.step(timeout=20, wait=False) for peer in (b, a)]
         for step in steps:
             step.exception(timeout=30)
-        future = MPFuture()
-        a._outer_pipe.send(("_collect_garbage", [], dict(future=future)))  # the runner of A's timed-out round
-        future.result(30)
+        ask(a, "_collect_garbage")  # the runner of A's timed-out round
         steps = steps[1:]
     elif case == "leave":
         time.sleep(1.0)  # as in the other cases: the DHTs know each other
