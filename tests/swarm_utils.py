@@ -10,6 +10,13 @@ from typing import Dict, List, Optional
 from lean_transformer.swarm.peers.processes import PeerExited, PeerProcess, wait_until
 
 
+def listed_entry(dht, key: str, subkey: bytes):
+    """``subkey``'s entry (a ValueWithExpiration) under the DHT's dictionary ``key``, as ``dht`` reads it now;
+    None if there is none."""
+    found = dht.get(key, latest=True)
+    return found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+
+
 async def routing_table_size(dht, node) -> int:
     """How many peers a DHT's routing table holds (``dht.run_coroutine(routing_table_size)``)."""
     return len(node.protocol.routing_table.uid_to_peer_id)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import preloaded
+from swarm_utils import listed_entry
 
 pytestmark = pytest.mark.swarm
 REPO = Path(__file__).resolve().parent.parent
@@ -155,8 +156,7 @@ def main(variant: str) -> None:
         polls, missing, least_left = 0, 0, float("inf")
         end = time.monotonic() + 4 * PERIOD
         while time.monotonic() < end:
-            found = reader.get("donors.all_averagers", latest=True)
-            entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+            entry = listed_entry(reader, "donors.all_averagers", subkey)
             polls += 1
             if entry is None:
                 missing += 1
@@ -166,8 +166,7 @@ def main(variant: str) -> None:
         labelled = None
         if variant == "lean_transformer":  # a new label is declared at once, not at the next period
             while True:  # set just after a renewal (the entry has ~2 periods left): the next one is a period away
-                found = reader.get("donors.all_averagers", latest=True)
-                entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+                entry = listed_entry(reader, "donors.all_averagers", subkey)
                 if entry is not None and entry.expiration_time - get_dht_time() > 1.9 * PERIOD:
                     break
                 assert time.monotonic() < end + 4 * PERIOD, "the donor's entry was never renewed"
@@ -175,15 +174,13 @@ def main(variant: str) -> None:
             label_set = time.monotonic()
             donor.state_label = (3.0, 12345)
             while labelled is None and time.monotonic() < label_set + 4 * PERIOD:
-                found = reader.get("donors.all_averagers", latest=True)
-                entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+                entry = listed_entry(reader, "donors.all_averagers", subkey)
                 if entry is not None and entry.value == [0.0, [3.0, 12345]]:
                     labelled = time.monotonic() - label_set
                 time.sleep(0.02)
         leaving = time.monotonic()
         donor.shutdown()
-        found = reader.get("donors.all_averagers", latest=True)
-        entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+        entry = listed_entry(reader, "donors.all_averagers", subkey)
         listed_after_leaving = entry is not None and entry.value is not None
         print(json.dumps(dict(polls=polls, missing=missing, least_left=least_left, leaving=time.monotonic() - leaving,
                               listed_after_leaving=listed_after_leaving, labelled=labelled)))

@@ -17,6 +17,7 @@ from typing import Optional, Tuple, Union
 import pytest
 
 import preloaded
+from swarm_utils import listed_entry
 
 
 def small_peer(dht, run_id: str, **options) -> tuple:
@@ -81,8 +82,7 @@ def donor_entry_labelled(dht, prefix: str, fingerprint: Optional[list]) -> Optio
 
     deadline, entry = time.monotonic() + 10, None
     while time.monotonic() < deadline:
-        found = dht.get(f"{prefix}.all_averagers", latest=True)
-        value = found.value.get(dht.peer_id.to_bytes()) if found is not None and isinstance(found.value, dict) else None
+        value = listed_entry(dht, f"{prefix}.all_averagers", dht.peer_id.to_bytes())
         entry = parse_entry(value.value) if value is not None else None
         if entry is not None and entry[1] == (None if fingerprint is None else tuple(fingerprint)):
             return True
