@@ -10,7 +10,14 @@ anchor on its own batches, and the pseudo-gradients (anchor - parameters) are ch
 steps with SGD-Nesterov (lr 0.7, momentum 0.9). The honest answer is CenteredClip's (the swarm's default, under which
 the check runs), of equal weights. The lies are those of tests/lying_peer.py applied to the same means.
 
-Usage: python benchmarks/answer_check.py [--peers 4] [--epochs 30] [--out benchmarks/results/answer_check.json]
+The second table is a pair of honest peers whose parameters are some epochs apart (a peer back from a download, or
+one that stepped alone): the model trains with the demo's optimizer (the 8-bit LAMB, lr 0.014, 5 warm-up steps) on
+the mean of 2 peers' gradients of 64 samples; each epoch the up-to-date peer's gradient is checked against its
+average with the other's, taken at the parameters of ``lag`` epochs earlier (and, at lag 0, with 8 samples against
+120, both ways). Hence strikes need a group in step (lean_transformer.swarm.averaging.robust.Aggregated).
+
+Usage: python benchmarks/answer_check.py [--peers 4] [--epochs 30] [--apart_epochs 150]
+[--out benchmarks/results/answer_check.json]
 """
 from __future__ import annotations
 
@@ -130,11 +137,69 @@ def run(mode: str, peers: int, epochs: int, samples: int, local_steps: int) -> C
     return tally
 
 
+def check_pair(own: list, other: list, own_weight: float, other_weight: float) -> tuple[int, int, float]:
+    """Shares checked and rejected, and the least cosine(own, average), for ``own``'s gradient in its weighted mean
+    with ``other``'s (2 reducers' shares)."""
+    average = [(own_weight * x + other_weight * y) / (own_weight + other_weight) for x, y in zip(own, other)]
+    checked = rejected = 0
+    least = 1.0
+    for share in shares_of([tensor.numel() for tensor in average], 2):
+        owns = [own[index] for index in share]
+        x, v = (torch.cat([tensors[index].reshape(-1) for index in share]) for tensors in (own, average))
+        least = min(least, float(x @ v / (x.norm() * v.norm())))
+        checked += 1
+        rejected += share_problem(owns, [average[index] - x for index, x in zip(share, owns)]) is not None
+    return checked, rejected, least
+
+
+def run_apart(epochs: int, lags: tuple = (0, 1, 2, 4)) -> dict:
+    """The pair of the second table (see the module docstring): per case, [checked, rejected, least cosine]."""
+    torch.manual_seed(0)
+    task = get_task("causal_lm")(TaskArguments(task="causal_lm"),
+                                 TrainingSettings(learning_rate=0.014, warmup_steps=5))
+    model = task.build_model()
+    optimizer = task.optimizer_factory()(task.param_groups(model))
+    scheduler = task.scheduler_factory()(optimizer)
+    batchers = [task.batches(seed=1), task.batches(seed=2)]
+    history: list = []  # the parameters of the last epochs, newest last
+    cases: dict = {}
+
+    def tally(case: str, result: tuple) -> None:
+        checked, rejected, least = cases.get(case, (0, 0, 1.0))
+        cases[case] = (checked + result[0], rejected + result[1], min(least, result[2]))
+
+    def load(values: list) -> None:
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), values):
+                param.copy_(value)
+
+    for _ in range(epochs):
+        history = (history + [[param.detach().clone() for param in model.parameters()]])[-max(lags) - 1:]
+        own = gradient_of(model, batchers[0], 64)
+        for lag in lags:
+            if lag < len(history):
+                load(history[-1 - lag])
+                other = gradient_of(model, batchers[1], 64)
+                load(history[-1])
+                tally(f"{lag} epochs apart", check_pair(own, other, 64, 64))
+                if lag == 0:
+                    fresh = other
+                    few = gradient_of(model, batchers[0], 8)
+                    tally("in step, 8 samples against 120", check_pair(few, other, 8, 120))
+                    tally("in step, 120 samples against 8", check_pair(other, few, 120, 8))
+        for param, x, y in zip(model.parameters(), own, fresh):
+            param.grad = (x + y) / 2
+        optimizer.step()
+        scheduler.step()
+    return {case: list(values) for case, values in cases.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--local_steps", type=int, default=2)
+    parser.add_argument("--apart_epochs", type=int, default=150)
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/answer_check.json"))
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -149,6 +214,12 @@ def main() -> None:
                          f"{tally['max_ratio']:.2f}", f"{tally['min_cosine']:.3f}",
                          *(f"{tally[attack] / checked:.3f}" for attack in REDUCER_ATTACKS)])
             print(rows[-1], flush=True)
+    start = time.perf_counter()
+    raw["apart"] = run_apart(options.apart_epochs)
+    raw["apart_seconds"] = time.perf_counter() - start
+    apart_rows = [[case, checked, rejected, f"{least:.3f}"]
+                  for case, (checked, rejected, least) in raw["apart"].items()]
+    print(apart_rows, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     result = {
@@ -169,6 +240,13 @@ def main() -> None:
                       "each lie of tests/lying_peer.py about it (scale 1000; caught: the fraction of checked shares "
                       "the check rejects). reducer_swap answers the previous tensor's average, tiled or cut (the "
                       "first part of a share: its own)."),
+        }, {
+            "title": "Two honest peers whose parameters are some epochs apart (the demo's optimizer)",
+            "columns": ["case", "shares checked", "honest answers rejected", "min cosine(own, average)"],
+            "rows": apart_rows,
+            "notes": (f"{options.apart_epochs} epochs of the tiny LeanGPT under the 8-bit LAMB (lr 0.014), 2 peers "
+                      "of 64 samples; the up-to-date peer's gradient against its mean with the other's, taken at the "
+                      "parameters of that many epochs earlier. Hence only a group in step strikes."),
         }],
         "raw": raw,
     }

@@ -6,7 +6,9 @@ swarm's gradient averager under CenteredClip, average twice: first with B leadin
 A's: hivemind's followers ask the leaders that declared an earlier time), then with A leading. Variant ``excluded``:
 A has excluded B (three strikes) before its averager starts. Variant ``control``: A has not. Variant
 ``weightless``: A's values are 1 and B's -1; A averages with weight 0 and B with weight 1 (A's share is answered
-with B's values alone), then both with weight 0 (the reducers answer zeros, honestly).
+with B's values alone), then both with weight 0 (the reducers answer zeros, honestly). Variant ``out_of_step``: B's
+values are -3 x A's (the gradients of a peer whose parameters lag, measured to anticorrelate with the others'), so
+A rejects every answer of B's; the first three rounds gather epoch labels 5 (A) and 4 (B), the fourth 5 and 5.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
     env = dict(os.environ, **preloaded.PEER_ENV)
     processes = {variant: preloaded.popen([sys.executable, __file__, variant], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=env)
-                 for variant in ("control", "excluded", "weightless")}
+                 for variant in ("control", "excluded", "weightless", "out_of_step")}
     results = {}
     for variant, process in processes.items():
         try:
@@ -48,6 +50,10 @@ def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
     # weightless: both rounds average the pair, and nobody is judged (before the fix: the zeros of the second round
     # were rejected as a gross lie, "|average| is 0 x |own values|", which excludes the reducer at once)
     assert results["weightless"] == {"group_sizes": [2, 2], "answers_rejected": []}, results["weightless"]
+    # out of step: A rejects B's answer in each round (it keeps its own values) but strikes B only in the round whose
+    # labels agree, so B stays in A's groups (before the fix: B excluded after the third round, no fourth group)
+    assert results["out_of_step"] == {"group_sizes": [2, 2, 2, 2], "struck": [False, False, False, True],
+                                      "excluded": False}, results["out_of_step"]
     report("A excludes B: no group formed, whether B's round was scheduled first (B leads) or A's (A leads, then "
            "looks for a leader itself); control without exclusion: both rounds averaged A and B")
 
@@ -61,9 +67,10 @@ def two_dhts() -> tuple:
     return dht_a, hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dht_a.get_visible_maddrs())
 
 
-def start_averagers(dhts: tuple, prefix: str, exclusions_of_a=None) -> tuple:
+def start_averagers(dhts: tuple, prefix: str, exclusions_of_a=None, a_is_client: bool = False) -> tuple:
     """A's and B's parameters (2048 zeros each: over answer_check's MIN_CHECKED) and their gradient averagers under
-    CenteredClip, started and known to each other's DHTs; ``exclusions_of_a``: A's exclusions."""
+    CenteredClip, started and known to each other's DHTs; ``exclusions_of_a``: A's exclusions; ``a_is_client``: A
+    averages in client mode (B reduces every part, so A checks all of them)."""
     import torch
 
     from lean_transformer.swarm.averaging.averagers import GradientAverager
@@ -71,15 +78,16 @@ def start_averagers(dhts: tuple, prefix: str, exclusions_of_a=None) -> tuple:
     params = [torch.nn.Parameter(torch.zeros(2048)) for _ in dhts]
     averagers = tuple(GradientAverager([param], dht=dht, prefix=prefix, target_group_size=2, min_matchmaking_time=2.0,
                                        request_timeout=1.0, allreduce_timeout=10, aggregation="centered_clip",
-                                       exclusions=exclusions_of_a if index == 0 else None, start=True)
+                                       exclusions=exclusions_of_a if index == 0 else None,
+                                       client_mode=a_is_client and index == 0, start=True)
                       for index, (param, dht) in enumerate(zip(params, dhts)))
     time.sleep(1.0)  # the DHTs know each other
     return params, averagers
 
 
 def main(variant: str) -> None:
-    if variant == "weightless":
-        return main_weightless()
+    if variant in ("weightless", "out_of_step"):
+        return main_weightless(variant == "out_of_step")
     import torch
     from hivemind.utils import get_dht_time
 
@@ -115,32 +123,47 @@ def main(variant: str) -> None:
         each.shutdown()
 
 
-def main_weightless() -> None:
+def main_weightless(out_of_step: bool = False) -> None:
+    """Variant ``weightless``, or with ``out_of_step`` that variant."""
     import tempfile
 
     import torch
     from hivemind.utils import get_dht_time
 
+    from lean_transformer.swarm.averaging.exclusion import Exclusions
     from lean_transformer.swarm.monitoring.events import open_events, read_events
 
     events = Path(tempfile.mkdtemp()) / "events.jsonl"
     open_events(events, "trainer")  # before the averagers' processes start: they write here too
     dht_a, dht_b = two_dhts()
-    params, (a, b) = start_averagers((dht_a, dht_b), "weightless")
+    params, (a, b) = start_averagers((dht_a, dht_b), "weightless", Exclusions(strikes=3, window=10), out_of_step)
+    own = torch.randn(2048, generator=torch.Generator().manual_seed(0))
+    rounds = [((5, 4), (1.0, 1.0))] * 3 + [((5, 5), (1.0, 1.0))] if out_of_step else [((None, None), (0.0, 1.0)),
+                                                                                      ((None, None), (0.0, 0.0))]
     group_sizes = []
-    for weights in ((0.0, 1.0), (0.0, 0.0)):
-        for peer, param, value in ((a, params[0], 1.0), (b, params[1], -1.0)):
-            param.grad = torch.full_like(param, value)
+    for labels, weights in rounds:
+        for peer, param, value, label in ((a, params[0], own if out_of_step else 1.0, labels[0]),
+                                          (b, params[1], -3 * own if out_of_step else -1.0, labels[1])):
+            param.grad = value.clone() if out_of_step else torch.full_like(param, value)
             peer.accumulate_grads_(batch_size=1)
+            peer.epoch_for_gather = label
         start = get_dht_time() + 2.0
         steps = [peer.step(weight=weight, scheduled_time=start + gap, timeout=10, wait=False)
                  for peer, weight, gap in ((b, weights[1], 0.0), (a, weights[0], LEAD_GAP))]
-        group_sizes.append(len(steps[1].result(timeout=30)))
-        steps[0].result(timeout=30)
+        try:
+            group_sizes.append(len(steps[1].result(timeout=30)))
+        except Exception:  # hivemind: "could not find a group"
+            group_sizes.append(None)
+        steps[0].exception(timeout=30)
     for each in (a, b, dht_a, dht_b):
         each.shutdown()
-    rejected = [event["reason"] for event in read_events(events, "answer_rejected")]
-    print(json.dumps({"group_sizes": group_sizes, "answers_rejected": rejected}), flush=True)
+    rejected = read_events(events, "answer_rejected")
+    if out_of_step:
+        print(json.dumps({"group_sizes": group_sizes, "struck": [event.get("struck") for event in rejected],
+                          "excluded": bool(read_events(events, "peer_excluded"))}), flush=True)
+        return
+    print(json.dumps({"group_sizes": group_sizes, "answers_rejected": [event["reason"] for event in rejected]}),
+          flush=True)
 
 
 if __name__ == "__main__":

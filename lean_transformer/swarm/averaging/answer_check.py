@@ -297,7 +297,8 @@ class CheckedParts(TensorPartContainer):
 
 class ChecksAnswers:
     """Mixed in front of hivemind's ``AllReduceRunner`` class (gradient averaging) whose
-    ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) is set by the classes after it: every groupmate's
+    ``self.exclusions`` (:class:`~.exclusion.Exclusions` or None) and ``self.in_step`` (False: reject, strike only
+    gross lies) are set by the classes after it (:class:`~.robust.CenteredClipReduction`): every groupmate's
     answers are checked (:class:`CheckedParts`) before hivemind's container takes them. ``answer_norms``: the
     averager's dict of each tensor's last accepted RMS (read as this round's reference, updated with its answers).
     ``replace_excluded=False`` (DiLoCo): an excluded reducer's answers are checked as any other's, not replaced: a
@@ -346,13 +347,16 @@ class ChecksAnswers:
     def _rejected(self, peer_index: int, reason: str, gross: bool = False) -> None:
         self.rejected = True
         size = sum(part.numel() for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index])
-        reject_answer(self.exclusions, self._reducer(peer_index), reason, size, gross)
+        reject_answer(self.exclusions, self._reducer(peer_index), reason, size, gross, strikes=self.in_step)
 
 
-def reject_answer(exclusions: Optional[Exclusions], reducer: str, reason: str, size: int, gross: bool) -> None:
+def reject_answer(exclusions: Optional[Exclusions], reducer: str, reason: str, size: int, gross: bool,
+                  strikes: bool = True) -> None:
     """Emit ``answer_rejected`` for ``reducer``'s answer to a share of ``size`` values, and strike it (exclude it at
-    once if the lie is ``gross``: see :class:`ChecksAnswers`)."""
-    emit("answer_rejected", source=reducer, reason=reason, size=size, gross=gross)
-    if exclusions is not None:
+    once if the lie is ``gross``: see :class:`ChecksAnswers`); ``strikes=False`` (a group out of step, see
+    :class:`~.robust.Aggregated`): only a gross lie is held against it."""
+    struck = strikes or gross
+    emit("answer_rejected", source=reducer, reason=reason, size=size, gross=gross, struck=struck)
+    if exclusions is not None and struck:
         why = f"its answers as a reducer: {reason}"
         exclusions.exclude(reducer, why) if gross else exclusions.strike(reducer, why)

@@ -84,6 +84,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from lean_transformer.swarm.averaging.answer_check import ChecksAnswers
 from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions, RefusesExcluded
+from lean_transformer.swarm.averaging.round_events import gathered_epoch
 from lean_transformer.swarm.monitoring.events import emit
 
 AGGREGATIONS = ("mean", "centered_clip")
@@ -222,12 +223,13 @@ class CenteredClipReducer(TensorPartReducer):
     """hivemind's reducer (same ordering, waits and failure handling), answering each part with
     :func:`centered_clip` of the senders' copies rather than their weighted mean. With ``exclusions``
     (:mod:`.exclusion`) and the senders' peer IDs (``sender_ids``, in sender index order; "" for this peer, which
-    never strikes itself), an excluded sender's parts
-    weigh 0 and a sender whose part ends over ``FAR_OUT`` x tau from the result (or is not finite) earns a strike."""
+    never strikes itself), an excluded sender's parts weigh 0 and a sender whose part ends over ``FAR_OUT`` x tau
+    from the result (or is not finite) earns a strike (``strikes=False``: only the ``sender_clipped`` event, except
+    for a part that is not finite)."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, sender_ids: Sequence[str] = (),
-                 exclusions: Optional[Exclusions] = None):
-        self.sender_ids, self.exclusions = list(sender_ids), exclusions
+                 exclusions: Optional[Exclusions] = None, strikes: bool = True):
+        self.sender_ids, self.exclusions, self.strikes = list(sender_ids), exclusions, strikes
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -282,30 +284,36 @@ class CenteredClipReducer(TensorPartReducer):
 
     def _strike_far_out(self, arrived: _SendersParts, distances: Sequence[Optional[float]]) -> None:
         senders = [self.sender_ids[index] if index < len(self.sender_ids) else "" for index in arrived.senders]
-        strike_far_out(self.exclusions, senders, arrived.weights, distances, arrived.parts[0].numel())
+        strike_far_out(self.exclusions, senders, arrived.weights, distances, arrived.parts[0].numel(), self.strikes)
 
 
 def strike_far_out(exclusions: Optional[Exclusions], senders: Sequence[str], weights: Sequence[float],
-                   distances: Sequence[Optional[float]], size: int) -> None:
+                   distances: Sequence[Optional[float]], size: int, strikes: bool = True) -> None:
     """A strike (and a ``sender_clipped`` event) against each sender whose part of ``size`` values ended over
     ``FAR_OUT`` x tau from the result (:func:`clip_and_distances`' ``distances``), or was not finite. ``senders``:
-    peer IDs, "" for this peer (never struck); parts of weight 0 (excluded senders) count only when not finite."""
+    peer IDs, "" for this peer (never struck); parts of weight 0 (excluded senders) count only when not finite.
+    ``strikes=False`` (a group out of step, see :class:`Aggregated`): the events only, a part that is not finite
+    still struck."""
     if exclusions is None:
         return
     for sender, weight, distance in zip(senders, weights, distances):
         if (distance is not None and distance > FAR_OUT and (weight > 0 or math.isinf(distance)) and sender
                 and not exclusions.is_excluded(sender)):
             reason = f"its part ended {distance:.3g} x tau from the result (at most {FAR_OUT:g})"
-            emit("sender_clipped", source=sender, reason=reason, size=size)
-            exclusions.strike(sender, f"a part it sent: {reason}")
+            struck = strikes or math.isinf(distance)
+            emit("sender_clipped", source=sender, reason=reason, size=size, struck=struck)
+            if struck:
+                exclusions.strike(sender, f"a part it sent: {reason}")
 
 
 class CenteredClipReduction:
     """Mixed in front of an ``AllReduceRunner`` class: its reducer is a :class:`CenteredClipReducer`, which keeps
-    ``exclusions`` (:mod:`.exclusion`; None: none) of its senders; each ``exclusions`` round is one runner."""
+    ``exclusions`` (:mod:`.exclusion`; None: none) of its senders; each ``exclusions`` round is one runner.
+    ``in_step=False``: the group's members are not in step (see :class:`Aggregated`), so outliers and implausible
+    answers earn no strikes in this round (the runner still clips them and rejects them)."""
 
-    def __init__(self, *args: Any, exclusions: Optional[Exclusions] = None, **kwargs: Any):
-        self.exclusions = exclusions
+    def __init__(self, *args: Any, exclusions: Optional[Exclusions] = None, in_step: bool = True, **kwargs: Any):
+        self.exclusions, self.in_step = exclusions, in_step
         if exclusions is not None:
             exclusions.begin_round()
         super().__init__(*args, **kwargs)
@@ -313,7 +321,8 @@ class CenteredClipReduction:
         unused.finished.set()  # never used: no "received 0% of input tensors" warning when it is collected
         self.tensor_part_reducer = CenteredClipReducer(
             unused.part_shapes, unused.num_senders,
-            ["" if peer_id == self.peer_id else peer_id.to_base58() for peer_id in self.sender_peer_ids], exclusions)
+            ["" if peer_id == self.peer_id else peer_id.to_base58() for peer_id in self.sender_peer_ids], exclusions,
+            strikes=in_step)
 
 
 class CenteredClipAllReduceRunner(ChecksAnswers, CenteredClipReduction, AllReduceRunner):
@@ -327,7 +336,19 @@ class Aggregated(RefusesExcluded):
     """Mixed in front of a hivemind averager that runs hivemind's ``_run_allreduce_inplace_``: ``aggregation``
     ("mean": hivemind's, or "centered_clip") chooses how its reducers combine the senders' parts. Under
     "centered_clip" the answers of the reducers are checked too, and peers caught repeatedly are excluded
-    (``exclusions``, by default :class:`~.exclusion.Exclusions`' defaults; :mod:`.exclusion`)."""
+    (``exclusions``, by default :class:`~.exclusion.Exclusions`' defaults; :mod:`.exclusion`).
+
+    Strikes need a group in step: one whose members all gathered the same epoch label (SwarmOptimizer's gradient
+    rounds gather it; hivemind's gather none, which counts as one label too). In a group whose labels differ, an
+    answer that fails the check is still rejected and a far-out part still clipped, but nobody is struck for it
+    (only a gross lie, or a part that is not finite, is). Why: honest gradients taken at parameters a few epochs
+    apart anticorrelate (the tiny LeanGPT with the demo's LAMB, 2 peers of 64 samples: the average of an
+    up-to-date peer's gradient and one taken 1-4 epochs earlier failed the direction check in 9 of 886 shares,
+    cosines down to -0.37; 0 of 900 with both up to date, also 8 samples against 120: benchmarks/answer_check.py), so
+    honest groupmates were struck: in ``make demo`` one trainer excluded the other within 2.5 s (3 rejected
+    answers, cosines -0.29 to -0.06; the other had been out of sync 4 times) and trained alone to the end. A liar that
+    gathers a false label escapes exclusion this way, not the check: every answer of its that fails is still
+    replaced by the receiver's own values (``tests/test_exclusion.py``, variant ``out_of_step``)."""
 
     def __init__(self, *args: Any, aggregation: str = "mean", exclusions: Optional[Exclusions] = None, **kwargs: Any):
         self.aggregation = check_aggregation(aggregation)  # before hivemind starts the averager's process
@@ -340,9 +361,11 @@ class Aggregated(RefusesExcluded):
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with the runner class replaced
         group_id = group_info.group_id if group_id is None else group_id
+        labels = {gathered_epoch(self.serializer, data) for data in group_info.gathered}
         runner = CenteredClipAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                              tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                             exclusions=self.exclusions, answer_norms=self.answer_norms, **kwargs)
+                                             exclusions=self.exclusions, in_step=len(labels) == 1,
+                                             answer_norms=self.answer_norms, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:

@@ -52,9 +52,17 @@ class ReportsRounds:
                 emit("averaged", kind=kind, epoch=epoch, group_size=len(step.result() or ()), bytes=None)
 
     def _round_epoch(self, step: StepControl) -> Optional[int]:
-        """The epoch that hivemind.Optimizer gathers with a state-averaging round; the other rounds carry none."""
-        try:
-            gathered = self.serializer.loads(self.serializer.loads(step.data_for_gather)[2])
-        except Exception:  # not the layout that hivemind's DecentralizedAverager.step writes
-            return None
-        return gathered if isinstance(gathered, int) and not isinstance(gathered, bool) else None
+        """The epoch that hivemind.Optimizer gathers with a state-averaging round (and SwarmOptimizer with a gradient
+        round); the other rounds carry none."""
+        return gathered_epoch(self.serializer, step.data_for_gather)
+
+
+def gathered_epoch(serializer: Any, data_for_gather: bytes) -> Optional[int]:
+    """The epoch label in a member's ``data_for_gather`` (the layout hivemind's ``DecentralizedAverager.step``
+    writes: its serializer's [bandwidth, mode, gathered]), or None: none, not an int, or not that layout (a peer's
+    message: anything)."""
+    try:
+        gathered = serializer.loads(serializer.loads(data_for_gather)[2])
+    except Exception:
+        return None
+    return gathered if isinstance(gathered, int) and not isinstance(gathered, bool) else None

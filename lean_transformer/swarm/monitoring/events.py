@@ -53,9 +53,10 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``identity_revoked``  (authorized swarms) a revocation list took effect at this peer: one event per newly revoked
                       identity, ``source`` (its peer ID), ``issued_at`` (the list's), ``own`` (this peer itself)
 ``answer_rejected``   (robust aggregation) a reducer's answer failed this peer's check (it kept its own values for
-                      that part): ``source`` (the reducer's peer ID), ``reason``, ``size`` (values in the part)
-``sender_clipped``    (robust aggregation) this peer's reducer found a sender's part far out (a strike):
-                      ``source``, ``reason``, ``size``
+                      that part): ``source`` (the reducer's peer ID), ``reason``, ``size`` (values in the part),
+                      ``gross``, ``struck`` (a strike counted: not in a group out of step, unless gross)
+``sender_clipped``    (robust aggregation) this peer's reducer found a sender's part far out: ``source``,
+                      ``reason``, ``size``, ``struck``
 ``average_rejected``  (robust aggregation, DiLoCo) this peer did not apply an implausible outer average (a missed
                       round): ``group_size``, ``reason``
 ``peer_excluded``     (robust aggregation) a peer caught repeatedly is left out of this peer's groups: ``source``,
