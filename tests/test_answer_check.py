@@ -19,7 +19,7 @@ from lean_transformer.swarm.averaging.answer_check import (GROSS_RATIO, MAX_RATI
                                                            share_problem, sparse_share_problem, sparse_sums)
 from lean_transformer.swarm.averaging.diloco import OUTER_MAX_RATIO, OUTER_MIN_COSINE
 from lean_transformer.swarm.averaging.exclusion import FAR_OUT, Exclusions
-from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip
+from lean_transformer.swarm.averaging.robust import CenteredClipReducer, centered_clip, group_in_step
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 from lean_transformer.swarm.monitoring.events import close_events, emit, open_events, read_events
 from lean_transformer.swarm.monitoring.peer_table import PeerTable, excluded_keys, summary
@@ -388,7 +388,9 @@ def test_the_sparse_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_
     assert float((first.float() - expected[first_union.long()]).norm()) < float(expected.norm())
 
 
-def test_the_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tmp_path):
+@pytest.mark.parametrize("in_step", [True, False])
+def test_the_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tmp_path, in_step):
+    """In a group out of step (``strikes=False``) the far-out part is clipped alike, with events, and no strike."""
     generator = torch.Generator().manual_seed(2)
     common = torch.randn(SIZE, generator=generator)
     senders = [common + 0.5 * torch.randn(SIZE, generator=generator) for _ in range(4)]
@@ -400,12 +402,22 @@ def test_the_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tm
         exclusions.begin_round()
 
         async def run() -> list:
-            reducer = CenteredClipReducer([torch.Size([SIZE])], 4, ids, exclusions)
+            reducer = CenteredClipReducer([torch.Size([SIZE])], 4, ids, exclusions, strikes=in_step)
             return await asyncio.gather(*(reducer.accumulate_part(index, 0, part) for index, part in
                                           enumerate(senders)))
         return asyncio.run(asyncio.wait_for(run(), 10))[0]
 
     open_events(tmp_path / "events.jsonl", "trainer")
+    if not in_step:
+        try:
+            for _ in range(3):
+                torch.testing.assert_close(reduce(), centered_clip(senders, [1.0] * 4), rtol=1e-4, atol=1e-5)
+        finally:
+            close_events()
+        assert exclusions.excluded() == []
+        clipped = read_events(tmp_path / "events.jsonl", "sender_clipped")
+        assert [(event["source"], event["struck"]) for event in clipped] == [("liar", False)] * 3
+        return
     try:
         first = reduce()
         torch.testing.assert_close(first, centered_clip(senders, [1.0] * 4), rtol=1e-4, atol=1e-5)
@@ -417,8 +429,26 @@ def test_the_reducer_strikes_a_far_out_sender_and_weighs_an_excluded_one_zero(tm
     finally:
         close_events()
     clipped = read_events(tmp_path / "events.jsonl", "sender_clipped")
-    assert [event["source"] for event in clipped] == ["liar", "liar"]
+    assert [(event["source"], event["struck"]) for event in clipped] == [("liar", True)] * 2
     assert all(float(event["reason"].split(" x tau")[0].split()[-1]) > FAR_OUT for event in clipped)
+
+
+def test_a_group_is_in_step_when_its_members_that_send_values_gathered_one_label():
+    """hivemind's layout of a member's gathered bytes: its serializer's [bandwidth, mode, user data]."""
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.utils import MSGPackSerializer as serializer
+
+    def member(label, mode=AveragingMode.NODE) -> bytes:
+        return serializer.dumps([100.0, mode.value, serializer.dumps(label)])
+
+    assert group_in_step(serializer, [member(5), member(5), member(5, AveragingMode.CLIENT)])
+    assert group_in_step(serializer, [member(None), member(None)])  # hivemind's rounds gather nothing
+    assert group_in_step(serializer, [member(5), member(4, AveragingMode.AUX)])  # an aux peer sends no values
+    assert not group_in_step(serializer, [member(5), member(4)])
+    assert not group_in_step(serializer, [member(5), member(4, AveragingMode.CLIENT)])
+    assert not group_in_step(serializer, [member(5), member(None)])
+    assert not group_in_step(serializer, [member(5), member("5")])  # not a label: none
+    assert not group_in_step(serializer, [member(5), b"\x00junk"])  # not hivemind's layout
 
 
 def peer_id(name: str) -> str:

@@ -332,6 +332,20 @@ class CenteredClipAllReduceRunner(ChecksAnswers, CenteredClipReduction, AllReduc
     judges_weightless = False
 
 
+def group_in_step(serializer: Any, gathered: Sequence[bytes]) -> bool:
+    """Whether the members of a group that send values (not aux peers: their parameters play no part) all gathered
+    one epoch label (see :class:`Aggregated`); ``gathered``: hivemind's ``GroupInfo.gathered``."""
+    labels = set()
+    for data in gathered:
+        try:
+            aux = serializer.loads(data)[1] == AveragingMode.AUX.value
+        except Exception:  # not the layout hivemind writes: counts as its own label
+            aux = False
+        if not aux:
+            labels.add(gathered_epoch(serializer, data))
+    return len(labels) <= 1
+
+
 class Aggregated(RefusesExcluded):
     """Mixed in front of a hivemind averager that runs hivemind's ``_run_allreduce_inplace_``: ``aggregation``
     ("mean": hivemind's, or "centered_clip") chooses how its reducers combine the senders' parts. Under
@@ -339,16 +353,17 @@ class Aggregated(RefusesExcluded):
     (``exclusions``, by default :class:`~.exclusion.Exclusions`' defaults; :mod:`.exclusion`).
 
     Strikes need a group in step: one whose members all gathered the same epoch label (SwarmOptimizer's gradient
-    rounds gather it; hivemind's gather none, which counts as one label too). In a group whose labels differ, an
-    answer that fails the check is still rejected and a far-out part still clipped, but nobody is struck for it
-    (only a gross lie, or a part that is not finite, is). Why: honest gradients taken at parameters a few epochs
-    apart anticorrelate (the tiny LeanGPT with the demo's LAMB, 2 peers of 64 samples: the average of an
-    up-to-date peer's gradient and one taken 1-4 epochs earlier failed the direction check in 9 of 886 shares,
-    cosines down to -0.37; 0 of 900 with both up to date, also 8 samples against 120: benchmarks/answer_check.py), so
-    honest groupmates were struck: in ``make demo`` one trainer excluded the other within 2.5 s (3 rejected
-    answers, cosines -0.29 to -0.06; the other had been out of sync 4 times) and trained alone to the end. A liar that
-    gathers a false label escapes exclusion this way, not the check: every answer of its that fails is still
-    replaced by the receiver's own values (``tests/test_exclusion.py``, variant ``out_of_step``)."""
+    rounds gather it; hivemind's gather none, which counts as one label too; aux peers send no values and do not
+    count: :func:`group_in_step`). In a group whose labels differ, an answer that fails the check is still rejected
+    and a far-out part still clipped, but nobody is struck for it (only a gross lie, or a part that is not finite,
+    is). Why: honest gradients taken at parameters a few epochs apart anticorrelate (the tiny LeanGPT with the
+    demo's LAMB, 2 peers of 64 samples: the average of an up-to-date peer's gradient and one taken 1-4 epochs earlier
+    failed the direction check in 9 of 886 shares, cosines down to -0.37; 0 of 900 with both up to date, also 8
+    samples against 120: benchmarks/answer_check.py), so honest groupmates were struck: in ``make demo`` one
+    trainer excluded the other within 2.5 s (3 rejected answers, cosines -0.29 to -0.06; the other had been out of
+    sync 4 times) and trained alone to the end. A liar that gathers a false label escapes exclusion this way, not
+    the check: every answer of its that fails is still replaced by the receiver's own values
+    (``tests/test_exclusion.py``, variant ``out_of_step``)."""
 
     def __init__(self, *args: Any, aggregation: str = "mean", exclusions: Optional[Exclusions] = None, **kwargs: Any):
         self.aggregation = check_aggregation(aggregation)  # before hivemind starts the averager's process
@@ -361,10 +376,10 @@ class Aggregated(RefusesExcluded):
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with the runner class replaced
         group_id = group_info.group_id if group_id is None else group_id
-        labels = {gathered_epoch(self.serializer, data) for data in group_info.gathered}
         runner = CenteredClipAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                              tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                             exclusions=self.exclusions, in_step=len(labels) == 1,
+                                             exclusions=self.exclusions,
+                                             in_step=group_in_step(self.serializer, group_info.gathered),
                                              answer_norms=self.answer_norms, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
