@@ -31,6 +31,7 @@ LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
 PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
 MATCHMAKING, STAGGER = 2.0, 3.5  # the staggered test: c ends its round STAGGER s after a and b
+LATE = 30.0  # ... or, in the group's-word test, its own view of the swarm would end it this much later
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
 SPARSE_SAMPLES = {"a": 1, "client": 3}  # the sparse test's trainers and their samples per round
@@ -634,6 +635,19 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
 
 
 @pytest.mark.swarm
+def test_a_peer_whose_view_of_the_swarm_lags_ends_its_round_when_a_groupmate_begins_the_all_reduce(tmp_path, report):
+    """a, b and c prepare a round; a and b end it at T, c's own view of the swarm would end it LATE s later, longer
+    than its groupmates wait for its parts. c ends it as soon as the parts of a groupmate reach it
+    (OuterLoop.group_began), and the three average as one group. Before: c's groupmates gave up on it."""
+    results = peer_results(tmp_path, ["group_word"])["group_word"]
+    assert [results[name]["group_size"] for name in "abc"] == [3, 3, 3], results
+    assert results["c"]["learned"] is not None and results["c"]["learned"] < 5.0, results["c"]
+    assert results["a"]["anchor"] == results["b"]["anchor"] == results["c"]["anchor"], results
+    report(f"c learned that the round had ended {results['c']['learned']:.2f} s after a and b ended it (its own view: "
+           f"{LATE:g} s later); group sizes 3, 3, 3, one anchor")
+
+
+@pytest.mark.swarm
 def test_a_peer_that_drops_its_prepared_round_serves_the_group_waiting_for_it_with_weight_0(tmp_path, report):
     """a, b and c prepare a round together; a and b end it, c instead replaces its parameters (OuterLoop.forget_pending,
     as after a state download) while they wait for its part. c leaves the round to them with weight 0
@@ -910,10 +924,12 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     dht = start_dht(role, client_mode=client_mode)
     rendezvous = Path(os.environ["RENDEZVOUS"])
     end = common_time(role)
-    weight = torch.nn.Parameter(torch.full((3,), 1.0))
+    # group_word: a part of 1024 values for each member to reduce (hivemind gives a part whole to one reducer)
+    size, part_bytes = (3 * 1024, 4 * 1024) if mode == "group_word" else (3, 2 ** 19)
+    weight = torch.nn.Parameter(torch.full((size,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_staggered", [weight.shape], matchmaking_time=MATCHMAKING,
-                                      allreduce_timeout=10.0, client_mode=client_mode)
+                                      allreduce_timeout=10.0, client_mode=client_mode, part_size_bytes=part_bytes)
     rounds = OuterLoop(outer, averager)
     with torch.no_grad():
         weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0}[name])
@@ -921,8 +937,13 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     if mode != "unprepared":
         time.sleep(max(0.0, end - MATCHMAKING - get_dht_time()))
         rounds.prepare(end)
-    time.sleep(max(0.0, end + (STAGGER if name == "c" else 0.0) - get_dht_time()))
-    served = None
+    served = learned = None
+    if mode == "group_word" and name == "c":  # its own view ends the round LATE s after a and b's
+        while get_dht_time() < end + LATE and not rounds.group_began():
+            time.sleep(0.05)
+        learned = get_dht_time() - end if rounds.group_began() else None
+    else:
+        time.sleep(max(0.0, end + (STAGGER if name == "c" else 0.0) - get_dht_time()))
     if mode == "released" and name == "c":  # as after a state download, with a and b waiting for it
         rounds.forget_pending()
         group_size = None
@@ -933,7 +954,10 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     else:
         group_size = rounds.end_round()
         (rendezvous / f"{name}.done").touch()
-    print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist(), served=served)), flush=True)
+    anchor = outer.anchor[0]
+    assert (anchor == anchor[0]).all()  # every value steps alike: the first three stand for all
+    print(json.dumps(dict(group_size=group_size, anchor=anchor[:3].tolist(), served=served, learned=learned)),
+          flush=True)
     averager.shutdown()
     dht.shutdown()
 
@@ -1103,7 +1127,7 @@ if __name__ == "__main__":
         sparse_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] in ("applied", "at_once"):
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
-    elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving"):
+    elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving", "group_word"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in CATCH_UP_ROUNDS:
         catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])

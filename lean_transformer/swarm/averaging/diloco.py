@@ -37,16 +37,19 @@ bookkeeping and the same-result runner (hivemind has no such mode).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import ctypes
 import logging
 import math
+import multiprocessing as mp
 import statistics
 import threading
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import (Any, AsyncIterator, Callable, Collection, Iterable, Iterator, List, Mapping, Optional, Sequence,
-                    Tuple)
+from typing import (Any, AsyncIterator, Callable, Collection, Deque, Iterable, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 import hivemind
 import torch
@@ -60,7 +63,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.asyncio import achain, amap_in_executor, as_aiter
 
 from lean_transformer.swarm.auth.averaging_gate import AveragingGate, GatedRPCs
 from lean_transformer.swarm.averaging.answer_check import GROSS_RATIO, ChecksAnswers
@@ -103,15 +106,21 @@ class RoundProgress(ProgressTracker):
     hivemind also ends an epoch once the time it estimated for the swarm to reach the target has passed, which keeps
     a group together when a peer stops reporting. A lone peer has no group: the estimate is its own speed, and a few
     local steps slower than its average (a busy machine) end its round early, with fewer local steps than its
-    ``local_steps``; and the count it reads back can lag behind its own, which ends a round late. Reproduced by ``tests/test_diloco.py`` (``test_a_lone_peer_ends_a_round_on_its_samples``); it made
-    the host-gradient comparison of ``tests/test_trainer_host_gradients.py`` take different steps on a loaded box."""
+    ``local_steps``; and the count it reads back can lag behind its own, which ends a round late. Reproduced by
+    ``tests/test_diloco.py`` (``test_a_lone_peer_ends_a_round_on_its_samples``); it made the host-gradient comparison
+    of ``tests/test_trainer_host_gradients.py`` take different steps on a loaded box.
+
+    In a swarm, a round also ends when a groupmate of this peer's prepared round has begun its all-reduce
+    (``group_began``, set by SwarmOptimizer to :meth:`OuterLoop.group_began`)."""
+
+    group_began: Callable[[], bool] = staticmethod(lambda: False)
 
     @property
     def ready_to_update_epoch(self) -> bool:
         progress = self.global_progress
         if progress.num_peers <= 1 and self.global_epoch <= self.local_progress.epoch:
             return self.local_progress.samples_accumulated >= self.target_batch_size
-        return super().ready_to_update_epoch
+        return super().ready_to_update_epoch or self.group_began()
 
 
 def host_float32(tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
@@ -342,11 +351,16 @@ class _Averager(ServesOuterHistory, ReportsRounds, WholeControlMessages, CancelS
         self.topk_fraction, self.topk, self.aggregation = topk_fraction, None, aggregation
         self.answer_norms = {}  # the answer check's reference: each tensor's last accepted RMS (answer_check)
         self._streams_opened: dict = {}  # peer ID -> when it last opened a part stream here (sparse all-reduce)
+        self._begun_groups: Deque[bytes] = collections.deque(maxlen=16)  # the groups whose all-reduce began here
+        # time.time() when a groupmate last opened a part stream for a group whose all-reduce this peer has not
+        # begun (read by the host process: OuterLoop.group_began); shared memory, made before the process forks
+        self.groupmate_began = mp.Value(ctypes.c_double, 0.0, lock=False)
         super().__init__(*args, exclusions=robust_exclusions(aggregation, exclusions), **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         tensors = serving_only(tensors, kwargs, released_too=True)  # CancelSafe's, which this method replaces
         group_id = group_info.group_id if group_id is None else group_id
+        self._begun_groups.append(group_id)
         checked, gross = (False, None) if self.aggregation == "mean" else \
             self._answer_checks(group_info, kwargs.get("weight", 1.0))
         if self.topk_fraction is not None:
@@ -382,9 +396,14 @@ class _Averager(ServesOuterHistory, ReportsRounds, WholeControlMessages, CancelS
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's, noting when the sender opened the stream: hivemind reads its first message (the group ID)
-        before it hands the stream to the round, which over a slow link takes the first part's transfer time."""
+        before it hands the stream to the round, which over a slow link takes the first part's transfer time. A
+        part for a group whose all-reduce this peer has not begun (it waits for this peer's trigger) tells the host
+        process that a groupmate has ended its round (:attr:`groupmate_began`)."""
         self._streams_opened[context.remote_id] = time.monotonic()
-        async for message in super().rpc_aggregate_part(stream, context):
+        request = await anext(stream)
+        if request.group_id not in self._running_groups and request.group_id not in self._begun_groups:
+            self.groupmate_began.value = time.time()
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
     def _answer_checks(self, group_info: Any, weight: float) -> Tuple[bool, float]:
@@ -510,6 +529,11 @@ class PseudoGradientAverager:
         return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples, client=self.client_mode),
                                   scheduled_time=get_dht_time() + window, timeout=window + self.allreduce_timeout,
                                   wait=False)
+
+    def groupmate_began_since(self, since: float) -> bool:
+        """Whether a groupmate opened a part stream to this peer after ``since`` (time.time()) for a group whose
+        all-reduce this peer has not begun (see :meth:`OuterLoop.group_began`)."""
+        return self.averager.groupmate_began.value > since
 
     def release(self, control: Any) -> None:
         """Stop waiting for a round without failing its group (this peer's parameters were replaced, e.g. by a
@@ -672,7 +696,7 @@ class OuterLoop:
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
         self._settled: Optional[tuple] = None  # overlap: (group size or None,) of a round settled since the last end
         self._unsent: Optional[tuple] = None  # overlap: (progress, samples) of a failed round, to fold into the next
-        self._prepared: Optional[tuple] = None  # (control, tag): the matchmaking begun for this round (prepare)
+        self._prepared: Optional[tuple] = None  # (control, tag, time.time()): the matchmaking begun for this round
         self._released: List[Any] = []  # rounds left to their groups (_release) that may still run
         # set while no caller holds it clear (unsettled) and, unless branch_depth, no round this peer sent awaits
         # its outer step: the outer state it would serve is one a newcomer can go on from (SwarmOptimizer's serve gate)
@@ -759,14 +783,27 @@ class OuterLoop:
             return
         tag = self.fingerprint()
         self._prepared = (self.averager.prepare(scheduled_time, expected_samples(
-            self.samples_since_anchor, samples_per_second, scheduled_time - get_dht_time()), tag), tag)
+            self.samples_since_anchor, samples_per_second, scheduled_time - get_dht_time()), tag), tag, time.time())
+
+    def group_began(self) -> bool:
+        """Whether a groupmate of the prepared round has begun its all-reduce (it has ended the round) while this
+        peer has not: then the swarm's round is over, whatever this peer's view of the swarm's samples says. That
+        view is a DHT lookup old, and in benchmarks/internet.py (16 DiLoCo trainers, seed 2) the members of a group
+        began its all-reduce up to 28 s apart, the last one usually a peer whose lookups lagged; past 20 s its
+        groupmates' reducers give it up as absent (``sparse_allreduce.ABSENT_AFTER``), failing the round for the
+        whole group (a group of 10 and one of 14 in one run). A peer in client mode reduces nothing, receives no
+        parts, and learns nothing here."""
+        if self._prepared is None:
+            return False
+        control, _, since = self._prepared
+        return not control.done() and not control.triggered and self.averager.groupmate_began_since(since)
 
     def _take(self, tag: Optional[list]) -> Any:
         """The prepared round's control if it was prepared with ``tag``; None (and the round released) otherwise."""
         prepared, self._prepared = self._prepared, None
         if prepared is None:
             return None
-        control, prepared_tag = prepared
+        control, prepared_tag, _ = prepared
         if prepared_tag == tag:
             return control
         self._release(control)

@@ -107,9 +107,10 @@ class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcome
 @dataclass(frozen=True)
 class EpochEnd:
     """Why a peer ended an epoch (hivemind's ``ProgressTracker.ready_to_update_epoch``): ``"swarm_ahead"`` (a full
-    peer's record shows a later epoch), ``"samples"`` (the records counted reach the target batch) or ``"eta"`` (the
-    records, extrapolated at each peer's reported speed, should have reached it by now); ``samples``: the swarm's
-    samples that the records counted."""
+    peer's record shows a later epoch), ``"samples"`` (the records counted reach the target batch), ``"eta"`` (the
+    records, extrapolated at each peer's reported speed, should have reached it by now) or, in DiLoCo mode,
+    ``"group"`` (a groupmate of the prepared round began its all-reduce first: :meth:`OuterLoop.group_began`);
+    ``samples``: the swarm's samples that the records counted."""
 
     reason: str
     samples: int
@@ -118,7 +119,9 @@ class EpochEnd:
     def now(cls, tracker: ProgressTracker) -> EpochEnd:
         progress = tracker.global_progress
         reason = ("swarm_ahead" if tracker.global_epoch > tracker.local_progress.epoch else
-                  "samples" if progress.samples_accumulated >= tracker.target_batch_size else "eta")
+                  "samples" if progress.samples_accumulated >= tracker.target_batch_size else
+                  "group" if (get_dht_time() < progress.eta_next_epoch and isinstance(tracker, RoundProgress)
+                              and tracker.group_began()) else "eta")
         return cls(reason, int(progress.samples_accumulated))
 
 
@@ -200,6 +203,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                                     branch_depth=diloco.branch_depth if diloco.topk_fraction is not None else 0,
                                     history_donors=self._full_trainers)
         self.local_steps, self.steps_in_round = diloco.local_steps, 0
+        self.tracker.group_began = self.outer_loop.group_began  # a groupmate's all-reduce ends the round here too
         self.outer_loop.lock = self.state_averager.lock_optimizer  # newcomers download the outer state under it
         # a state served while this peer's round awaits its outer step is one step behind the swarm's. With dense
         # rounds, the newcomer that loads it loses its first vote and downloads again (OuterLoop.apply_finished),

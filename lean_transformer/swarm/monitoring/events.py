@@ -14,8 +14,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       client), ``from_swarm`` (whether it loaded the swarm's state)
 ``epoch``             the peer reached ``epoch``: ``loss`` (mean over the epoch it finished; ``null`` if none),
                       ``samples``, ``mini_steps``, ``skipped``, ``compute_seconds`` and ``wall_seconds`` (since start);
-                      ``ended_by`` (``samples``, ``eta`` or ``swarm_ahead``: why it stepped, see
-                      ``SwarmOptimizer``'s ``EpochEnd``; ``null`` if it reached the epoch without a step) and
+                      ``ended_by`` (``samples``, ``eta``, ``swarm_ahead`` or, DiLoCo, ``group``: why it stepped,
+                      see ``SwarmOptimizer``'s ``EpochEnd``; ``null`` if it reached the epoch without a step) and
                       ``swarm_samples`` (the swarm's samples it counted then)
 ``progress``          (trainer) with each progress line: ``epoch``, ``peers`` (in the swarm, as hivemind sees it),
                       and since the training loop started: ``samples`` (computed), ``compute_seconds``,
