@@ -792,11 +792,13 @@ class OuterLoop:
         began its all-reduce up to 28 s apart, the last one usually a peer whose lookups lagged; past 20 s its
         groupmates' reducers give it up as absent (``sparse_allreduce.ABSENT_AFTER``), failing the round for the
         whole group (a group of 10 and one of 14 in one run). A peer in client mode reduces nothing, receives no
-        parts, and learns nothing here."""
+        parts, and learns nothing here. Only once the group has formed (it awaits this peer's trigger): a stranger's
+        part, whatever its group ID, ends no round before the swarm's expected end, when the prepared group forms."""
         if self._prepared is None:
             return False
         control, _, since = self._prepared
-        return not control.done() and not control.triggered and self.averager.groupmate_began_since(since)
+        return (not control.done() and not control.triggered and control.stage == AveragingStage.AWAITING_TRIGGER
+                and self.averager.groupmate_began_since(since))
 
     def _take(self, tag: Optional[list]) -> Any:
         """The prepared round's control if it was prepared with ``tag``; None (and the round released) otherwise."""
