@@ -49,11 +49,14 @@ def test_an_excluded_peer_is_in_none_of_its_excluders_groups(report):
     assert excluded == {"b_leads": [None, 1.0], "a_leads": [None, 1.0]}, excluded
     # weightless: both rounds average the pair, and nobody is judged (before the fix: the zeros of the second round
     # were rejected as a gross lie, "|average| is 0 x |own values|", which excludes the reducer at once)
-    assert results["weightless"] == {"group_sizes": [2, 2], "answers_rejected": []}, results["weightless"]
+    assert results["weightless"] == {"group_sizes": [2, 2], "b_group_sizes": [2, 2], "answers_rejected": [],
+                                     "struck": [], "excluded": False}, results["weightless"]
     # out of step: A rejects B's answer in each round (it keeps its own values) but strikes B only in the round whose
     # labels agree, so B stays in A's groups (before the fix: B excluded after the third round, no fourth group)
-    assert results["out_of_step"] == {"group_sizes": [2, 2, 2, 2], "struck": [False, False, False, True],
-                                      "excluded": False}, results["out_of_step"]
+    out_of_step = results["out_of_step"]
+    assert (out_of_step["group_sizes"], out_of_step["b_group_sizes"]) == ([2, 2, 2, 2], [2, 2, 2, 2]), out_of_step
+    assert (out_of_step["struck"], out_of_step["excluded"]) == ([False, False, False, True], False), out_of_step
+    assert len(set(out_of_step["answers_rejected"])) == 1 and "does not correlate" in out_of_step["answers_rejected"][0]
     report("A excludes B: no group formed, whether B's round was scheduled first (B leads) or A's (A leads, then "
            "looks for a leader itself); control without exclusion: both rounds averaged A and B")
 
@@ -87,7 +90,7 @@ def start_averagers(dhts: tuple, prefix: str, exclusions_of_a=None, a_is_client:
 
 def main(variant: str) -> None:
     if variant in ("weightless", "out_of_step"):
-        return main_weightless(variant == "out_of_step")
+        return main_judged(variant)
     import torch
     from hivemind.utils import get_dht_time
 
@@ -123,8 +126,9 @@ def main(variant: str) -> None:
         each.shutdown()
 
 
-def main_weightless(out_of_step: bool = False) -> None:
-    """Variant ``weightless``, or with ``out_of_step`` that variant."""
+def main_judged(variant: str) -> None:
+    """Variants ``weightless`` and ``out_of_step`` (see the module docstring): A and B average rounds of fixed values,
+    each with its epoch labels and weights; prints both peers' group sizes and what A judged."""
     import tempfile
 
     import torch
@@ -133,40 +137,37 @@ def main_weightless(out_of_step: bool = False) -> None:
     from lean_transformer.swarm.averaging.exclusion import Exclusions
     from lean_transformer.swarm.monitoring.events import open_events, read_events
 
+    if variant == "out_of_step":
+        own = torch.randn(2048, generator=torch.Generator().manual_seed(0))
+        values, rounds = (own, -3 * own), [((5, 4), (1.0, 1.0))] * 3 + [((5, 5), (1.0, 1.0))]
+    else:
+        values, rounds = (torch.ones(2048), -torch.ones(2048)), [((None, None), (0.0, 1.0)), ((None, None), (0.0, 0.0))]
     events = Path(tempfile.mkdtemp()) / "events.jsonl"
     open_events(events, "trainer")  # before the averagers' processes start: they write here too
     dht_a, dht_b = two_dhts()
-    params, (a, b) = start_averagers((dht_a, dht_b), "weightless", Exclusions(strikes=3, window=10), out_of_step)
-    own = torch.randn(2048, generator=torch.Generator().manual_seed(0))
-    rounds = [((5, 4), (1.0, 1.0))] * 3 + [((5, 5), (1.0, 1.0))] if out_of_step else [((None, None), (0.0, 1.0)),
-                                                                                      ((None, None), (0.0, 0.0))]
-    group_sizes = []
+    params, (a, b) = start_averagers((dht_a, dht_b), variant, Exclusions(strikes=3, window=10),
+                                     a_is_client=variant == "out_of_step")
+    group_sizes = {"a": [], "b": []}
     for labels, weights in rounds:
-        for peer, param, value, label in ((a, params[0], own if out_of_step else 1.0, labels[0]),
-                                          (b, params[1], -3 * own if out_of_step else -1.0, labels[1])):
-            param.grad = value.clone() if out_of_step else torch.full_like(param, value)
+        for peer, param, value, label in zip((a, b), params, values, labels):
+            param.grad = value.clone()
             peer.accumulate_grads_(batch_size=1)
             peer.epoch_for_gather = label
         start = get_dht_time() + 2.0
-        steps = [peer.step(weight=weight, scheduled_time=start + gap, timeout=10, wait=False)
-                 for peer, weight, gap in ((b, weights[1], 0.0), (a, weights[0], LEAD_GAP))]
-        try:
-            group_sizes.append(len(steps[1].result(timeout=30)))
-        except Exception:  # hivemind: "could not find a group" (out of step, before the fix: B excluded)
-            group_sizes.append(None)
-        if out_of_step:
-            steps[0].exception(timeout=30)
-        else:
-            steps[0].result(timeout=30)  # B's round averaged too
+        steps = {"b": b.step(weight=weights[1], scheduled_time=start, timeout=10, wait=False),
+                 "a": a.step(weight=weights[0], scheduled_time=start + LEAD_GAP, timeout=10, wait=False)}
+        for name, step in steps.items():
+            try:
+                group_sizes[name].append(len(step.result(timeout=30)))
+            except Exception:  # hivemind: "could not find a group" (out of step, before the fix: B excluded)
+                group_sizes[name].append(None)
     for each in (a, b, dht_a, dht_b):
         each.shutdown()
     rejected = read_events(events, "answer_rejected")
-    if out_of_step:
-        print(json.dumps({"group_sizes": group_sizes, "struck": [event.get("struck") for event in rejected],
-                          "excluded": bool(read_events(events, "peer_excluded"))}), flush=True)
-        return
-    print(json.dumps({"group_sizes": group_sizes, "answers_rejected": [event["reason"] for event in rejected]}),
-          flush=True)
+    print(json.dumps({"group_sizes": group_sizes["a"], "b_group_sizes": group_sizes["b"],
+                      "answers_rejected": [event["reason"] for event in rejected],
+                      "struck": [event["struck"] for event in rejected],
+                      "excluded": bool(read_events(events, "peer_excluded"))}), flush=True)
 
 
 if __name__ == "__main__":
