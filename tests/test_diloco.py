@@ -1246,3 +1246,69 @@ def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_afte
     assert all(isinstance(result, AllreduceException) for result in results), results
     problem = f"reducer {missing} is unreachable" if absent == "left" else f"not in this round: {missing}"
     assert any(problem in str(result) for result in results), results
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_sparse_round_finishes_without_a_client_mode_member_that_sends_nothing(late):
+    """As above, but the third is in client mode (it reduces nothing): hivemind's leader counted in a follower that
+    had given up on it and averaged in another group (benchmarks/internet.py: a group of 15 failed its round for
+    one). The two reducers drop it after ``absent_after`` and answer the mean of their own two parts, exactly; one
+    that comes ``late``, after the drop, is refused and fails its own round alone."""
+    from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+    from hivemind.p2p import P2P
+
+    from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce
+    from test_answer_check import ReducerServicer
+
+    size, timeout, absent_after = 3000, 30.0, 2.0
+    generator = torch.Generator().manual_seed(0)
+    parts = []
+    for _ in range(3):
+        vector = torch.randn(size, generator=generator)
+        indices = vector.abs().topk(size // 10).indices.sort().values
+        parts.append((indices, vector[indices].to(torch.float16)))
+
+    async def late_run(runner: SparseAllReduce, part: tuple) -> torch.Tensor:
+        await asyncio.sleep(absent_after + 1.0)
+        return await runner.run(*part)
+
+    async def round_of_three() -> tuple:
+        first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await first.get_visible_maddrs()
+        peers = [first] + [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
+                           for _ in range(2)]
+        try:
+            ordered = [peer.peer_id for peer in peers]
+            servicers = [ReducerServicer() for _ in peers]
+            for p2p, servicer in zip(peers, servicers):
+                await servicer.add_p2p_handlers(p2p)
+                servicer.runner = SparseAllReduce(
+                    p2p=p2p, servicer_type=ReducerServicer, prefix=None, group_id=b"group", ordered_peer_ids=ordered,
+                    modes=[AveragingMode.NODE, AveragingMode.NODE, AveragingMode.CLIENT],
+                    peer_fractions=[1.0, 1.0, 0.0], total_size=size, weight=1.0, timeout=timeout,
+                    absent_after=absent_after)
+            started = time.monotonic()
+            runs = [servicer.runner.run(*part) for servicer, part in zip(servicers[:2], parts)]
+            if late:
+                runs.append(late_run(servicers[2].runner, parts[2]))
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            return ordered[2], [servicer.runner.dropped for servicer in servicers[:2]], results, \
+                time.monotonic() - started
+        finally:
+            for p2p in peers:
+                await p2p.shutdown()
+
+    client, dropped, results, seconds = asyncio.run(round_of_three())
+    assert seconds < 10, seconds  # 2 s and the answers, not the 30 s timeout
+    assert dropped == [{client}, {client}]
+    dense = torch.zeros(2, size)
+    for row, (indices, values) in zip(dense, parts[:2]):
+        row[indices] = values.float()
+    union = dense.ne(0).any(0)
+    expected = torch.zeros(size)
+    expected[union] = (dense[0, union] + dense[1, union]).div(2).to(torch.float16).float()
+    for result in results[:2]:
+        assert isinstance(result, torch.Tensor), results
+        assert torch.equal(result, expected)
+    if late:
+        assert isinstance(results[2], AllreduceException) and "CANCELLED" in str(results[2]), results

@@ -35,10 +35,15 @@ on, and its reducer is excluded at once.
 A sender that sent nothing within :data:`ABSENT_AFTER` seconds of the group forming is not in the round (its round
 was cancelled after the leader had counted it in, or it stopped): a reducer then fails the round at once, and its
 senders with it, instead of holding the whole group until the all-reduce timeout. Seen in benchmarks/internet.py
-(6 DiLoCo trainers): a trainer cancelled its round as it downloaded a state, and a group of 6 waited 47 s.
+(6 DiLoCo trainers): a trainer cancelled its round as it downloaded a state, and a group of 6 waited 47 s. Where
+every absent sender reduces nothing (client mode), the reducer instead finishes its range without them
+(``sender_dropped``) and the round goes on: the group lost a contribution, not a range. Seen in
+benchmarks/internet.py (16 DiLoCo trainers): hivemind's leader counted in a client-mode follower that had given up
+waiting for its answer (3 s) and averaged in another group, and the group of 15 failed its round for it. A dropped
+sender that comes late is refused (``CANCELLED``): its own round fails, and its update folds into its next one.
 
-A round with any reducer or sender missing fails as a whole (a missed round: hivemind retries it within its deadline),
-and the error feedback changes only when a round succeeded (``commit``).
+A round with a reducer missing, or a sender that reduces, fails as a whole (a missed round: hivemind retries it
+within its deadline), and the error feedback changes only when a round succeeded (``commit``).
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ from lean_transformer.swarm.averaging.answer_check import (MAX_RATIO, gross_prob
                                                            sparse_sums)
 from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
+from lean_transformer.swarm.monitoring.events import emit
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
 # a sender that opened no stream to a reducer this long after its group formed is taken as absent: time for the
@@ -225,7 +231,7 @@ class SparseAllReduce:
             peer: (start, end) for peer, start, end in zip(ordered_peer_ids, bounds[:-1], bounds[1:]) if end > start}
         start, end = self.ranges.get(self.peer_id, (0, 0))
         self._sum, self._touched = torch.zeros(end - start), torch.zeros(end - start, dtype=torch.bool)
-        self._weight, self._arrived = 0.0, set()
+        self._weight, self._arrived, self.dropped = 0.0, set(), set()
         self._result: asyncio.Future = asyncio.get_running_loop().create_future()
         self._result.add_done_callback(_retrieve)
         if not self.senders or self.peer_id not in self.ranges:
@@ -235,7 +241,7 @@ class SparseAllReduce:
         self.opened = {} if opened is None else opened
         self._formed = time.monotonic()
         if not self._result.done():
-            watchdog = asyncio.create_task(self._fail_if_absent(absent_after))
+            watchdog = asyncio.create_task(self._watch_for_absent(absent_after))
             self._result.add_done_callback(lambda _: watchdog.cancel())
 
     async def run(self, indices: Optional[torch.Tensor], values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -292,13 +298,24 @@ class SparseAllReduce:
         except ValueError as error:
             raise AllreduceException(f"reducer {peer} sent a bad average: {error}") from None
 
-    async def _fail_if_absent(self, after: float) -> None:
+    async def _watch_for_absent(self, after: float) -> None:
+        """``after`` s from now, drop the senders that have not opened a stream here if none of them reduces a range,
+        else fail the round (see the module docstring)."""
         await asyncio.sleep(after)
-        absent = sorted(peer.to_base58() for peer in self.senders - self._arrived
-                        if peer != self.peer_id and self.opened.get(peer, -math.inf) < self._formed - after)
-        if absent:
+        absent = {peer for peer in self.senders - self._arrived
+                  if peer != self.peer_id and self.opened.get(peer, -math.inf) < self._formed - after}
+        if not absent or self._result.done():
+            return
+        names = ", ".join(sorted(peer.to_base58() for peer in absent))
+        if absent & self.ranges.keys():
             self._fail(AllreduceException(f"{len(absent)} sender(s) sent nothing within {after:g} s of the group "
-                                          f"forming, not in this round: {', '.join(absent)}"))
+                                          f"forming, not in this round: {names}"))
+            return
+        self.senders -= absent
+        self.dropped |= absent
+        for peer in absent:
+            emit("sender_dropped", source=peer.to_base58(), seconds=after)
+        self._finish_if_complete()
 
     def _check(self, indices: torch.Tensor, values: torch.Tensor, averages: List[Sparse]) -> None:
         """Check every other reducer's answer against this peer's entries in its range (see the module docstring):
@@ -344,7 +361,11 @@ class SparseAllReduce:
         self._touched[indices.long()] = True
         self._weight += weight
         self._arrived.add(sender)
-        if self._arrived == self.senders:
+        self._finish_if_complete()
+
+    def _finish_if_complete(self) -> None:
+        """Answer the range's average once every (not dropped) sender's part has arrived."""
+        if self._arrived == self.senders and not self._result.done():
             union = self._touched.nonzero().flatten()
             if self.aggregation == "mean":
                 average = self._sum[union] / self._weight if self._weight > 0 else torch.zeros(len(union))
@@ -369,6 +390,9 @@ class SparseAllReduce:
             head = await asyncio.wait_for(anext(stream), self.timeout)
             if head.group_id != self.group_id:
                 yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+                return
+            if sender in self.dropped:  # too late: the range was averaged without it
+                yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
                 return
             if sender not in self.senders:  # a stranger, or an aux peer: refused, the round goes on
                 yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)

@@ -57,6 +57,8 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
                       ``gross``, ``struck`` (a strike counted: not in a group out of step, unless gross)
 ``sender_clipped``    (robust aggregation) this peer's reducer found a sender's part far out: ``source``,
                       ``reason``, ``size``, ``struck``
+``sender_dropped``    (DiLoCo, sparse) this peer's reducer averaged its range without a client-mode groupmate that
+                      sent it nothing within ``seconds`` of the group forming: ``source``
 ``average_rejected``  (robust aggregation, DiLoCo) this peer did not apply an implausible outer average (a missed
                       round): ``group_size``, ``reason``
 ``peer_excluded``     (robust aggregation) a peer caught repeatedly is left out of this peer's groups: ``source``,
@@ -90,7 +92,7 @@ SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
           "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected",
-          "outer_caught_up", "catch_up_failed", "label_taken", "joined_early")
+          "outer_caught_up", "catch_up_failed", "label_taken", "joined_early", "sender_dropped")
 
 
 class EventLog:
