@@ -311,7 +311,7 @@ def test_strangers_are_refused_by_the_averagers_and_token_holders_average(tmp_pa
             token = issue_token(authority, key.get_public_key(), datetime.now(timezone.utc) + timedelta(hours=1), name)
             save_token(token, tmp_path / f"{name}.token")
     authority_pub = str(tmp_path / "authority.pub")
-    files = {name: tmp_path / name for name in ("start", "control_probe", "probe", "stop")}
+    files = {name: tmp_path / name for name in ("start", "probe", "stop")}
     schema_hash = _grad_schema_hash().hex()
     peers: List[PeerProcess] = []
 
@@ -337,14 +337,11 @@ def test_strangers_are_refused_by_the_averagers_and_token_holders_average(tmp_pa
         maddrs = alice.initial_peers(timeout=90)
         bob = grad_peer("bob", 2, *maddrs)
         control = visitor("control", maddrs, "--token", str(tmp_path / "control.token"), "--authority_pub",
-                          authority_pub, "--plant", ids["planted-token"], str(tmp_path / "bob.token"),
-                          "--probe_file", str(files["control_probe"]))
+                          authority_pub, "--plant", ids["planted-token"], str(tmp_path / "bob.token"))
         outsiders = [visitor(name, maddrs, "--probe_file", str(files["probe"]), "--stop_file", str(files["stop"]))
                      for name in strangers]
         for peer in (alice, bob):
             peer.wait_for("^ready$", timeout=90, stream="stdout")
-        # only now: a probe sent before alice's averagers were up got an empty answer (CI, the control's join)
-        files["control_probe"].touch()
         control_probe = _result(control, "probe", timeout=90)  # alice is idle: she waits for the start file
         files["probe"].touch()
         stranger_probes = {peer.name: _result(peer, "probe", timeout=90) for peer in outsiders}

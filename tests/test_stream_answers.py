@@ -145,8 +145,59 @@ def test_the_caller_closes_an_answered_stream_first(report):
            f"{closes['seconds']:.2f} s; hivemind's caller waited {reads['seconds']:.1f} s for the handler to close")
 
 
+async def _join_answered() -> dict:
+    """A join request (one message) answered with a refusal through :func:`lingering`, called as hivemind's
+    matchmaking does (it reads the answer it needs, then closes): how the handler ended, the answer, the seconds."""
+    import time
+
+    from hivemind.p2p import P2P
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import anext, as_aiter
+
+    from lean_transformer.swarm.hivemind_fixes.stream_answers import lingering
+
+    ended = asyncio.get_running_loop().create_future()
+
+    async def refuse(request, context):
+        try:
+            async for answer in lingering(as_aiter(averaging_pb2.MessageFromLeader(
+                    code=averaging_pb2.NOT_LOOKING_FOR_GROUP)), linger=LINGER):
+                yield answer
+            ended.set_result("linger")
+        except asyncio.CancelledError:
+            ended.set_result("cancelled")
+            raise
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+    try:
+        await server.add_protobuf_handler("join", refuse, averaging_pb2.JoinRequest, stream_output=True)
+        start = time.monotonic()
+        stream = await client.iterate_protobuf_handler(server.peer_id, "join", averaging_pb2.JoinRequest(),
+                                                       averaging_pb2.MessageFromLeader)
+        try:
+            answer = averaging_pb2.MessageCode.Name((await anext(stream)).code)
+        finally:
+            await stream.aclose()
+        seconds = time.monotonic() - start
+        return dict(ended=await asyncio.wait_for(ended, 2 * LINGER), answer=answer, seconds=seconds)
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_a_join_answer_waits_for_the_caller_to_close_first():
+    (result, _), = preloaded.run_side_by_side(__file__, ["join"])
+    # the handler's end stays open after the refusal until hivemind's caller, holding it, closes its own
+    assert result == dict(ended="cancelled", answer="NOT_LOOKING_FOR_GROUP", seconds=result["seconds"]), result
+    assert result["seconds"] < LINGER / 2, result
+
+
 if __name__ == "__main__":
-    scenario = _scenario if sys.argv[1] in ("hivemind", "lean_transformer") else _close_order
+    scenarios = dict(hivemind=_scenario, lean_transformer=_scenario, join=lambda _: _join_answered())
+    scenario = scenarios.get(sys.argv[1], _close_order)
     print(json.dumps(asyncio.run(scenario(sys.argv[1]))))
 
 

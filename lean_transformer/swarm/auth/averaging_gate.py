@@ -44,7 +44,7 @@ from lean_transformer.swarm.auth.revocation import revoked_peer_ids
 from lean_transformer.swarm.auth.tokens import (InvalidTokenError, check_token, decode_token, encode_token, load_token,
                                                 token_expiration)
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
-from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain
+from lean_transformer.swarm.hivemind_fixes.stream_answers import answer_then_drain, lingering
 from lean_transformer.swarm.monitoring.events import emit
 
 logger = get_logger(__name__)
@@ -189,8 +189,10 @@ class GatedRPCs:
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not await self._gate.admits(context.remote_id, self.prefix):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        if not await self._gate.admits(context.remote_id, self.prefix):  # delivered (hivemind_fixes.stream_answers)
+            async for message in lingering(as_aiter(averaging_pb2.MessageFromLeader(
+                    code=averaging_pb2.PROTOCOL_VIOLATION))):
+                yield message
             return
         async for message in super().rpc_join_group(request, context):
             yield message

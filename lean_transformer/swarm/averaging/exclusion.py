@@ -25,7 +25,9 @@ from typing import Any, AsyncIterator, Callable, Deque, Dict, List, Optional
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter
 
+from lean_transformer.swarm.hivemind_fixes.stream_answers import lingering
 from lean_transformer.swarm.monitoring.events import emit
 
 logger = logging.getLogger(__name__)
@@ -128,7 +130,9 @@ class RefusesExcluded:
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if self.exclusions is not None and self.exclusions.is_excluded(context.remote_id.to_base58()):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            async for message in lingering(as_aiter(averaging_pb2.MessageFromLeader(
+                    code=averaging_pb2.NOT_LOOKING_FOR_GROUP))):  # delivered (hivemind_fixes.stream_answers)
+                yield message
             return
         async for message in super().rpc_join_group(request, context):
             yield message

@@ -34,7 +34,10 @@ avoided rather than reproduced: the caller closes first, once it holds every ans
 drained, waits for that close (hivemind cancels the handler when the caller's end closes) for at most
 ``LINGER_TIMEOUT`` s. Whatever the caller's close does to the stream, it has nothing left to receive.
 ``tests/test_stream_answers.py`` checks the order: the handler is cancelled by the caller's close, and the caller
-waits for no timeout. Drop with the rest of this module.
+waits for no timeout. The same race ends matchmaking's answers (a join request is one message, its answers a
+stream): an empty stream where a member held a token (CI, ``tests/test_auth_averaging.py``: its join request to an
+idle averager), so those handlers also wait, after their last answer, for the caller to close (:func:`lingering`;
+hivemind's matchmaking closes its request stream once it has read what it needs). Drop with the rest of this module.
 """
 from __future__ import annotations
 
@@ -61,6 +64,14 @@ async def answer_then_drain(answers: AsyncIterator[Answer], requests: AsyncItera
         yield answer
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(_read_to_end(requests), timeout)
+    await asyncio.sleep(linger)
+
+
+async def lingering(answers: AsyncIterator[Answer], linger: float = LINGER_TIMEOUT) -> AsyncIterator[Answer]:
+    """Yield ``answers``, then wait for the caller to close the stream (at most ``linger`` s; hivemind cancels this
+    handler then): for handlers of one-message requests, whose caller has nothing left to send."""
+    async for answer in answers:
+        yield answer
     await asyncio.sleep(linger)
 
 
@@ -158,12 +169,17 @@ class CallerClosesFirst:
 
 
 class AnswersDelivered(AnswersBeforeLeaving):
-    """Mixed in front of a hivemind averager: its all-reduce answers reach the caller, also when this averager shuts
-    down right after its round (see above). As a caller (its stubs), it closes first once answered."""
+    """Mixed in front of a hivemind averager: its all-reduce and matchmaking answers reach the caller, also when this
+    averager shuts down right after its round (see above). As a caller (its stubs), it closes first once answered."""
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for answer in answer_then_drain(super().rpc_aggregate_part(stream, context), stream):
+            yield answer
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for answer in lingering(super().rpc_join_group(request, context)):
             yield answer
 
     @classmethod
