@@ -48,6 +48,7 @@ within its deadline), and the error feedback changes only when a round succeeded
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import AsyncIterator, Awaitable, Dict, List, Optional, Sequence, Tuple
@@ -66,6 +67,7 @@ from lean_transformer.swarm.averaging.exclusion import Exclusions
 from lean_transformer.swarm.averaging.robust import check_aggregation, clip_and_distances, strike_far_out
 from lean_transformer.swarm.monitoring.events import emit
 
+logger = logging.getLogger(__name__)
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (int32 indices, float16 values)
 # a sender that opened no stream to a reducer this long after its group formed is taken as absent: time for the
 # leader's word to reach every member, for a busy peer to start its round and compute its top-k (a few seconds for a
@@ -311,6 +313,8 @@ class SparseAllReduce:
             self._fail(AllreduceException(f"{len(absent)} sender(s) sent nothing within {after:g} s of the group "
                                           f"forming, not in this round: {names}"))
             return
+        logger.info(f"Averaging this peer's range without {len(absent)} client-mode sender(s) that sent nothing within "
+                    f"{after:g} s of the group forming: {names}")
         self.senders -= absent
         self.dropped |= absent
         for peer in absent:
