@@ -165,6 +165,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._excluded: dict[str, float] = {}  # the peers this peer's averagers excluded -> Unix time it ends
         self._group_epochs: Optional[list[int]] = None  # the epochs gathered by the last gradient round
         self._group_epoch: Optional[int] = None  # the epoch that round's groupmates moved to, one ahead of ours
+        self._group_majority = False  # whether most of that round's group gathered the label ahead of ours
         self._step_samples = 0  # the samples of the last step (a micro-batch)
         self.last_gradient_round: Optional[StepControl] = None  # the epoch's round (scheduled_grads: the next one's)
         self.last_epoch_end: Optional[EpochEnd] = None
@@ -500,17 +501,21 @@ class SwarmOptimizer(hivemind.Optimizer):
         lower label hivemind's once-per-epoch check (``local_epoch != global_epoch``) finds it "out of sync" and
         downloads the whole state: a 10x slower peer did so every second epoch (tests/test_slow_peer.py). See
         :meth:`_should_load_state_from_peers`."""
-        ahead = max(self._group_epochs or (), default=None)
-        self._group_epochs = None
+        epochs, self._group_epochs = self._group_epochs or [], None
+        ahead = max(epochs, default=None)
         if ahead is not None and ahead == epoch + 1 and self.local_epoch == epoch + 1:
-            self._group_epoch = ahead + 1
+            self._group_epoch, self._group_majority = ahead + 1, 2 * epochs.count(ahead) > len(epochs)
 
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's check, except for a peer whose groupmates of its last round are the swarm's epoch, one label
         ahead of its own: it takes their label instead of downloading. A peer that missed a round the swarm stepped
         in (the swarm is further ahead than its last group) still downloads. Client-mode groupmates never count:
         hivemind's swarm epoch is the full peers' only. Nor does a peer whose :class:`.EarlyJoin` joined this epoch's
-        round: the step that takes the round moves it to the swarm's epoch.
+        round: the step that takes the round moves it to the swarm's epoch. Where most of the group gathered the label
+        ahead, the peer takes it without waiting for its view of the swarm's epoch to show it: with epochs of a few
+        seconds, its next round began about 0.2 s after each epoch, before a fetch could show the group's new epoch,
+        and a peer that had stepped alone once more at startup kept the lower label for its whole run (CI,
+        tests/test_robust_swarm.py: its groups were never in step, so no strike counted against a sign-flipping peer).
 
         Nor, in DiLoCo, a peer one label behind the swarm: the swarm being ahead, this very step ends its epoch, and
         its round's group decides whether its outer state is behind (a catch-up from a groupmate's history, else a
@@ -524,7 +529,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.outer_loop is not None and self.local_epoch == self.tracker.global_epoch - 1:
             return False
         group_epoch = self._group_epoch
-        if group_epoch is not None and self.tracker.global_epoch == group_epoch == self.local_epoch + 1:
+        seen = group_epoch is not None and (self.tracker.global_epoch == group_epoch
+                                            or self._group_majority and self.tracker.global_epoch < group_epoch)
+        if seen and group_epoch == self.local_epoch + 1:
             logger.info(f"This peer's last group stepped from epoch {group_epoch - 1} (this peer: "
                         f"{self.local_epoch - 1}): taking the swarm's epoch {group_epoch}, no download")
             with self.tracker.pause_updates():
