@@ -34,8 +34,8 @@ avoided rather than reproduced: the caller closes first, once it holds every ans
 drained, waits for that close (hivemind cancels the handler when the caller's end closes) for at most
 ``LINGER_TIMEOUT`` s. Whatever the caller's close does to the stream, it has nothing left to receive.
 ``tests/test_stream_answers.py`` checks the order: the handler is cancelled by the caller's close, and the caller
-waits for no timeout. The same race ends matchmaking's answers (a join request is one message, its answers a
-stream): an empty stream where a member held a token (CI, ``tests/test_auth_averaging.py``: its join request to an
+waits for no timeout. The same race loses matchmaking's answers (a join request is one message, its answers a
+stream): CI saw an empty stream instead of a join answer (``tests/test_auth_averaging.py``: a token holder asking an
 idle averager), so those handlers also wait, after their last answer, for the caller to close (:func:`lingering`;
 hivemind's matchmaking closes its request stream once it has read what it needs). Drop with the rest of this module.
 """
