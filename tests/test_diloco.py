@@ -1190,6 +1190,27 @@ def test_the_gross_bound_widens_for_a_peer_of_little_weight():
     assert gross_ratio(0.0, [8, 8]) == math.inf == gross_ratio(8, [None, "8"])  # no own weight, no claims
 
 
+def topk_parts(size: int, count: int = 3) -> list:
+    """``count`` seeded sparse parts (sorted int64 indices, float16 values) of a vector of ``size``: each the top
+    tenth of a random vector."""
+    generator = torch.Generator().manual_seed(0)
+    parts = []
+    for _ in range(count):
+        vector = torch.randn(size, generator=generator)
+        indices = vector.abs().topk(size // 10).indices.sort().values
+        parts.append((indices, vector[indices].to(torch.float16)))
+    return parts
+
+
+async def three_p2p_peers() -> list:
+    """Three real P2P daemons on 127.0.0.1, the last two joined through the first."""
+    from hivemind.p2p import P2P
+
+    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = await first.get_visible_maddrs()
+    return [first] + [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs) for _ in range(2)]
+
+
 @pytest.mark.parametrize("absent", [False, True, "left"])
 def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_after(absent):
     """Three real P2P peers form a sparse all-reduce group (each reduces a third); the third never starts its round
@@ -1199,24 +1220,15 @@ def test_a_sparse_round_with_a_member_that_never_starts_fails_within_absent_afte
     the round as unreachable, an AllreduceException (logged as one line), not a P2P error that hivemind logged as an
     ERROR traceback (benchmarks/internet.py: "protocols not supported")."""
     from hivemind.averaging.allreduce import AllreduceException, AveragingMode
-    from hivemind.p2p import P2P
 
     from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce
     from test_answer_check import ReducerServicer
 
     size, timeout = 3000, 30.0
-    generator = torch.Generator().manual_seed(0)
-    parts = []
-    for _ in range(3):
-        vector = torch.randn(size, generator=generator)
-        indices = vector.abs().topk(size // 10).indices.sort().values
-        parts.append((indices, vector[indices].to(torch.float16)))
+    parts = topk_parts(size)
 
     async def round_of_three() -> tuple:
-        first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = await first.get_visible_maddrs()
-        peers = [first] + [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
-                           for _ in range(2)]
+        peers = await three_p2p_peers()
         try:
             ordered = [peer.peer_id for peer in peers]
             servicers = [ReducerServicer() for _ in peers]
@@ -1255,28 +1267,19 @@ def test_a_sparse_round_finishes_without_a_client_mode_member_that_sends_nothing
     one). The two reducers drop it after ``absent_after`` and answer the mean of their own two parts, exactly; one
     that comes ``late``, after the drop, is refused and fails its own round alone."""
     from hivemind.averaging.allreduce import AllreduceException, AveragingMode
-    from hivemind.p2p import P2P
 
     from lean_transformer.swarm.averaging.sparse_allreduce import SparseAllReduce
     from test_answer_check import ReducerServicer
 
     size, timeout, absent_after = 3000, 30.0, 2.0
-    generator = torch.Generator().manual_seed(0)
-    parts = []
-    for _ in range(3):
-        vector = torch.randn(size, generator=generator)
-        indices = vector.abs().topk(size // 10).indices.sort().values
-        parts.append((indices, vector[indices].to(torch.float16)))
+    parts = topk_parts(size)
 
     async def late_run(runner: SparseAllReduce, part: tuple) -> torch.Tensor:
         await asyncio.sleep(absent_after + 1.0)
         return await runner.run(*part)
 
     async def round_of_three() -> tuple:
-        first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = await first.get_visible_maddrs()
-        peers = [first] + [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
-                           for _ in range(2)]
+        peers = await three_p2p_peers()
         try:
             ordered = [peer.peer_id for peer in peers]
             servicers = [ReducerServicer() for _ in peers]

@@ -84,6 +84,18 @@ def test_a_refusal_reaches_a_caller_that_is_still_sending(report):
 ANSWERS, LINGER = 3, 4.0  # answers per call; the handler's bound on waiting for its caller to close (seconds)
 
 
+async def _noting_end(answers, ended: asyncio.Future):
+    """A handler's ``answers``; ``ended`` says how the handler ended: "linger" (it closed first, after its bound) or
+    "cancelled" (the caller's close ended it)."""
+    try:
+        async for answer in answers:
+            yield answer
+        ended.set_result("linger")
+    except asyncio.CancelledError:
+        ended.set_result("cancelled")
+        raise
+
+
 async def _close_order(variant: str) -> dict:
     """One call answered with ``ANSWERS`` parts: how the handler ended ("cancelled": the caller's close ended it;
     "linger": it closed first, after ``LINGER`` s), the caller's answers and the seconds its call took."""
@@ -101,13 +113,8 @@ async def _close_order(variant: str) -> dict:
         async def answers():
             async for _ in stream:  # one answer per part, as hivemind's reducer
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
-        try:
-            async for answer in answer_then_drain(answers(), stream, linger=LINGER):
-                yield answer
-            ended.set_result("linger")
-        except asyncio.CancelledError:
-            ended.set_result("cancelled")
-            raise
+        async for answer in _noting_end(answer_then_drain(answers(), stream, linger=LINGER), ended):
+            yield answer
 
     server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
@@ -159,14 +166,9 @@ async def _join_answered() -> dict:
     ended = asyncio.get_running_loop().create_future()
 
     async def refuse(request, context):
-        try:
-            async for answer in lingering(as_aiter(averaging_pb2.MessageFromLeader(
-                    code=averaging_pb2.NOT_LOOKING_FOR_GROUP)), linger=LINGER):
-                yield answer
-            ended.set_result("linger")
-        except asyncio.CancelledError:
-            ended.set_result("cancelled")
-            raise
+        refusal = as_aiter(averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP))
+        async for answer in _noting_end(lingering(refusal, linger=LINGER), ended):
+            yield answer
 
     server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
