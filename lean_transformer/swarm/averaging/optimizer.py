@@ -529,9 +529,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.outer_loop is not None and self.local_epoch == self.tracker.global_epoch - 1:
             return False
         group_epoch = self._group_epoch
-        seen = group_epoch is not None and (self.tracker.global_epoch == group_epoch
-                                            or self._group_majority and self.tracker.global_epoch < group_epoch)
-        if seen and group_epoch == self.local_epoch + 1:
+        confirmed = group_epoch is not None and (self.tracker.global_epoch == group_epoch
+                                                 or self._group_majority and self.tracker.global_epoch < group_epoch)
+        if confirmed and group_epoch == self.local_epoch + 1:
             logger.info(f"This peer's last group stepped from epoch {group_epoch - 1} (this peer: "
                         f"{self.local_epoch - 1}): taking the swarm's epoch {group_epoch}, no download")
             with self.tracker.pause_updates():
