@@ -36,7 +36,8 @@ def test_trainer_waits_for_an_initial_peer_that_starts_after_it(tmp_path):
     entry_line = f"{address}/p2p/{PeerID.from_identity(identity.read_bytes())}"
     trainer = start_peer("trainer", ["run_trainer.py", *command_line(dict(
         run_id="late_entry", host_maddrs="/ip4/127.0.0.1/tcp/0", initial_peers=entry_line, target_batch_size=16,
-        per_device_batch_size=4, max_sequence_length=32, max_epochs=1, startup_timeout=90))], tmp_path, ENV)
+        per_device_batch_size=4, max_sequence_length=32, max_epochs=1, startup_timeout=90,
+        matchmaking_time=2))], tmp_path, ENV)  # alone, it waits two matchmaking windows for a partner at its epoch end
     entry = None
     try:
         trainer.wait_for(r"None of --initial_peers answered yet", 60)  # it tried, and is trying again

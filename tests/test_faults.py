@@ -441,12 +441,17 @@ def attack_metrics(argv: List[str]) -> None:
                        record_validators=[validator])
     key, own = metrics_key(args.run_id), validator.local_public_key
 
-    def records(at_least: int = 0) -> dict:
+    def records(at_least: int = 0, past_epoch: int = -1) -> dict:
         entry = dht.get(key, latest=True)
         found = {} if entry is None or not isinstance(entry.value, dict) else entry.value
-        return found if len(found) >= at_least else {}
+        past = [item for item in found.values() if isinstance(item.value, dict)
+                and isinstance(item.value.get("epoch"), int) and item.value["epoch"] > past_epoch]
+        return found if len(past) >= at_least else {}
 
-    victim_key = next(iter(wait_until(lambda: records(at_least=2), timeout=240, what="two trainers' records")))
+    # past epoch 2, the aux peer has released epoch 0's row (the trainers' first epoch may take a while: trainers that
+    # start together wait for each other's records at its end)
+    victim_key = next(iter(wait_until(lambda: records(at_least=2, past_epoch=2), timeout=240,
+                                      what="two trainers' records past epoch 2")))
     valid = LocalMetrics(epoch=1, samples_per_second=10.0, samples_accumulated=64, loss_sum=50.0,
                          mini_steps=16).model_dump()
     cases = {

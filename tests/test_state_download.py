@@ -467,11 +467,11 @@ if __name__ == "__main__":
 
 
 def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
-    """DiLoCo's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records as the tracker
+    """A trainer's "alone" check (SwarmOptimizer._trainers_in_swarm) over the swarm's progress records as the tracker
     last read them (no DHT lookup on the training thread while they show another trainer): trainers count, an aux
     peer (no speed) does not, nor a trainer this peer excluded until its exclusion ends. Records that show no other
     trainer are looked up afresh (a trainer may have joined since, or the others may have left: the DHT answers only
-    records that have not expired)."""
+    records that have not expired); the tracker counts those found if they show another trainer."""
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
@@ -487,7 +487,7 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     records = {peer.to_bytes(): ValueWithExpiration(dict(peer_id=peer.to_bytes(), samples_per_second=speed), until)
                for peer, speed, until in ((own, 10.0, now + 60), (liar, 10.0, now + 60), (aux, 0.0, now + 60),
                                           (gone, 10.0, now - 1))}  # gone: read before it expired
-    tracker, lookups = SimpleNamespace(_last_metadata=records), []
+    tracker, lookups, recounted = SimpleNamespace(_last_metadata=records), [], []
 
     def lookup(key, latest):  # as the DHT answers: the records that have not expired
         lookups.append(key)
@@ -497,7 +497,7 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     def trainers(excluded: dict) -> int:
         peer = SimpleNamespace(dht=SimpleNamespace(get=lookup), _excluded=excluded,
                                tracker=SimpleNamespace(last_records=lambda: TrustedProgress.last_records(tracker),
-                                                       training_progress_key="progress"))
+                                                       training_progress_key="progress", recount=recounted.append))
         return SwarmOptimizer._trainers_in_swarm(peer)
 
     assert trainers({}) == 3 and lookups == []
@@ -506,6 +506,8 @@ def test_a_trainer_counts_no_peer_it_excluded_among_the_swarms_trainers():
     assert lookups == ["progress"]  # ... once the DHT's records confirm it
     tracker._last_metadata = {own.to_bytes(): records[own.to_bytes()]}  # read before the others joined
     assert trainers({}) == 2 and len(lookups) == 2  # the DHT's: without the expired record
+    assert [sorted(found) for found in recounted] == [sorted(key for key in records if key != gone.to_bytes())]  # ...
+    # which the tracker then counts (not the lone view before: that one found no other trainer)
 
 
 def test_a_peer_behind_asks_the_full_trainers_it_last_read_the_furthest_first():

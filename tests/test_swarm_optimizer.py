@@ -5,7 +5,9 @@ peer one epoch label behind ends its epoch instead of downloading; a peer that t
 that epoch's parameter round; a leaving peer gives up a parameter round that has found no group; a groupmate that
 starts its all-reduce late is still averaged in; a peer that leaves with rounds it will not finish logs no traceback;
 a gradient round is pre-scheduled and declared for the matchmaking window; a DiLoCo epoch end whose last round is
-still running trains on; a DiLoCo peer waits for a trainer that started with it before stepping alone."""
+still running trains on; a DiLoCo peer waits for a trainer that started with it before stepping alone, and two
+gradient-mode trainers that start together average their first epoch; an epoch end from a view that shows no
+other trainer stands only if the swarm's records agree."""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,8 @@ from swarm_utils import listed_entry
 
 
 def small_peer(dht, run_id: str, **options) -> tuple:
-    """A small linear model (seeded) and its SwarmOptimizer: 4 samples a step, target batch 8, SGD, offloaded."""
+    """A small linear model (seeded) and its SwarmOptimizer: 4 samples a step, target batch 8 unless ``options``
+    say otherwise, SGD, offloaded."""
     import functools
 
     import torch
@@ -30,10 +33,11 @@ def small_peer(dht, run_id: str, **options) -> tuple:
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    return model, SwarmOptimizer(dht=dht, run_id=run_id, target_batch_size=8, batch_size_per_step=4,
+    return model, SwarmOptimizer(dht=dht, run_id=run_id, batch_size_per_step=4,
                                  params=[dict(params=list(model.parameters()))], offload_optimizer=True,
                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                                 **{"matchmaking_time": 0.5, "averaging_timeout": 5.0, **options})
+                                 **{"target_batch_size": 8, "matchmaking_time": 0.5, "averaging_timeout": 5.0,
+                                    **options})
 
 
 def run_lone_peers() -> dict:
@@ -465,7 +469,7 @@ def run_round_in_flight() -> dict:
 def run_startup_alone() -> dict:
     """A DiLoCo peer at its first epoch end, right after its first local step (matchmaking time 2 s), sees no other
     trainer: whether it concludes it is alone, and when, with a second trainer whose first progress record appears
-    1 s later (a trainer that started with it), and with none."""
+    1 s later (a trainer that started with it), with none, and with none as it is told to leave 1 s later."""
     import threading
     import time
 
@@ -478,7 +482,7 @@ def run_startup_alone() -> dict:
 
     dhts, result = joined_dhts(), {}
     try:
-        for case in "partner", "none":
+        for case in "partner", "none", "leaving":
             run_id = f"swarm_optimizer_startup_{case}"
             model, peer = small_peer(dhts[0], run_id, matchmaking_time=2.0, diloco=DiLoCoSettings(local_steps=2))
             partner = ProgressTracker(dhts[1], run_id, 8, private_key=RSAPrivateKey(), start=True)
@@ -486,6 +490,8 @@ def run_startup_alone() -> dict:
                 if case == "partner":  # its first local step: 4 samples, 1 s from now
                     threading.Timer(1.0, partner.report_local_progress, (0, 4)).start()
                     partner.performance_ema.reset_timer()
+                if case == "leaving":  # Ctrl+C: the trainer's watchdog gives up the rounds in flight
+                    threading.Timer(1.0, peer.cancel_rounds_in_flight).start()
                 model(torch.randn(4, 4)).pow(2).mean().backward()
                 peer.step(batch_size=4)  # its first local step (its epoch ends at the next)
                 started = time.monotonic()
@@ -499,6 +505,97 @@ def run_startup_alone() -> dict:
         for dht in dhts:
             dht.shutdown()
     return result
+
+
+def run_startup_pair() -> dict:
+    """Two gradient-mode trainers that start together (the same initial weights, their own batches; matchmaking time
+    2 s), each filling the target batch in two steps, before either can have seen the other's first progress record.
+    Each steps until its first epoch ends: the size of the group it stepped with (None: alone), and whether their
+    parameters then agree."""
+    import threading
+    import time
+
+    import torch
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    dhts, peers, models = joined_dhts(), [], []
+    try:
+        for dht in dhts:
+            model, peer = small_peer(dht, "startup_pair", matchmaking_time=2.0, averaging_timeout=10.0,
+                                     average_state_every=100,  # parameters agree only if the gradients were averaged
+                                     tracker_opts=dict(private_key=RSAPrivateKey()))
+            models.append(model)
+            peers.append(peer)
+
+        def train(model, peer, seed: int) -> None:
+            generator, deadline = torch.Generator().manual_seed(seed), time.monotonic() + 30
+            while peer.local_epoch == 0 and time.monotonic() < deadline:
+                model(torch.randn(4, 4, generator=generator)).pow(2).mean().backward()
+                time.sleep(0.1)  # the micro-batch's compute
+                peer.step(batch_size=4)
+                peer.zero_grad()
+
+        threads = [threading.Thread(target=train, args=(model, peer, seed))
+                   for seed, (model, peer) in enumerate(zip(models, peers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        rounds = [peer.last_gradient_round for peer in peers]
+        return dict(epochs=[peer.local_epoch for peer in peers],
+                    groups=[len(control.result()) if control is not None and control.done()
+                            and not control.cancelled() and control.exception() is None else None
+                            for control in rounds],
+                    agree=all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+                              for a, b in zip(*(model.parameters() for model in models))))
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
+
+
+def run_lone_view_at_epoch_end() -> dict:
+    """A gradient-mode peer (target batch 1000) whose tracker has not read the swarm since it started, and whose view's
+    ETA has passed: as hivemind's ETA from a peer's own speed alone ended a newcomer's epoch 0 after 12 of 256 samples
+    (benchmarks/internet.py). Its partner's record shows 40 samples at 40 samples/s. At its epoch end: its epoch
+    after, and what its view then shows."""
+    import dataclasses
+    import time
+
+    import torch
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    def trainers_published(dht) -> int:
+        entry = dht.get(peer.tracker.training_progress_key, latest=True)
+        return sum(record.value.get("samples_per_second", 0) > 0 for record in
+                   (entry.value.values() if entry is not None else ()))
+
+    dhts, peers = joined_dhts(), []
+    try:
+        slow = dict(min_refresh_period=60.0, max_refresh_period=60.0, default_refresh_period=60.0)
+        model, peer = small_peer(dhts[0], "lone_view", target_batch_size=1000,
+                                 tracker_opts=dict(slow, private_key=RSAPrivateKey()))
+        partner = ProgressTracker(dhts[1], "lone_view", 1000, private_key=RSAPrivateKey(), start=True)
+        peers += [peer, partner]
+        partner.performance_ema.reset_timer()
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        peer.step(batch_size=4)  # its first step: 4 of the 1000 samples
+        time.sleep(1.0)
+        partner.report_local_progress(0, 40)
+        wait_until(lambda: trainers_published(dhts[0]) == 2, 30, "both records in the DHT", interval=0.1)
+        with peer.tracker.lock_global_progress:  # the view it started with, its ETA passed
+            peer.tracker.global_progress = dataclasses.replace(peer.tracker.global_progress, num_peers=1,
+                                                               eta_next_epoch=get_dht_time() - 1.0)
+        assert peer.tracker.ready_to_update_epoch
+        peer._update_global_epoch(None)  # as hivemind's step calls it
+        return dict(epoch=peer.local_epoch, peers=peer.tracker.global_progress.num_peers,
+                    due=peer.tracker.ready_to_update_epoch)
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
 
 
 def run_script(*args: str, stderr: bool = False) -> Union[dict, Tuple[dict, str]]:
@@ -607,10 +704,30 @@ def test_an_epoch_end_with_the_last_round_still_running_trains_on():
 def test_a_diloco_peer_waits_for_a_partner_that_started_with_it_before_stepping_alone():
     result = run_script("startup")
     # before: alone at once in both cases (the partner's record was not there yet); now the partner's record is seen
-    # about 1 s later, and with none the peer steps alone after 2 matchmaking windows (4 s here) from its first step
-    partner, none = result["partner"], result["none"]
+    # about 1 s later, and with none the peer steps alone after 2 matchmaking windows (4 s here) from its first step;
+    # told to leave 1 s into the wait, it stops waiting then
+    partner, none, leaving = result["partner"], result["none"], result["leaving"]
     assert partner["alone"] is False and 0.8 <= partner["seconds"] < partner["allowed"] - 0.5, result
     assert none["alone"] is True and none["allowed"] - 1.0 <= none["seconds"] <= none["allowed"] + 1.5, result
+    assert leaving["alone"] is True and 0.8 <= leaving["seconds"] < 2.0, result
+
+
+
+@pytest.mark.swarm
+def test_two_gradient_mode_trainers_that_start_together_average_their_first_epoch():
+    result = run_script("startup_pair")
+    # before: each filled the target alone before the other's record came, stepped alone (groups None, None) and the
+    # two went on from different parameters; now each waits for the other's record and they average as a pair
+    assert result == dict(epochs=[1, 1], groups=[2, 2], agree=True), result
+
+
+
+@pytest.mark.swarm
+def test_an_epoch_end_from_a_view_without_other_trainers_stands_only_if_the_swarm_agrees():
+    result = run_script("lone_view")
+    # before: it stepped alone to epoch 1 on its stale view; now it looks the records up, finds its partner, and its
+    # view (44 of 1000 samples, ETA ~24 s) shows the epoch not over: it trains on
+    assert result == dict(epoch=0, peers=2, due=False), result
 
 
 if __name__ == "__main__":
@@ -619,5 +736,5 @@ if __name__ == "__main__":
                    leave=lambda: run_leaver(sys.argv[2]),
                    late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
                    leave_mid_round=run_leaving_mid_round, window=run_gradient_window, in_flight=run_round_in_flight,
-                   startup=run_startup_alone)
+                   startup=run_startup_alone, startup_pair=run_startup_pair, lone_view=run_lone_view_at_epoch_end)
     print(json.dumps(scripts[sys.argv[1]]() if sys.argv[1:] else run_lone_peers()), flush=True)

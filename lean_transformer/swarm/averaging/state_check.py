@@ -120,10 +120,11 @@ class IgnoresRefusedDonors:
 
     refused: Callable[[], Collection[str]] = staticmethod(lambda: ())  # set by the swarm optimizer
 
-    def recount(self) -> None:
-        """Recount the swarm's progress from the last records read, without the donors refused since (a fetch
-        every few seconds would otherwise leave them in until then)."""
-        metadata = getattr(self, "_last_metadata", None)
+    def recount(self, records: Optional[dict] = None) -> None:
+        """Recount the swarm's progress from ``records`` (read by the caller; by default the last records the
+        tracker read), without the donors refused since (a fetch every few seconds would otherwise leave them in
+        until then)."""
+        metadata = getattr(self, "_last_metadata", None) if records is None else records
         if metadata is not None:
             with self.lock_global_progress:
                 self.global_progress = self._parse_swarm_progress_data(metadata)
