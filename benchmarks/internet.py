@@ -353,6 +353,29 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
 # ---------------------------------------------------------------- the figures
 
 
+def aux_rows(aux_events: Sequence[dict], trainer_events: Dict[str, Sequence[dict]]) -> dict:
+    """The aux peer's epoch rows against the trainers' own events: the row of epoch E should count every trainer that
+    reached E (its ``epoch`` event of E: the record of E carries the work of the epoch it finished). Returns how many
+    rows there are, how many count exactly that, and the others as [epoch, counted, reached]."""
+    reached: Dict[int, set] = {}
+    for name, stream in trainer_events.items():
+        for event in stream:
+            if event["event"] == "epoch":
+                reached.setdefault(event["epoch"], set()).add(name)
+    rows = [(event["epoch"], event["alive_peers"]) for event in aux_events if event["event"] == "swarm_epoch"]
+    off = [[epoch, count, len(reached.get(epoch, ()))] for epoch, count in rows if count != len(reached.get(epoch, ()))]
+    return {"rows": len(rows), "exact": len(rows) - len(off), "off": off}
+
+
+def aux_note(rows: Optional[dict]) -> str:
+    """:func:`aux_rows` in a few words."""
+    if not rows:
+        return "no aux rows"
+    off = ", ".join(f"epoch {epoch}: {count} of {reached}" for epoch, count, reached in rows["off"])
+    return f"aux rows counting every trainer that reached their epoch: {rows['exact']} of {rows['rows']}" + (
+        f" (off: {off})" if off else "")
+
+
 def components(nodes: Sequence[str], edges: Dict[str, Sequence[str]]) -> int:
     """Connected components of the undirected graph on ``nodes`` (edges to other peers are ignored)."""
     parent = {node: node for node in nodes}
@@ -498,6 +521,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "samples": total_samples,
         **{f"{key}_mean": statistics.mean([t[key] for t in per_trainer if t[key] is not None] or [math.nan])
            for key in ("utilization", "waiting", "compute_cpu_share")},
+        "aux_rows": aux_rows(events.get("aux", ()), {slot.name: events[slot.name] for slot in trainers
+                                                     if slot.name in events}),
         "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
         "timeline": timeline_of(events, slots, start, stop, kind),
     }
@@ -594,7 +619,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history "
                       f"({sum(r.get('catch_up_failures', {}).values())} failed); "
                       f"newcomers' seconds to their state {to_state} and to their first average {newcomer}; "
-                      f"{r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; mean compute "
+                      f"{r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; {aux_note(r.get('aux_rows'))}; "
+                      f"mean compute "
                       f"utilization {r['utilization_mean']:.1%} (waiting for the swarm "
                       f"{r.get('waiting_mean', math.nan):.1%}; the rest is the box's: data, logging, and the "
                       f"training thread ran {r.get('compute_cpu_share_mean', math.nan):.0%} of its compute time); "

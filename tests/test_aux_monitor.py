@@ -232,6 +232,39 @@ def test_collector_counts_every_trainer_when_epochs_are_shorter_than_the_refresh
     assert len(exact) < len(rows) / 2
 
 
+def test_collector_waits_for_the_trainers_that_joined_before_releasing_an_epoch():
+    """Trainers publish a record as they join (``MetricsReporter.joined``): the aux peer knows them before their first
+    epoch, and releases the swarm's first epoch once all three reached it. Without those records, the first trainer to
+    reach it was all the aux peer knew of, and the row counted 1 of 3 (benchmarks/internet.py: 1-2 of 16). A joining
+    record adds no row and counts in none: a newcomer that joins at epoch 5 trained in no earlier epoch."""
+    from lean_transformer.swarm.peers.reporting import MetricsReporter
+    from lean_transformer.swarm.protocol.metrics import LocalMetrics
+
+    reporters = {name: MetricsReporter(peer_id(name), client_mode=False) for name in "abc"}
+    joined = {name: reporter.joined(0) for name, reporter in reporters.items()}
+    for record in joined.values():
+        assert LocalMetrics.model_validate(record.model_dump()).reports() == []  # valid as the DHT checks it
+    first = {name: reporter.record(1, 10.0, samples=8, loss_sum=4.0, mini_steps=2)
+             for name, reporter in reporters.items()}
+    assert EpochCollector().update({"a": first["a"]}, now=1.0) == [aggregate(1, first["a"].reports(), now=1.0)]
+
+    collector = EpochCollector()
+    assert collector.update(joined, now=0.5) == []  # no row of their own
+    assert collector.update({**joined, "a": first["a"]}, now=1.0) == []  # b and c have not reached epoch 1
+    assert collector.update({**joined, "a": first["a"], "b": first["b"]}, now=1.5) == []
+    released = collector.update(first, now=2.0)
+    assert released == [aggregate(1, [record.reports()[-1] for record in first.values()], now=2.0)]
+    assert released[0].alive_peers == 3
+    newcomer = MetricsReporter(peer_id("d"), client_mode=False)
+    late = {name: reporter.record(epoch, 10.0, samples=8, loss_sum=4.0, mini_steps=2)
+            for name, reporter in reporters.items() for epoch in range(2, 6)}
+    rows = collector.update({**late, "d": newcomer.joined(5)}, now=3.0)
+    assert [(row.epoch, row.alive_peers) for row in rows] == [(2, 3), (3, 3), (4, 3), (5, 3)]
+    sixth = {name: reporter.record(6, 10.0, samples=8, loss_sum=4.0, mini_steps=2)
+             for name, reporter in {**reporters, "d": newcomer}.items()}
+    assert [(row.epoch, row.alive_peers) for row in collector.update(sixth, now=4.0)] == [(6, 4)]
+
+
 def test_reporter_keeps_a_bounded_history_and_counts_averaged_epochs(tmp_path: Path):
     from lean_transformer.swarm.monitoring.events import EventLog
     from lean_transformer.swarm.peers.reporting import MetricsReporter

@@ -1,9 +1,10 @@
 """benchmarks/internet.py's count of a DiLoCo trainer's rounds: a round still in flight when the trainer left is
 neither averaged nor missed, also when its epoch had ended (``--outer_overlap``). Event streams shaped like those of
-two trainers of a 16-trainer run (times in seconds)."""
+two trainers of a 16-trainer run (times in seconds). And its check of the aux peer's rows against the trainers'
+epochs."""
 from __future__ import annotations
 
-from benchmarks.internet import rounds_cut_by_leaving
+from benchmarks.internet import aux_note, aux_rows, rounds_cut_by_leaving
 
 
 def event(time: float, name: str, **fields) -> dict:
@@ -38,3 +39,16 @@ def test_other_misses_and_other_kinds_are_counted():
     other_reason = [dict(each, reason="could not find a group") if each.get("reason") else each for each in stream]
     assert rounds_cut_by_leaving(other_reason, "outer") == 0
     assert rounds_cut_by_leaving(stream, "gradients") == 0
+
+
+def test_aux_rows_are_checked_against_the_trainers_that_reached_each_epoch():
+    trainers = {"t0": [event(1.0, "epoch", epoch=1), event(2.0, "epoch", epoch=2)],
+                "t1": [event(1.1, "epoch", epoch=1), event(1.9, "label_taken", epoch=2), event(2.1, "epoch", epoch=2),
+                       event(2.2, "epoch", epoch=2)],  # restored from a backup: epoch 2 twice, one trainer
+                "t2": [event(2.3, "epoch", epoch=2), event(3.0, "epoch", epoch=3)]}  # joined during epoch 1
+    aux = [event(1.5, "swarm_epoch", epoch=1, alive_peers=1), event(2.5, "swarm_epoch", epoch=2, alive_peers=3),
+           event(3.5, "swarm_epoch", epoch=3, alive_peers=1), event(3.6, "progress")]
+    result = aux_rows(aux, trainers)
+    assert result == {"rows": 3, "exact": 2, "off": [[1, 1, 2]]}
+    assert aux_note(result) == "aux rows counting every trainer that reached their epoch: 2 of 3 (off: epoch 1: 1 of 2)"
+    assert aux_note(None) == "no aux rows"

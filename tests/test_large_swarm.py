@@ -111,15 +111,16 @@ def test_eight_trainers_share_one_dht_and_average_together(tmp_path: Path):
     assert max(max(group_sizes(trainer), default=0) for trainer in trainers) > TRAINERS // 2
     # exact counts: each aux row of epoch E counts every trainer that reached E (whose record of E carries the work of
     # the epoch it finished), also where epochs were shorter than the refresh: the records repeat their last epochs.
-    # Not the rows of epochs that a trainer reached before the last trainer's first record (published at its first
-    # epoch) could be seen: the aux peer releases an epoch once the trainers it knows of have reached it, and cannot
-    # wait for one it has never heard of (seen: epoch 1 counted 7 of 8, the 8th's first record came after; CI: a
-    # trainer's first epoch, 1, came as the others reached 2, and row 2 counted 7). A straggler that reaches E only
+    # Not the rows of epochs that a trainer reached before the last trainer's first record (published as it joins)
+    # could be seen: the aux peer releases an epoch once the trainers it knows of have reached it, and cannot wait
+    # for one it has never heard of (seen when the first record came at a trainer's first epoch: epoch 1 counted 7 of
+    # 8, the 8th's first record came after; CI: a trainer's first epoch, 1, came as the others reached 2, and row 2
+    # counted 7; benchmarks/internet.py: row 1 counted 1-2 of 16). A straggler that reaches E only
     # once another trainer has reached E + 2 need not count (EpochCollector's lag of 1; seen: a trainer whose round
     # timed out reached epoch 3 8 s after the first had reached 5); one that reached E within VISIBLE s of that may
     # or may not
     reached = [set(transitions(trainer)) for trainer in trainers]
-    all_known = max(trainer.events("epoch")[0]["time"] for trainer in trainers) + VISIBLE
+    all_known = max(trainer.events("joined")[0]["time"] for trainer in trainers) + VISIBLE
     exact = [row for row in rows if first_reached(row["epoch"], trainers) >= all_known]
     assert len(exact) >= EPOCHS // 2, rows
     counts = [row["alive_peers"] for row in exact]

@@ -64,6 +64,7 @@ if __name__ != "__main__":
         dict(client_mode="yes"), dict(peer_id="<script>"), dict(peer_id="x" * 65), dict(peer_id="0OIl"),
         dict(rounds_attempted=1), dict(rounds_averaged=1), dict(rounds_attempted=1, rounds_averaged=2),
         dict(rounds_attempted=-1, rounds_averaged=-1),
+        dict(joined=True), dict(joined="yes"),  # a joining record reports no work (VALID has some)
     ])
     def test_malformed_or_negative_values_are_rejected(keys, change):
         ours, _, our_key = keys

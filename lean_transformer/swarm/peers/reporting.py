@@ -30,6 +30,12 @@ class MetricsReporter:
         self.rounds_attempted = self.rounds_averaged = 0
         self._excluded: Dict[str, float] = {}  # peer ID -> until (Unix time)
 
+    def joined(self, epoch: int) -> LocalMetrics:
+        """The record of joining the swarm at ``epoch``, before any work (``LocalMetrics.joined``)."""
+        counts = {} if self._events is None else dict(rounds_attempted=0, rounds_averaged=0, excluded=())
+        return LocalMetrics(epoch=epoch, samples_per_second=0.0, samples_accumulated=0, loss_sum=0.0, mini_steps=0,
+                            client_mode=self.client_mode, peer_id=self.peer_id, joined=True, **counts)
+
     def record(self, epoch: int, samples_per_second: float, samples: int, loss_sum: float,
                mini_steps: int) -> LocalMetrics:
         """The record of reaching ``epoch`` after this work; call once per epoch, in order."""

@@ -170,6 +170,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     warned_short_epochs = False
     reporter = MetricsReporter(str(dht.peer_id), network.client_mode, events_path)
+    publish_metrics(dht, network.run_id, public_key, reporter.joined(optimizer.local_epoch),
+                    collaboration.metrics_expiration, wait=False)  # the aux peer waits for this trainer from now on
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:

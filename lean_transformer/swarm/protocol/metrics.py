@@ -61,7 +61,10 @@ class LocalMetrics(BaseModel):
     ``rounds_attempted`` counts the epochs it trained in since it started and ``rounds_averaged`` those in which it
     averaged with at least one other peer (DiLoCo: outer rounds); ``excluded``: the peer IDs its averagers exclude now
     (robust aggregation, :mod:`lean_transformer.swarm.averaging.exclusion`; at most ``MAX_EXCLUDED``).
-    ``None`` / empty: an older trainer's record.
+    ``joined``: True for the record a trainer publishes as it joins, at the epoch it joined at, before any work: it
+    reports no epoch (:meth:`reports`), but tells the aux peer that this trainer is there, so that the aux peer waits
+    for it before releasing the next epoch (without it, the swarm's first epoch was released with the 1-2 trainers
+    that reached it first: benchmarks/internet.py, 16 trainers). ``None`` / empty: an older trainer's record.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -78,6 +81,7 @@ class LocalMetrics(BaseModel):
     rounds_averaged: Optional[Count] = None
     excluded: Optional[Annotated[tuple[Annotated[str, Field(pattern=f"^{PEER_ID_PATTERN}$")], ...],
                                  Field(max_length=MAX_EXCLUDED)]] = None
+    joined: Optional[bool] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "LocalMetrics":
@@ -89,10 +93,15 @@ class LocalMetrics(BaseModel):
         if self.rounds_averaged is not None and self.rounds_averaged > self.rounds_attempted:
             raise ValueError(f"rounds_averaged ({self.rounds_averaged}) exceeds rounds_attempted "
                              f"({self.rounds_attempted})")
+        if self.joined and (self.samples_accumulated or self.mini_steps or self.loss_sum or self.history):
+            raise ValueError("a joining record reports no work: no samples, mini-steps, loss or history")
         return self
 
     def reports(self) -> list[EpochReport]:
-        """Every epoch this record covers, oldest first: the history, then the epoch it has just reached."""
+        """Every epoch this record covers, oldest first: the history, then the epoch it has just reached (none for a
+        joining record)."""
+        if self.joined:
+            return []
         return [*(EpochReport(*past) for past in self.history),
                 EpochReport(self.epoch, self.samples_accumulated, self.loss_sum, self.mini_steps,
                             self.samples_per_second)]
