@@ -1,6 +1,6 @@
 """A volunteer started before the organizer's entry peer is up (or while it restarts) waits for it, up to
 ``--startup_timeout``, instead of exiting; one whose entry peer answers its first ping seconds late joins at the first
-try: real processes on 127.0.0.1, every wait bounded.
+try; one whose p2p daemon is slow to start waits for it: real processes on 127.0.0.1, every wait bounded.
 
 ``benchmarks/internet.py`` saw 2 of 8 newcomers exit because their one initial peer was killed, or too starved to
 answer hivemind's first ping, when they started.
@@ -25,6 +25,7 @@ from lean_transformer.swarm.auth import load_identity_key
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+DAEMON_DELAY = 16.0  # seconds a slow p2p daemon takes to start: past hivemind's 15 s limit
 ENTRY_PAUSE = 6.0  # seconds the entry peer's DHT stays stopped while a newcomer bootstraps through it
 HIVEMIND_BOUND = 20.0  # seconds hivemind's bootstrap is given to join through the stopped entry peer
 
@@ -99,3 +100,37 @@ def test_a_newcomer_joins_at_the_first_try_through_an_entry_peer_that_answers_se
         for dht in (newcomer, entry):
             if dht is not None:
                 dht.shutdown()
+
+
+def test_a_p2p_daemon_that_starts_slowly_is_waited_for_within_the_startup_timeout(tmp_path, monkeypatch):
+    """On a busy machine a trainer's p2p daemon took over 15 s to start, hivemind's limit, and the trainer exited
+    ("Daemon failed to start in 15.0 seconds"; benchmarks/internet.py, 16 trainers on 2 cores). Here the daemon starts
+    DAEMON_DELAY s late (a wrapper sleeps, then runs it; the DHT's process forks with the patched path): build_dht
+    waits for it within --startup_timeout, and gives up in one line once that is spent."""
+    import contextlib
+    from importlib.resources import path
+
+    import hivemind.hivemind_cli
+    import hivemind.p2p.p2p_daemon
+
+    from lean_transformer.swarm.protocol.dht import SwarmConnectionError, build_dht
+    from lean_transformer.swarm.protocol.settings import NetworkSettings
+
+    with path(hivemind.hivemind_cli, "p2pd") as real:
+        wrapper = tmp_path / "p2pd"
+        # started only while the DHT's process that launched it lives: a DHT given up on leaves no daemon behind
+        wrapper.write_text(f"#!/bin/sh\nsleep {DAEMON_DELAY}\nkill -0 $PPID || exit 1\nexec {real} \"$@\"\n")
+        wrapper.chmod(0o755)
+    monkeypatch.setattr(hivemind.p2p.p2p_daemon, "path", lambda package, name: contextlib.nullcontext(wrapper))
+    started = time.monotonic()
+    dht = build_dht(NetworkSettings(run_id="slow_daemon", host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                    startup_timeout=DAEMON_DELAY + 20))
+    try:
+        assert dht.is_alive() and dht.get_visible_maddrs()
+        assert DAEMON_DELAY <= time.monotonic() - started < DAEMON_DELAY + 20
+    finally:
+        dht.shutdown()
+    started = time.monotonic()
+    with pytest.raises(SwarmConnectionError, match=r"did not start within 5 s \(--startup_timeout\)"):
+        build_dht(NetworkSettings(run_id="slow_daemon", host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=5))
+    assert time.monotonic() - started < 15

@@ -46,7 +46,9 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
 
     While none of ``initial_peers`` answers, it tries again until ``startup_timeout``: an organizer's entry peer that
     restarts, or is too busy to answer hivemind's first ping, should delay a volunteer, not turn it away
-    (``benchmarks/internet.py`` saw 2 of 8 newcomers exit so). A node that later loses every neighbour joins again
+    (``benchmarks/internet.py`` saw 2 of 8 newcomers exit so). The p2p daemon, too, may take the whole
+    ``startup_timeout`` to start (hivemind's limit is 15 s: on a busy machine a trainer of benchmarks/internet.py exited
+    with "Daemon failed to start in 15.0 seconds"). A node that later loses every neighbour joins again
     through them (:mod:`~lean_transformer.swarm.hivemind_fixes.dht_rejoin`). Must be called from the main thread
     (hivemind starts a child process that owns the p2p daemon).
     """
@@ -65,6 +67,7 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
             record_validators=[RememberedChecks(record_validators)],
             authorizer=authorizer,
             wait_timeout=DHT_WAIT_TIMEOUT,
+            startup_timeout=max(deadline - time.monotonic(), 1.0),  # the p2p daemon's (hivemind.P2P.create)
             start=False,
         )
         try:
@@ -86,6 +89,10 @@ def build_dht(network: NetworkSettings, record_validators: Iterable[RecordValida
                                    f"{network.startup_timeout:g} s (--startup_timeout)")
                 time.sleep(_BOOTSTRAP_RETRY_DELAY)
                 continue
+            if "Daemon failed to start in" in reason:
+                raise SwarmConnectionError(
+                    f"the p2p daemon did not start within {network.startup_timeout:g} s (--startup_timeout); is "
+                    f"this machine overloaded?") from None
             where = "reach --initial_peers" if network.initial_peers else "start the DHT"
             raise SwarmConnectionError(f"could not {where}: {reason}") from None
 
