@@ -31,6 +31,10 @@ LR, MOMENTUM = 0.7, 0.9
 # per peer: samples, and its parameter shift (a constant per element) in each of two rounds
 PEERS = {"a": (1, [0.5, -1.0, 0.125]), "b": (3, [0.25, 2.0, -0.5])}
 MATCHMAKING, STAGGER = 2.0, 3.5  # the staggered test: c ends its round STAGGER s after a and b
+# the released and leaving tests are about what c does once the group of 3 has formed, so their matchmaking leaves
+# room for a loaded box, as SwarmOptimizer.matchmaking_window stretches with slow lookups (CI: b came too late for a
+# 2 s window, and a formed its group with c alone)
+FORMED_MATCHMAKING = 4.0
 LATE = 30.0  # ... or, in the group's-word test, its own view of the swarm would end it this much later
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
@@ -928,14 +932,15 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     size, part_bytes = (3 * 1024, 4 * 1024) if mode == "group_word" else (3, 2 ** 19)
     weight = torch.nn.Parameter(torch.full((size,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
-    averager = PseudoGradientAverager(dht, "test_diloco_staggered", [weight.shape], matchmaking_time=MATCHMAKING,
+    matchmaking = FORMED_MATCHMAKING if mode in ("released", "leaving") else MATCHMAKING
+    averager = PseudoGradientAverager(dht, "test_diloco_staggered", [weight.shape], matchmaking_time=matchmaking,
                                       allreduce_timeout=10.0, client_mode=client_mode, part_size_bytes=part_bytes)
     rounds = OuterLoop(outer, averager)
     with torch.no_grad():
         weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0}[name])
     rounds.add_samples(4)
     if mode != "unprepared":
-        time.sleep(max(0.0, end - MATCHMAKING - get_dht_time()))
+        time.sleep(max(0.0, end - matchmaking - get_dht_time()))
         rounds.prepare(end)
     served = learned = None
     if mode == "group_word" and name == "c":  # its own view ends the round LATE s after a and b's
