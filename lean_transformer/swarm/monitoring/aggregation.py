@@ -82,10 +82,10 @@ class EpochCollector:
     so the reports of every epoch it covers are copied into per-epoch buckets as they are seen: a refresh that comes
     less often than the epochs change still counts every trainer of every epoch that some record still covers (epochs
     no record covers any more get no row rather than an undercounted one). Epoch E is complete when every peer with a
-    record (a trainer publishes one as it joins, which reports no epoch) has reached E or later, or when some peer is more than ``lag`` epochs past E: a peer that left (its last
-    record lives on until it expires) must not hold the log back for ever, and one that is up to ``lag`` epochs
-    behind the fastest still gets its report of E counted. Released epochs are dropped, so memory does not grow with
-    the run.
+    record (a trainer publishes one as it joins, which reports no epoch) has reached E or later, or when some peer is
+    more than ``lag`` epochs past E: a peer that left (its last record lives on until it expires) must not hold the
+    log back for ever, and one that is up to ``lag`` epochs behind the fastest still gets its report of E counted.
+    Released epochs are dropped, so memory does not grow with the run.
     """
 
     def __init__(self, last_released_epoch: int = -1, lag: int = 1):
