@@ -22,10 +22,14 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
 from lean_transformer.swarm.hivemind_fixes.dht_pacing import (LOOKUPS_PER_WINDOW, REPORT_INTERVAL,
-                                                               SWARM_REPORTS_PER_SECOND, PacedReports)
+                                                               SWARM_FETCHES_PER_SECOND, SWARM_REPORTS_PER_SECOND,
+                                                               PacedFetches, PacedReports)
 from lean_transformer.swarm.peers.processes import wait_until
 
 WINDOW = 2.0  # the matchmaking time, seconds
+# every tracker of this module signs its records with this key: a DHT keeps the first signature validator it is given
+# (hivemind's RSASignatureValidator.merge_with), so a tracker with another key would have its records refused
+PRIVATE_KEY = RSAPrivateKey()
 
 
 class HivemindLeaders(PotentialLeaders):
@@ -91,17 +95,21 @@ def test_a_better_leader_declared_meanwhile_is_found_within_one_interval(dht):
     assert found_at < 0.5 + WINDOW / LOOKUPS_PER_WINDOW + 1.0
 
 
-class PacedTracker(PacedReports, ProgressTracker):
-    """hivemind's progress tracker with our paced reports (as the swarm optimizer's trackers have them)."""
+class PacedTracker(PacedReports, PacedFetches, ProgressTracker):
+    """hivemind's progress tracker with our paced reports and lookups (as the swarm optimizer's trackers have them)."""
 
 
-class SwarmOf(PacedTracker):
-    """A paced tracker that reads ``SwarmOf.peers`` peers in the swarm, whatever its DHT holds."""
+class FakeSwarm(ProgressTracker):
+    """hivemind's progress tracker that reads ``FakeSwarm.peers`` peers in the swarm, whatever its DHT holds."""
 
     peers = 1
 
     def _parse_swarm_progress_data(self, metadata):
         return dataclasses.replace(super()._parse_swarm_progress_data(metadata), num_peers=self.peers)
+
+
+class SwarmOf(PacedReports, PacedFetches, FakeSwarm):
+    """A paced tracker that reads ``FakeSwarm.peers`` peers in the swarm."""
 
 
 def stores_while_reporting(dht: hivemind.DHT, tracker_class: type, seconds: float = 2.0, last_lands: bool = False
@@ -116,7 +124,7 @@ def stores_while_reporting(dht: hivemind.DHT, tracker_class: type, seconds: floa
             stores.append(time.monotonic())
         return store(*args, **kwargs)
 
-    tracker = tracker_class(dht, tracker_class.__name__, 10 ** 6, private_key=RSAPrivateKey(), start=True)
+    tracker = tracker_class(dht, tracker_class.__name__, 10 ** 6, private_key=PRIVATE_KEY, start=True)
     try:
         dht.store = counted
         samples, started = 0, time.monotonic()
@@ -149,9 +157,49 @@ def test_progress_is_stored_at_most_once_per_interval_and_the_last_report_lands(
 
 def test_a_peer_of_a_large_swarm_reports_less_often(dht):
     """The swarm's reports all land on the progress key's few nodes: in a swarm of 32 a peer reports every 4 s."""
-    SwarmOf.peers = 4 * SWARM_REPORTS_PER_SECOND
+    FakeSwarm.peers = 4 * SWARM_REPORTS_PER_SECOND
     large, _ = stores_while_reporting(dht, SwarmOf, seconds=4.0)
-    SwarmOf.peers = 1
+    FakeSwarm.peers = 1
     small, _ = stores_while_reporting(dht, SwarmOf, seconds=4.0)
     assert large <= 4.0 / 4.0 + 1  # one report per 4 s, and the first
     assert small >= 4.0 / REPORT_INTERVAL / 2, small  # one per 0.5 s (8), with room for a slow box
+
+
+def lookups_at_epoch_end(dht: hivemind.DHT, tracker_class: type, seconds: float = 4.0) -> int:
+    """A tracker's lookups of the swarm's progress in ``seconds`` while the records show the epoch's target reached
+    (hivemind's estimate of the time to the next epoch is then 0: it looks up every ``min_refresh_period``)."""
+    lookups, get = [], dht.get
+
+    def counted(*args, **kwargs):
+        if kwargs.get("key", args[0] if args else None) == tracker.training_progress_key:
+            lookups.append(time.monotonic())
+        return get(*args, **kwargs)
+
+    prefix = f"{tracker_class.__name__}{FakeSwarm.peers}"
+    tracker = tracker_class(dht, prefix, target_batch_size=8, private_key=PRIVATE_KEY, start=True)
+    try:
+        dht.get = counted
+        tracker.report_local_progress(0, 16)
+        wait_until(lambda: get(tracker.training_progress_key, latest=True) is not None, 10.0, "the record stored",
+                   interval=0.05)
+        landed = time.monotonic()  # the tracker's next lookup reads the record (until then it finds none: 3 s)
+        wait_until(lambda: any(at > landed for at in lookups), 10.0, "a lookup of the record", interval=0.05)
+        started = time.monotonic()
+        time.sleep(seconds)
+        return len([at for at in lookups if at > started])
+    finally:
+        del dht.get
+        tracker.shutdown()
+
+
+def test_a_peer_of_a_large_swarm_looks_the_progress_up_less_often(dht):
+    """Every lookup lands on the progress key's few nodes and its answer holds every peer's record: in a swarm of 32
+    a peer looks up every 4 s, in a small one as hivemind does (every min_refresh_period, 0.5 s, near an epoch's end)."""
+    FakeSwarm.peers = 4 * SWARM_FETCHES_PER_SECOND
+    hivemind_large = lookups_at_epoch_end(dht, FakeSwarm)
+    large = lookups_at_epoch_end(dht, SwarmOf)
+    FakeSwarm.peers = 1
+    small = lookups_at_epoch_end(dht, SwarmOf)
+    assert hivemind_large >= 4.0 / 0.5 / 2, hivemind_large
+    assert large <= 4.0 / 4.0 + 1, large  # the lookup that read the record came just before the window
+    assert small >= 4.0 / 0.5 / 2, small

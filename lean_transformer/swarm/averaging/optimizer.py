@@ -40,7 +40,7 @@ from lean_transformer.swarm.averaging.early_join import EarlyJoin, can_join_earl
 from lean_transformer.swarm.averaging.host_grad_averager import HostGatedGradientAverager, HostGradientAverager
 from lean_transformer.swarm.averaging.averagers import GradientAverager, TrainingStateAverager
 from lean_transformer.swarm.averaging.state_check import IgnoresRefusedDonors, StateCheck, record_reporter
-from lean_transformer.swarm.hivemind_fixes.dht_pacing import REPORT_INTERVAL, PacedReports
+from lean_transformer.swarm.hivemind_fixes.dht_pacing import REPORT_INTERVAL, PacedFetches, PacedReports
 from lean_transformer.swarm.hivemind_fixes.progress_fetch import FetchesUnlocked
 from lean_transformer.swarm.hivemind_fixes.store_outcomes import ReadsStoreOutcomes
 from lean_transformer.swarm.monitoring.events import emit
@@ -95,14 +95,15 @@ class ParametersOnly(AdaptiveCompressionBase):
         return self.compression if floats and info.role == TensorRole.PARAMETER else NoCompression()
 
 
-class TrustedProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, ProgressTracker):
+class TrustedProgress(IgnoresRefusedDonors, PacedReports, PacedFetches, ReadsStoreOutcomes, ProgressTracker):
     """hivemind's progress tracker, blind to the donors whose states this peer refused (:mod:`.state_check`), its
-    reports paced and its stores' outcomes read."""
+    reports and lookups paced and its stores' outcomes read."""
 
 
-class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, ReadsStoreOutcomes, FetchesUnlocked, RoundProgress):
+class TrustedRoundProgress(IgnoresRefusedDonors, PacedReports, PacedFetches, ReadsStoreOutcomes, FetchesUnlocked,
+                           RoundProgress):
     """DiLoCo's progress tracker (:class:`.diloco.RoundProgress`), blind to the donors whose states this peer
-    refused, its reports paced, its stores' outcomes read and its lookups run without its lock."""
+    refused, its reports and lookups paced, its stores' outcomes read and its lookups run without its lock."""
 
 
 @dataclass(frozen=True)

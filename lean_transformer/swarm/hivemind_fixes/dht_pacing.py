@@ -19,14 +19,23 @@ peers:
   them at the reported speed, so the records in between are overwritten unread. Here a tracker stores at most one
   report per :func:`report_interval`, always the latest: :data:`REPORT_INTERVAL`, longer in a swarm of more than
   :data:`SWARM_REPORTS_PER_SECOND` / 2 peers, whose reports all land on the progress key's few DHT nodes.
+- **Progress lookups.** The tracker looks the swarm's records up again after hivemind's estimate of the time to the
+  next epoch, clipped to [``min_refresh_period``, ``max_refresh_period``]: with epochs of a few seconds, every
+  ``min_refresh_period`` (0.5 s). Every lookup lands on the progress key's few nodes and each answer carries every
+  peer's record, so the key's nodes serve peers^2 records per refresh: 24 DiLoCo trainers on this box's emulated
+  links waited 24.7 s (median) for a lookup, against 1.8-2.5 s at 16, and averaged in groups of 3-4 (benchmarks/
+  internet.py, 2026-12-01). Here a tracker looks up at most once per :func:`fetch_interval` in a swarm of more than
+  :data:`SWARM_FETCHES_PER_SECOND` / 2 peers; between lookups hivemind extrapolates the records at each peer's
+  reported speed, as it does between any two lookups.
 
 Together (2 tiny trainers, 20 epochs, this 2-core box): the trainers' CPU, their DHT and averager processes
 included, fell from 128 s to 73 s. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces its
-``_update_queue_periodically`` and its progress reporter (neither in its master, checked 2026-11-29).
+``_update_queue_periodically``, its progress reporter and its fetcher (none in its master, checked 2026-11-29).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import threading
@@ -36,13 +45,15 @@ from typing import Any, Callable, Coroutine, List, Optional, Tuple
 from hivemind.averaging.key_manager import GroupKey, GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.p2p import PeerID
-from hivemind.utils.timed_storage import DHTExpiration
+from hivemind.utils.timed_storage import DHTExpiration, get_dht_time
 
 LOOKUPS_PER_WINDOW = 4  # at most this many lookups of the group's averagers per matchmaking time, plus the first
 REPORT_INTERVAL = 0.5  # seconds between two progress reports of a peer: hivemind's default min_refresh_period
 # the whole swarm's reports per second, at most: 6 DiLoCo trainers on loopback stored 4.2 per second with 0.5 s
 # reports (their DHT processes 0.04 cores each), while 16 on this box's links waited 12-18 s for a lookup
 SWARM_REPORTS_PER_SECOND = 8.0
+# the whole swarm's progress lookups per second, at most: the same nodes serve them (each answer holds every record)
+SWARM_FETCHES_PER_SECOND = 8.0
 
 
 class PacedLookups:
@@ -116,3 +127,19 @@ class PacedReports:
     @should_report_progress.setter
     def should_report_progress(self, event: threading.Event) -> None:  # hivemind's __init__ sets a plain Event
         self.__dict__["_paced_report"] = PacedEvent(REPORT_INTERVAL)
+
+
+def fetch_interval(num_peers: int, min_refresh_period: float) -> float:
+    """Seconds between two progress lookups of a peer in a swarm of ``num_peers``, at least: hivemind's
+    ``min_refresh_period``, longer once the swarm's lookups would exceed :data:`SWARM_FETCHES_PER_SECOND`."""
+    return max(min_refresh_period, num_peers / SWARM_FETCHES_PER_SECOND)
+
+
+class PacedFetches:
+    """Mixed in front of hivemind's ``ProgressTracker``: the next lookup of the swarm's records comes at least one
+    :func:`fetch_interval` of the swarm just read after this one (hivemind's own schedule when that is later)."""
+
+    def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+        progress = super()._parse_swarm_progress_data(metadata)
+        earliest = get_dht_time() + fetch_interval(progress.num_peers, self.min_refresh_period)
+        return dataclasses.replace(progress, next_fetch_time=max(progress.next_fetch_time, earliest))
