@@ -63,8 +63,14 @@ that the swarm code uses explicitly.
 - :mod:`.dht_pacing`: a matchmaking averager looks its group key up back to back for its whole window (366 lookups
   per second on loopback), and the progress tracker stores its record on every micro-batch; both keys live on the
   same few DHT nodes for the whole swarm. Here the lookups are paced to a few per window and the reports to one per
-  0.5 s (longer in a swarm of more than 4), the latest. Reproduced by ``tests/test_dht_pacing.py``. Drop when
-  hivemind paces both (not in its master).
+  0.5 s (longer in a swarm of more than 4), the latest; the tracker's lookups of the swarm's records (every 0.5 s
+  near an epoch's end) come at most N/8 s apart in a swarm of N. Reproduced by ``tests/test_dht_pacing.py``. Drop
+  when hivemind paces all three (not in its master).
+- :mod:`.dht_beam`: every DHT search (a ``get``, the node search before each ``store``) asks the 20 nodes nearest
+  its key, where the key lives on 5: in a swarm of up to ~20 every search asks every peer, so each peer's DHT
+  serves one request per search of the whole swarm (16 trainers: 17 per second, 0.065 cores per peer in its DHT
+  process and p2p daemon). Here a search asks 8 (more when it looks for more nodes). Reproduced by
+  ``tests/test_dht_beam.py``. Drop when hivemind's default beam follows its replicas.
 - :mod:`.record_checks`: a DHT node verifies every signed record of every answer it gets (an RSA check and a schema
   check each), also in the node searches of its stores, which discard the values, and gets the same records again
   and again: 36% of a DHT process's samples in a 6-trainer DiLoCo swarm. Here the verdict on an exact record is
@@ -103,8 +109,10 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import dht_pacing, quiet_logs, shared_bytes, step_cancel, unary_calls
+from lean_transformer.swarm.hivemind_fixes import (dht_beam, dht_pacing, quiet_logs, shared_bytes, step_cancel,
+                                                   unary_calls)
 
+dht_beam.install()
 dht_pacing.install()
 quiet_logs.install()
 shared_bytes.install()
