@@ -194,7 +194,8 @@ def lookups_at_epoch_end(dht: hivemind.DHT, tracker_class: type, seconds: float 
 
 def test_a_peer_of_a_large_swarm_looks_the_progress_up_less_often(dht):
     """Every lookup lands on the progress key's few nodes and its answer holds every peer's record: in a swarm of 32
-    a peer looks up every 4 s, in a small one as hivemind does (every min_refresh_period, 0.5 s, near an epoch's end)."""
+    a peer looks up every 4 s, in a small one as hivemind does (every min_refresh_period, 0.5 s, near an epoch's
+    end)."""
     FakeSwarm.peers = 4 * SWARM_FETCHES_PER_SECOND
     hivemind_large = lookups_at_epoch_end(dht, FakeSwarm)
     large = lookups_at_epoch_end(dht, SwarmOf)

@@ -8,15 +8,16 @@ key's whole dictionary (a progress answer holds every peer's signed record). Eac
 ``find`` per search of the whole swarm: measured on loopback with 16 slow DiLoCo trainers and an aux peer
 (the DHT's RPC handlers counted over 40 s, 2026-12-01): 16.8 ``find`` requests and 323 KB of answers per second
 per DHT process, which cost each peer 0.036 cores in its DHT process and 0.029 in its p2p daemon, whatever the
-swarm's size. On this 2-core box that is what 24 peers cannot afford (benchmarks/internet.py: 24 trainers' DHT
-lookups took 23-25 s at the median); on a volunteer's home link it is 2.6 Mbit/s of DHT answers at 16 peers.
+swarm's size: on a volunteer's home link, 2.6 Mbit/s of DHT answers at 16 peers; on this 2-core box, more than
+24 peers can afford (benchmarks/internet.py, 24 DiLoCo trainers: DHT lookups of 23-25 s at the median, groups of 3).
 
 Here a search asks :data:`BEAM_SIZE` nodes: the 5 that hold the key and a margin of 3 for a routing table that
 missed a newcomer or still lists a peer that left. The same swarm: 9.0 ``find`` requests and 174 KB per second per
-DHT process, 0.027 + 0.021 cores per peer. A search for more nodes than that (a node looking up its own
-neighbourhood, for its routing table: the bucket size) keeps a beam of that many. Reproduced by
-``tests/test_dht_beam.py`` (12 DHT nodes: a search asked 11, now at most 8, and every value is still found, the
-latest one). Drop when hivemind's default beam follows its replicas (not in its master, checked 2026-12-01).
+DHT process, 0.027 + 0.021 cores per peer; the 24 trainers: lookups of 14 s, groups of 6 (still short: the box). A
+search for more nodes than that (a node looking up its own neighbourhood, for its routing table: the bucket size)
+keeps a beam of that many. Reproduced by ``tests/test_dht_beam.py`` (12 DHT nodes: a search asked 11, now at most 8,
+and every value is still found, the latest one). Drop when hivemind's default beam follows its replicas (1.1.12's
+does not; its master not checked).
 """
 from __future__ import annotations
 

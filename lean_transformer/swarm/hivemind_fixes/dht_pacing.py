@@ -22,11 +22,11 @@ peers:
 - **Progress lookups.** The tracker looks the swarm's records up again after hivemind's estimate of the time to the
   next epoch, clipped to [``min_refresh_period``, ``max_refresh_period``]: with epochs of a few seconds, every
   ``min_refresh_period`` (0.5 s). Every lookup lands on the progress key's few nodes and each answer carries every
-  peer's record, so the key's nodes serve peers^2 records per refresh: 24 DiLoCo trainers on this box's emulated
-  links waited 24.7 s (median) for a lookup, against 1.8-2.5 s at 16, and averaged in groups of 3-4 (benchmarks/
-  internet.py, 2026-12-01). Here a tracker looks up at most once per :func:`fetch_interval` in a swarm of more than
-  :data:`SWARM_FETCHES_PER_SECOND` / 2 peers; between lookups hivemind extrapolates the records at each peer's
-  reported speed, as it does between any two lookups.
+  peer's record, so the key's nodes serve peers^2 records per refresh. Here a tracker looks up at most once per
+  :func:`fetch_interval` in a swarm of more than :data:`SWARM_FETCHES_PER_SECOND` / 2 peers; between lookups
+  hivemind extrapolates the records at each peer's reported speed, as it does between any two lookups. (This alone
+  did not rescue 24 DiLoCo trainers on this 2-core box, whose lookups took 23-25 s at the median either way: there
+  the box's CPU ran out, see :mod:`.dht_beam`.)
 
 Together (2 tiny trainers, 20 epochs, this 2-core box): the trainers' CPU, their DHT and averager processes
 included, fell from 128 s to 73 s. Reproduced by ``tests/test_dht_pacing.py``. Drop when hivemind paces its
