@@ -19,6 +19,8 @@ rather than lucky, by holding one side still at the moment that matters:
   Its fix is :mod:`lean_transformer.swarm.hivemind_fixes.stream_answers`'s.
 - ``timeout``: A and B average ``LEAVE_SIZE`` values with A's ``allreduce_timeout`` of ``TIMEOUT`` s, and B answers
   each part ``TIMEOUT_ANSWER_DELAY`` s late, so that A's all-reduce is cancelled half-way; then A collects garbage.
+- ``sockets``: A and B average once and everything shuts down, its Unix sockets in a folder of the case's own
+  (not /tmp, which other tests share); the result is what is left there.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -192,6 +195,19 @@ def test_a_peer_leaving_right_after_its_round_lets_its_answers_arrive(report):
            f"the average on {hivemind_result['a_averaged']:.0%} of its values (its own elsewhere), with ours on all")
 
 
+def test_an_averager_that_ends_leaves_no_socket_file(report):
+    results = run_cases("sockets")
+    hivemind_result, ours = results["hivemind"], results["lean_transformer"]
+    # the control: each of hivemind's averagers left its replica's client socket (the DHTs remove their own)
+    assert hivemind_result["group_sizes"] == [2, 2], hivemind_result
+    assert len(hivemind_result["left"]) == 2, hivemind_result
+    assert all(name.startswith("hivemind-p2pclient-") for name in hivemind_result["left"]), hivemind_result
+    # the fix: nothing left
+    assert ours["group_sizes"] == [2, 2] and ours["left"] == [], ours
+    report(f"two peers averaged once and shut down: hivemind's averagers left {len(hivemind_result['left'])} socket "
+           f"files, ours none")
+
+
 # ---------------------------------------------------------------- one variant, as a script
 
 
@@ -262,6 +278,9 @@ def main(variant: str, case: str) -> None:
                 yield answer
 
     faulthandler.dump_traceback_later(100)  # the stacks, where a run hangs (before run_cases' 120 s kill)
+    if case == "sockets":
+        sockets = tempfile.mkdtemp(prefix="sockets-")
+        hivemind.p2p.P2P._UNIX_SOCKET_PREFIX = f"/unix{sockets}/hivemind-"  # every P2P of this case, forks included
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
     dhts = [hivemind.DHT(start=True, host_maddrs=maddrs)]
     dhts.append(hivemind.DHT(start=True, host_maddrs=maddrs, initial_peers=dhts[0].get_visible_maddrs()))
@@ -300,6 +319,14 @@ def main(variant: str, case: str) -> None:
             step.exception(timeout=30)
         ask(a, "_collect_garbage")  # the runner of A's timed-out round
         steps = steps[1:]
+    elif case == "sockets":
+        time.sleep(1.0)
+        steps = [peer.step(timeout=20, wait=False) for peer in peers]
+        group_sizes = [len(step.result(timeout=30)) for step in steps]
+        for each in (*peers, *dhts):
+            each.shutdown()
+        print(json.dumps(dict(group_sizes=group_sizes, left=sorted(os.listdir(sockets)))), flush=True)
+        return
     elif case == "leave":
         time.sleep(1.0)  # as in the other cases: the DHTs know each other
         steps = [peer.step(timeout=20, wait=False) for peer in (b, a)]  # A's is the last, as in the other cases
