@@ -80,6 +80,10 @@ that the swarm code uses explicitly.
   gets no answer (an aux peer that every trainer joined through went deaf as 16 trainers joined). Here an answer to
   a call that stopped waiting is dropped, and a reader that fails otherwise says so in one ERROR line. Reproduced by
   ``tests/test_unary_calls.py``. Drop when hivemind's reader skips answers to calls that are done.
+- :mod:`.late_group`: a follower whose round reaches its deadline just as its leader's group arrives asserts in
+  hivemind's matchmaking (an ERROR traceback; seen with 24 trainers on 2 cores). Here it declines that group, as one
+  from a leader that disbanded. Reproduced by ``tests/test_late_group.py``. Drop when hivemind checks the group's
+  future before it assembles.
 - :mod:`.shared_bytes`: hivemind's futures take their shared state byte from 16-byte buffers, each one a round
   trip to torch's shared-memory manager, which a peer starved of CPU misses (1 s), and the error ended a trainer's
   progress tracker. Here buffers hold a page and an unanswered allocation is tried again (bounded). Reproduced by
@@ -109,11 +113,12 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import (dht_beam, dht_pacing, quiet_logs, shared_bytes, step_cancel,
-                                                   unary_calls)
+from lean_transformer.swarm.hivemind_fixes import (dht_beam, dht_pacing, late_group, quiet_logs, shared_bytes,
+                                                   step_cancel, unary_calls)
 
 dht_beam.install()
 dht_pacing.install()
+late_group.install()
 quiet_logs.install()
 shared_bytes.install()
 step_cancel.install()
