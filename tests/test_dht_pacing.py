@@ -1,7 +1,8 @@
 """How often a peer asks the swarm's DHT (lean_transformer.swarm.hivemind_fixes.dht_pacing), on a real DHT in its
 own process. The leader search of a matchmaking peer: hivemind's own loop looks the group key up back to back for
 the whole window, ours a few times per window, and ours still finds a better leader that declares meanwhile. The
-progress reports: hivemind stores one per micro-batch, ours at most one per REPORT_INTERVAL, the latest."""
+progress reports: hivemind stores one per micro-batch, ours at most one per REPORT_INTERVAL, the latest, and the
+report of a new epoch at once."""
 from __future__ import annotations
 
 import asyncio
@@ -204,3 +205,52 @@ def test_a_peer_of_a_large_swarm_looks_the_progress_up_less_often(dht):
     assert hivemind_large >= 4.0 / 0.5 / 2, hivemind_large
     assert large <= 4.0 / 4.0 + 1, large  # the lookup that read the record came just before the window
     assert small >= 4.0 / 0.5 / 2, small
+
+
+
+class WithoutEpochWake(SwarmOf):
+    """The paced tracker without its wake-up for a new epoch (the control)."""
+
+    def update_epoch(self, new_epoch: Optional[int] = None) -> int:
+        return ProgressTracker.update_epoch(self, new_epoch)
+
+
+def seconds_to_store_a_new_epoch(dht: hivemind.DHT, tracker_class: type) -> float:
+    """Seconds from a new epoch, 0.3 s after a stored report of a peer of a 32-peer swarm (reports 4 s apart), to
+    the store of its record."""
+    stores, store = [], dht.store
+
+    def counted(*args, **kwargs):
+        if kwargs.get("key") == tracker.training_progress_key:
+            stores.append((kwargs["value"]["epoch"], kwargs["value"]["samples_accumulated"], time.monotonic()))
+        return store(*args, **kwargs)
+
+    FakeSwarm.peers = 4 * SWARM_REPORTS_PER_SECOND
+    tracker = tracker_class(dht, f"{tracker_class.__name__}_epoch", 10 ** 6, private_key=PRIVATE_KEY, start=True)
+    try:
+        dht.store = counted
+        tracker.report_local_progress(0, 8)
+        wait_until(lambda: tracker.global_progress.num_peers == FakeSwarm.peers, 10.0, "the tracker's first lookup",
+                   interval=0.05)
+        tracker.report_local_progress(0, 16)  # stored within 0.5 s; the next report waits 4 s
+        wait_until(lambda: any(samples == 16 for _, samples, _ in stores), 10.0, "the second report", interval=0.01)
+        time.sleep(0.3)
+        with tracker.pause_updates():
+            tracker.update_epoch(1)
+        began = time.monotonic()
+        wait_until(lambda: any(epoch == 1 for epoch, _, _ in stores), 10.0, "the report of the new epoch",
+                   interval=0.01)
+        return next(at for epoch, _, at in stores if epoch == 1) - began
+    finally:
+        del dht.store
+        FakeSwarm.peers = 1
+        tracker.shutdown()
+
+
+def test_a_new_epoch_is_reported_at_once(dht):
+    """A record of a new epoch carries the work of the epoch just finished: the aux peer counts it, and a peer killed
+    seconds after an epoch's end took it along unreported while it waited out the report interval."""
+    control = seconds_to_store_a_new_epoch(dht, WithoutEpochWake)
+    ours = seconds_to_store_a_new_epoch(dht, SwarmOf)
+    assert control > 2.0, control  # the rest of the 4 s interval
+    assert ours < 1.0, ours
