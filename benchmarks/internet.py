@@ -249,6 +249,7 @@ def stop(slot: Slot, network: InternetNetwork, signal_name: str) -> None:
         network.lift_cpu_limit(slot.index)
         slot.process.terminate()
     else:
+        network.remember_sockets()  # a killed peer's socket files stay behind: removed at close
         slot.process.kill()
 
 
