@@ -115,8 +115,10 @@ def test_epochs_advance_and_loss_falls(swarm: ClientSwarm):
     for trainer in swarm.trainers:
         reports = epoch_reports(trainer)
         epochs = sorted(reports)
-        # every 3-peer round ended an epoch, and no epoch was skipped
-        assert len(epochs) > ROUNDS_WITH_BOTH and epochs == list(range(epochs[0], epochs[-1] + 1)), epochs
+        # every 3-peer round ended an epoch, and no epoch was skipped. At least as many epochs as those rounds, not
+        # more: trainers that start together average from their first round (CI: [1, 2, 3] after 3 rounds of 3)
+        assert len(epochs) >= ROUNDS_WITH_BOTH and epochs == list(range(epochs[0], epochs[-1] + 1)), \
+            (trainer.name, epochs, group_sizes(trainer))
         first, last = reports[epochs[0]].mean_loss, reports[epochs[-1]].mean_loss
         assert last < first - 0.3, f"{trainer.name}: loss went from {first} to {last}"
 
