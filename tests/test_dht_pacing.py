@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import hivemind
 import pytest
@@ -114,27 +114,38 @@ class SwarmOf(PacedReports, PacedFetches, FakeSwarm):
     """A paced tracker that reads ``FakeSwarm.peers`` peers in the swarm."""
 
 
+@contextlib.contextmanager
+def progress_calls(dht: hivemind.DHT, method: str, tracker: ProgressTracker) -> Iterator[list]:
+    """The calls of ``dht.<method>`` (``store`` or ``get``) for ``tracker``'s progress key while inside: each as
+    (time.monotonic(), its keyword arguments)."""
+    calls, original = [], getattr(dht, method)
+
+    def recorded(*args, **kwargs):
+        if kwargs.get("key", args[0] if args else None) == tracker.training_progress_key:
+            calls.append((time.monotonic(), kwargs))
+        return original(*args, **kwargs)
+
+    setattr(dht, method, recorded)
+    try:
+        yield calls
+    finally:
+        delattr(dht, method)
+
+
 def stores_while_reporting(dht: hivemind.DHT, tracker_class: type, seconds: float = 2.0, last_lands: bool = False
                            ) -> tuple[int, int]:
     """A tracker's progress stores while its peer reports 8 more samples every 10 ms (a fast micro-batch) for
     ``seconds``, and the samples reported. ``last_lands``: also wait until the DHT holds the last report (hivemind's
     own tracker, its stores queued in the DHT's process, had not stored it 6 s later)."""
-    stores, store = [], dht.store
-
-    def counted(*args, **kwargs):
-        if kwargs.get("key", args[0] if args else None) == tracker.training_progress_key:
-            stores.append(time.monotonic())
-        return store(*args, **kwargs)
-
     tracker = tracker_class(dht, tracker_class.__name__, 10 ** 6, private_key=PRIVATE_KEY, start=True)
     try:
-        dht.store = counted
-        samples, started = 0, time.monotonic()
-        while time.monotonic() < started + seconds:
-            samples += 8
-            tracker.report_local_progress(0, samples)
-            time.sleep(0.01)
-        count = len([at for at in stores if at <= started + seconds])
+        with progress_calls(dht, "store", tracker) as stores:
+            samples, started = 0, time.monotonic()
+            while time.monotonic() < started + seconds:
+                samples += 8
+                tracker.report_local_progress(0, samples)
+                time.sleep(0.01)
+        count = len([at for at, _ in stores if at <= started + seconds])
 
         def recorded() -> Optional[int]:
             entry = dht.get(tracker.training_progress_key, latest=True)
@@ -146,7 +157,6 @@ def stores_while_reporting(dht: hivemind.DHT, tracker_class: type, seconds: floa
                        interval=0.1)
         return count, samples
     finally:
-        del dht.store
         tracker.shutdown()
 
 
@@ -170,27 +180,20 @@ def test_a_peer_of_a_large_swarm_reports_less_often(dht):
 def lookups_at_epoch_end(dht: hivemind.DHT, tracker_class: type, seconds: float = 4.0) -> int:
     """A tracker's lookups of the swarm's progress in ``seconds`` while the records show the epoch's target reached
     (hivemind's estimate of the time to the next epoch is then 0: it looks up every ``min_refresh_period``)."""
-    lookups, get = [], dht.get
-
-    def counted(*args, **kwargs):
-        if kwargs.get("key", args[0] if args else None) == tracker.training_progress_key:
-            lookups.append(time.monotonic())
-        return get(*args, **kwargs)
-
     prefix = f"{tracker_class.__name__}{FakeSwarm.peers}"
     tracker = tracker_class(dht, prefix, target_batch_size=8, private_key=PRIVATE_KEY, start=True)
     try:
-        dht.get = counted
-        tracker.report_local_progress(0, 16)
-        wait_until(lambda: get(tracker.training_progress_key, latest=True) is not None, 10.0, "the record stored",
-                   interval=0.05)
-        landed = time.monotonic()  # the tracker's next lookup reads the record (until then it finds none: 3 s)
-        wait_until(lambda: any(at > landed for at in lookups), 10.0, "a lookup of the record", interval=0.05)
-        started = time.monotonic()
-        time.sleep(seconds)
-        return len([at for at in lookups if at > started])
+        get = dht.get  # not counted
+        with progress_calls(dht, "get", tracker) as lookups:
+            tracker.report_local_progress(0, 16)
+            wait_until(lambda: get(tracker.training_progress_key, latest=True) is not None, 10.0,
+                       "the record stored", interval=0.05)
+            landed = time.monotonic()  # the tracker's next lookup reads the record (until then it finds none: 3 s)
+            wait_until(lambda: any(at > landed for at, _ in lookups), 10.0, "a lookup of the record", interval=0.05)
+            started = time.monotonic()
+            time.sleep(seconds)
+        return len([at for at, _ in lookups if at > started])
     finally:
-        del dht.get
         tracker.shutdown()
 
 
@@ -220,27 +223,23 @@ class WithoutEpochWake(PacedTracker):
 def seconds_to_store_a_new_epoch(dht: hivemind.DHT, tracker_class: type) -> float:
     """Seconds from a new epoch, 0.3 s after a stored report (reports at most 4 s apart, as in a swarm of 32), to the
     store of its record."""
-    stores, store = [], dht.store
-
-    def counted(*args, **kwargs):
-        if kwargs.get("key") == tracker.training_progress_key:
-            stores.append((kwargs["value"]["epoch"], time.monotonic()))
-        return store(*args, **kwargs)
-
     tracker = tracker_class(dht, f"{tracker_class.__name__}_epoch", 10 ** 6, private_key=PRIVATE_KEY, start=True)
     try:
-        dht.store = counted
-        tracker.report_local_progress(0, 8)  # stored at once (the first report); the next one waits 4 s
-        wait_until(lambda: stores, 10.0, "the first report", interval=0.01)
-        time.sleep(0.3)
-        with tracker.pause_updates():
-            tracker.update_epoch(1)
-        began = time.monotonic()
-        assert began < stores[-1][1] + 1.0, "the epoch changed too late to tell the control from the fix"
-        wait_until(lambda: any(epoch == 1 for epoch, _ in stores), 10.0, "the report of the new epoch", interval=0.01)
-        return next(at for epoch, at in stores if epoch == 1) - began
+        with progress_calls(dht, "store", tracker) as stores:
+            tracker.report_local_progress(0, 8)  # stored at once (the first report); the next one waits 4 s
+            wait_until(lambda: stores, 10.0, "the first report", interval=0.01)
+            time.sleep(0.3)
+            with tracker.pause_updates():
+                tracker.update_epoch(1)
+            began = time.monotonic()
+            assert began < stores[-1][0] + 1.0, "the epoch changed too late to tell the control from the fix"
+
+            def new_epoch_stored() -> Optional[float]:
+                return next((at for at, call in stores if call["value"]["epoch"] == 1), None)
+
+            wait_until(lambda: new_epoch_stored() is not None, 10.0, "the report of the new epoch", interval=0.01)
+        return new_epoch_stored() - began
     finally:
-        del dht.store
         tracker.shutdown()
 
 
