@@ -8,8 +8,8 @@ key's whole dictionary (a progress answer holds every peer's signed record). Eac
 ``find`` per search of the whole swarm: measured on loopback with 16 slow DiLoCo trainers and an aux peer
 (the DHT's RPC handlers counted over 40 s, 2026-12-01): 16.8 ``find`` requests and 323 KB of answers per second
 per DHT process, which cost each peer 0.036 cores in its DHT process and 0.029 in its p2p daemon, whatever the
-swarm's size: on a volunteer's home link, 2.6 Mbit/s of DHT answers at 16 peers; on this 2-core box, more than
-24 peers can afford (benchmarks/internet.py, 24 DiLoCo trainers: DHT lookups of 23-25 s at the median, groups of 3).
+swarm's size: on a volunteer's home link, 2.6 Mbit/s of DHT answers at 16 peers; on this 2-core box, more than 24
+peers can pay (benchmarks/internet.py, 24 DiLoCo trainers: DHT lookups of 23-25 s at the median, groups of 3).
 
 Here a search asks :data:`BEAM_SIZE` nodes: the 5 that hold the key and a margin of 3 for a routing table that
 missed a newcomer or still lists a peer that left. The same swarm: 9.0 ``find`` requests and 174 KB per second per
