@@ -28,6 +28,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,6 +327,7 @@ def main(variant: str, case: str) -> None:
         for each in (*peers, *dhts):
             each.shutdown()
         print(json.dumps(dict(group_sizes=group_sizes, left=sorted(os.listdir(sockets)))), flush=True)
+        shutil.rmtree(sockets)
         return
     elif case == "leave":
         time.sleep(1.0)  # as in the other cases: the DHTs know each other
