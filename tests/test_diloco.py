@@ -384,6 +384,75 @@ def test_a_peer_steps_ahead_of_its_group_goes_back_to_the_groups_state_bit_for_b
     assert [tag for tag, _ in rounds._kept] == ([first] if ahead_by == 1 else [])  # the group's state's past
 
 
+@pytest.mark.parametrize("momentum", [0.0, MOMENTUM])
+def test_an_outer_step_says_how_far_it_moved_the_anchor(momentum):
+    generator = torch.Generator().manual_seed(0)
+    outer = OuterNesterov([torch.nn.Parameter(torch.randn(300, generator=generator)),
+                           torch.nn.Parameter(torch.randn(7, 5, generator=generator))], lr=LR, momentum=momentum)
+    for _ in range(3):
+        before = [anchor.clone() for anchor in outer.anchor]
+        deltas = [torch.randn(anchor.shape, generator=generator) for anchor in outer.anchor]
+        deltas[1] = deltas[1].t().contiguous().t()  # a non-contiguous gradient
+        moved = outer.step(deltas)
+        actual = math.sqrt(sum(float((anchor - then).norm()) ** 2 for anchor, then in zip(outer.anchor, before)))
+        assert moved == pytest.approx(actual, rel=1e-4)
+
+
+def test_a_peer_ahead_of_its_groups_state_accepts_it_within_its_own_path_since():
+    """The race of tests/test_diloco_faults.py (CI): steady steps alone twice more while two newcomers download its
+    state of 1 outer step; at their first round together the newcomers' state wins the vote (2 against 1), and
+    steady, ahead, must take it. The loss check of downloads refused it (it is less trained than steady's own), and
+    steady averaged from another anchor ever after. Now the state passes if it lies within AHEAD_REACH x the length of
+    steady's own path since it held the group's state; a state farther away (a lie) is refused as before, and a peer
+    behind its group (or whose path since is not recorded) gets no such allowance."""
+    from lean_transformer.swarm.averaging.diloco import AHEAD_REACH, OuterLoop
+    from lean_transformer.swarm.averaging.state_check import StateCheck
+
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randn(64, generator=generator)
+
+    def pseudo_gradient() -> list:  # toward the target, as local training would move the parameters
+        return [0.3 * (weight.detach() - target) + 0.01 * torch.randn(64, generator=generator)]
+
+    weight = torch.nn.Parameter(torch.zeros(64))
+    steady = OuterLoop(OuterNesterov([weight], lr=LR, momentum=0.5), averager=None)
+    steady._applied(pseudo_gradient(), 1)  # alone
+    newcomer = OuterLoop(OuterNesterov([torch.nn.Parameter(torch.zeros(64))], lr=LR, momentum=0.5), averager=None)
+    newcomer.outer.load_state_tensors([tensor.clone() for tensor in steady.outer.state_tensors()])  # the download
+    joined, lengths = newcomer.fingerprint(), []
+    for _ in range(2):  # steady alone while the newcomers download
+        steady._applied(pseudo_gradient(), 1)
+        lengths.append(steady._path[-1][2])
+    ahead = steady.fingerprint()
+    tags = {"steady": ahead, "victim": joined, "faulty": joined}
+    average = pseudo_gradient()
+    steady._applied(average, 3, tags, sent_tag=ahead)
+    newcomer._applied(average, 3, tags, sent_tag=joined)
+    assert steady.behind and steady.outer_steps_behind == (3, 1) and sorted(steady.donors) == ["faulty", "victim"]
+    assert steady.ahead_reach == pytest.approx(AHEAD_REACH * (sum(lengths) + steady._path[-1][2]), rel=1e-12)
+    assert not newcomer.behind and newcomer.ahead_reach is None
+
+    loss = lambda: (lambda: (weight - target).pow(2).sum())  # noqa: E731
+    check = StateCheck(torch.nn.Module(), [weight], loss)
+    group_state = newcomer.outer.anchor
+    check.begin(steady.outer.anchor)  # as before: refused, worse than steady's own state
+    assert "worse" in check.problem(group_state)
+    check.begin(steady.outer.anchor, within=steady.ahead_reach)
+    assert check.problem(group_state) is None
+    distance = float((group_state[0] - steady.outer.anchor[0]).norm())
+    assert distance < steady.ahead_reach / AHEAD_REACH  # the honest state: inside the path's own length
+    lie = [group_state[0] - (steady.ahead_reach + distance) * torch.nn.functional.normalize(target, dim=0)]
+    assert "worse" in check.problem(lie)
+
+    assert newcomer.moved_since(joined) is not None
+    newcomer.outer.load_state_tensors([tensor.clone() for tensor in steady.outer.state_tensors()])  # a download
+    assert newcomer.moved_since(joined) is None  # its path since is not this state's
+    late = OuterLoop(OuterNesterov([torch.nn.Parameter(torch.zeros(64))], lr=LR, momentum=0.5), averager=None)
+    late._applied(pseudo_gradient(), 3, {"a": ahead, "b": ahead, "late": late.fingerprint()},
+                  sent_tag=late.fingerprint())
+    assert late.behind and late.ahead_reach is None  # behind its group: the loss check alone, as before
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bound_to", ["the model's parameters", "host copies"])

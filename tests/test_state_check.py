@@ -131,6 +131,27 @@ def test_the_margin_is_relative_to_the_own_loss():
         check.problem([torch.zeros(1, 1), torch.zeros(1, 1)])
 
 
+def test_a_worse_candidate_within_the_allowed_distance_of_the_own_state_passes():
+    """``within`` (a DiLoCo peer ahead of its group's state): a candidate scoring worse than the margin allows passes
+    if it lies within that L2 distance of the own state, and only then; no second batch is drawn for it."""
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.0, 2.0]]))  # own loss 4 on input (0, 1), target 0
+    batches = []
+    batch_loss = lambda: batches.append(1) or (lambda: model(torch.tensor([[0.0, 1.0]])).pow(2).sum())  # noqa: E731
+    check = StateCheck(model, [model.weight], batch_loss)
+    candidate = [torch.tensor([[0.0, 5.0]])]  # loss 25, 3 away
+    for within, passes in ((None, False), (2.999, False), (3.0, True), (10.0, True)):
+        batches.clear()
+        check.begin(within=within)
+        problem = check.problem(candidate)
+        assert (problem is None) == passes, (within, problem)
+        assert len(batches) == (1 if passes else 2), within
+    check.begin(own=[torch.tensor([[0.0, 4.5]])], within=1.0)  # the distance from the own state given, not the model
+    assert check.problem(candidate) is None
+    assert model.weight.tolist() == [[0.0, 2.0]]
+
+
 class Counted:
     """Stands in for hivemind's ProgressTracker: its count is the records it was given."""
 

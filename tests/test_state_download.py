@@ -295,8 +295,9 @@ class Offers(ValidatedStateSharing):
     with the next offer (donor, tensors) whose donor is not skipped; the check refuses every state it sees."""
 
     def __init__(self, offers: list[tuple[str, list[torch.Tensor]]]):
-        self.offers, self.adopted, self.checked = offers, [], []
-        self.download_check = lambda: lambda tensors: self.checked.append(tensors) or "its loss is worse"
+        self.offers, self.adopted, self.checked, self.within = offers, [], [], []
+        self.download_check = lambda within: (self.within.append(within)
+                                              or (lambda tensors: self.checked.append(tensors) or "its loss is worse"))
         self._outer_pipe = self
 
     def _local_layout(self) -> None:
@@ -319,8 +320,9 @@ def test_a_trusted_donors_state_skips_the_loss_check_and_the_others_are_refused(
     assert trusting_b.refused_donors() == {"a"} and (trusting_b.adopted_from, trusting_b.adopted_count) == ("b", 1)
 
     trusting_none = Offers([("a", a), ("b", b)])
-    trusting_none.load_state_from_peers(donors=["a", "b"])
+    trusting_none.load_state_from_peers(donors=["a", "b"], within=0.5)
     assert trusting_none.checked == [a, b] and trusting_none.adopted == []  # a named donor is checked all the same
+    assert trusting_b.within == [None] and trusting_none.within == [0.5]  # the download's allowance, to its check
     assert trusting_none.refused_donors() == {"a", "b"} and trusting_none.adopted_from is None
 
 

@@ -172,9 +172,9 @@ class OuterNesterov:
         return [anchor - host_float32(param, copy=False) for anchor, param in zip(self.anchor, self.parameters)]
 
     @torch.no_grad()
-    def step(self, averaged: Sequence[torch.Tensor], keep: Optional[Sequence[torch.Tensor]] = None) -> None:
+    def step(self, averaged: Sequence[torch.Tensor], keep: Optional[Sequence[torch.Tensor]] = None) -> float:
         """One outer step with gradient ``averaged``; the parameters become the new anchor, minus ``keep`` (a peer's
-        own progress not yet averaged, with ``overlap``) if given."""
+        own progress not yet averaged, with ``overlap``) if given. Returns how far the anchor moved (L2 norm)."""
         if len(averaged) != len(self.anchor):
             raise ValueError(f"averaged: expected {len(self.anchor)} tensors, got {len(averaged)}")
         for anchor, delta in zip(self.anchor, averaged):
@@ -184,9 +184,23 @@ class OuterNesterov:
             anchor.grad = delta.to(torch.float32)
         self.optimizer.step()
         self.steps += 1
+        moved = self._moved()
         for anchor in self.anchor:
             anchor.grad = None
         self.reset_parameters(keep)
+        return moved
+
+    def _moved(self) -> float:
+        """The norm of the step just taken: lr x |g + momentum x m| with torch's Nesterov SGD (m: the momentum after
+        the step), lr x |g| without momentum; from dot products, so no tensor of the model's size is allocated."""
+        group = self.optimizer.param_groups[0]
+        mu, squares = group["momentum"], 0.0
+        for anchor, momentum in zip(self.anchor, self.momenta):
+            grad, buffer = anchor.grad.reshape(-1), momentum.reshape(-1)
+            squares += float(torch.dot(grad, grad))
+            if mu > 0:
+                squares += 2 * mu * float(torch.dot(grad, buffer)) + mu * mu * float(torch.dot(buffer, buffer))
+        return group["lr"] * math.sqrt(max(squares, 0.0))
 
     @torch.no_grad()
     def reset_parameters(self, keep: Optional[Sequence[torch.Tensor]] = None) -> None:
@@ -608,6 +622,11 @@ def converged_state(tags: Mapping[str, Any]) -> Optional[list]:
     return list(max(counts, key=lambda fingerprint: (counts[fingerprint], *fingerprint)))
 
 
+# a peer ahead of the state its group converged on (it stepped alone, or its round succeeded where the others'
+# failed) once held that state: the group's anchor, one round on, lies within this many times the length of the
+# peer's own path since (see SwarmOptimizer._download_if_behind). Measured: at most 0.84 x that length (random outer
+# steps, momentum 0-0.9, 1-4 steps ahead, the group's round applied to both)
+AHEAD_REACH = 2.0
 OUTER_MAX_RATIO = 10.0  # an outer average this many times larger than every reference is not applied
 # ... and this many times its own pseudo-gradient, for a peer with nothing else to compare with (the swarm's first
 # round): one that started late took 1 local step where the others took 8 or more, and saw honest averages 19.5x and
@@ -691,6 +710,7 @@ class OuterLoop:
         self.behind = False  # the group's outer states differed and ours lost: download the swarm's
         self.donors: List[str] = []  # then the peer IDs of the groupmates that hold the state the group converges on
         self.outer_steps_behind: Optional[tuple] = None  # then (this peer's outer steps, the converged state's)
+        self.ahead_reach: Optional[float] = None  # then, if it is ahead of that state, how far it may lie (_applied)
         self.nothing_to_apply = False  # overlap: the last round only sent (no earlier round was in flight)
         self._pending: Optional[tuple] = None  # overlap: (control, progress sent, samples sent, tag sent)
         self._base: Optional[List[torch.Tensor]] = None  # overlap: the parameters when the last round ended
@@ -704,6 +724,8 @@ class OuterLoop:
         self.settled.set()
         self._held = False
         self.history = OuterHistory([anchor.shape for anchor in outer.anchor])  # served to groupmates catching up
+        # the last outer steps this peer took: (fingerprint before, fingerprint after, how far the anchor moved)
+        self._path: Deque[Tuple[list, list, float]] = collections.deque(maxlen=self.history.rounds + 1)
         if averager is not None:
             averager.serve_history(self.history)
 
@@ -877,6 +899,9 @@ class OuterLoop:
             self.settled.clear()  # until the caller has downloaded the group's state (_update_settled)
         self.outer_steps_behind = (int(sent_tag[0]), int(winner[0])) if self.behind else None
         self._step(averaged, list(sent_tag) if sent_tag is not None and not behind else self.fingerprint(), keep)
+        ahead = self.behind and int(winner[0]) < int(sent_tag[0])
+        moved = self.moved_since(winner) if ahead else None
+        self.ahead_reach = None if moved is None else AHEAD_REACH * moved
         self.samples_since_anchor, self.rounds = 0, self.rounds + 1
         return group_size
 
@@ -887,11 +912,25 @@ class OuterLoop:
         with self.lock:
             if self.branch_depth:
                 self._keep(before)
-            self.outer.step(averaged, keep=keep)
+            moved = self.outer.step(averaged, keep=keep)
         after = self.fingerprint()
         self.history.record(before, averaged, after)
+        self._path.append((list(before), after, moved))
         self.applied_norms = [float(tensor.float().norm()) for tensor in averaged]
         return after
+
+    def moved_since(self, fingerprint: list) -> Optional[float]:
+        """How far this peer's own outer steps moved its anchor since it held the state ``fingerprint``: the sum of
+        their lengths along its path from there to its current state; None if its record of its last steps (as many
+        as a history keeps, plus one) holds no such path, e.g. a download replaced its state since."""
+        current, length = self.fingerprint(), 0.0
+        for before, after, moved in reversed(self._path):
+            if after != current:
+                continue  # a step of a branch this peer left (it went back, or downloaded and came here again)
+            current, length = before, length + moved
+            if current == list(fingerprint):
+                return length
+        return None
 
     def _keep(self, fingerprint: list) -> None:
         """Copy the outer state (its fingerprint: ``fingerprint``) before it takes a step (``branch_depth``), into

@@ -363,16 +363,27 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._download_if_behind()
 
     def _download_if_behind(self) -> None:
-        """Download the outer state the last round's group converged on, if this peer's was another."""
+        """Download the outer state the last round's group converged on, if this peer's was another.
+
+        A peer ahead of that state (more outer steps: it stepped alone, or its last round succeeded where the others'
+        failed) held it itself a few steps ago, so the group's state is less trained than its own, and the loss check
+        of downloads refused it: in tests/test_diloco_faults.py (CI) steady stepped alone 3 times while the two others
+        downloaded its state of 1 step, lost the vote of their first round together (2 against 1), refused both
+        groupmates' states as 18-22% worse on a batch, and averaged every later round from another anchor than
+        theirs. Its download now also accepts a state that lies no farther from its own anchor than ``AHEAD_REACH``
+        times the length of its own path since it held the group's (:meth:`OuterLoop.moved_since`): what the group's
+        vote can move it by is bounded by its own last steps (``docs/security.md``)."""
         if not self.outer_loop.behind:
             return
         ours, theirs = self.outer_loop.outer_steps_behind
+        reach = self.outer_loop.ahead_reach
         logger.info(f"This peer's outer state ({ours} outer steps) differs from the one {len(self.outer_loop.donors)} "
-                    f"groupmate(s) hold ({theirs}): downloading theirs")
+                    f"groupmate(s) hold ({theirs}): downloading theirs"
+                    f"{'' if reach is None else f' (accepted within {reach:.4g} of its own anchor)'}")
         with self.outer_loop.unsettled():  # its own state is not the swarm's: served, it would pass on the lost one
             self.outer_loop.behind = False
             self.load_state_from_peers(donors=self.outer_loop.donors, trusted=self._trusted_donors(),
-                                       reason="outer_state")
+                                       reason="outer_state", within=reach)
 
     def _maybe_prepare_outer_round(self) -> None:
         """DiLoCo: begin the outer round's matchmaking once the swarm is expected to end the round within the
@@ -720,8 +731,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         count = len(check.parameters)
         offset = 0 if self.outer_loop is None else count  # the anchor is the first of the extra tensors
 
-        def start() -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
-            check.begin(None if self.outer_loop is None else self.outer_loop.outer.anchor)
+        def start(within: Optional[float] = None) -> Callable[[Sequence[torch.Tensor]], Optional[str]]:
+            check.begin(None if self.outer_loop is None else self.outer_loop.outer.anchor, within=within)
             return lambda tensors: check.problem(tensors[offset:offset + count])
 
         self.state_averager.download_check = start

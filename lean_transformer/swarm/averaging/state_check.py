@@ -22,6 +22,11 @@ that steps alone (or says it does) sets an epoch no honest donor can bring this 
 itself out of sync and download again at every step (seen in ``byzantine.py``'s gradient sign-flip cell: the liar
 alone at epoch 75, the honest trainers at 2 downloading each other's states several times a second).
 
+One exception: a DiLoCo peer whose group converged on a state with fewer outer steps than its own (it stepped
+alone, or its round succeeded where the others' failed) held that state itself a few steps ago, and the group's is
+worse on a batch by what its own steps since achieved. It also accepts a candidate whose anchor lies within a
+distance its own steps since bound (``within``, see ``SwarmOptimizer._download_if_behind``).
+
 The aux peer checks the states it checkpoints the same way, against its last snapshot, on its first held-out batch
 (``--eval_batches``; public, so a liar could fit its state to it: a weaker check than a trainer's).
 
@@ -34,12 +39,15 @@ elsewhere (a targeted backdoor), or a donor slightly worse than :data:`MARGIN` a
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 from hivemind.p2p import PeerID
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 MARGIN = 0.05  # a candidate may score at most this fraction of the own loss worse on the same local batch
 REFUSE_FOR = 600.0  # seconds a refused donor is skipped by this peer's downloads (as long as an exclusion)
@@ -60,11 +68,14 @@ class StateCheck:
         self._own: Optional[Sequence[torch.Tensor]] = None
         self._batch_loss: Optional[Callable[[], Union[torch.Tensor, float]]] = None
         self._own_loss = math.nan
+        self._within: Optional[float] = None
 
-    def begin(self, own: Optional[Sequence[torch.Tensor]] = None) -> None:
+    def begin(self, own: Optional[Sequence[torch.Tensor]] = None, within: Optional[float] = None) -> None:
         """Start a download: its candidates are scored against ``own`` (default: the model's parameters as they are
-        then) on a new local batch, drawn when the first candidate arrives."""
-        self._own, self._batch_loss = own, None
+        then) on a new local batch, drawn when the first candidate arrives. ``within``: a candidate that scores
+        worse passes all the same if its parameters lie within this L2 distance of the own (a DiLoCo peer ahead of
+        the state its group converged on: see ``SwarmOptimizer._download_if_behind``)."""
+        self._own, self._batch_loss, self._within = own, None, within
 
     @torch.no_grad()
     def problem(self, candidate: Sequence[torch.Tensor]) -> Optional[str]:
@@ -75,8 +86,15 @@ class StateCheck:
             self._own_loss = self._score(self._own)
         if len(candidate) != len(self.parameters):
             raise ValueError(f"{len(candidate)} candidate tensors for {len(self.parameters)} parameters")
-        if self._verdict(self._score(candidate)) is None:
+        problem = self._verdict(self._score(candidate))
+        if problem is None:
             return None
+        if self._within is not None:
+            distance = self._distance(candidate)
+            if distance <= self._within:
+                logger.info(f"A downloaded state passes though {problem}: it lies {distance:.4g} from this peer's "
+                            f"own (at most {self._within:.4g})")
+                return None
         # one batch's loss is noisy, and a flaky machine (bad memory, an fp16 overflow) can turn one forward pass
         # non-finite: a candidate that fails on the download's batch is scored again on a new one, and refused only
         # if it fails there too. Seen in tests/test_diloco_faults.py (CI): the peer whose forward passes turn NaN now
@@ -94,6 +112,12 @@ class StateCheck:
             return (f"its loss on a local batch is {score:.4f} against {own:.4f} for this peer's own state "
                     f"(more than {self.margin:.0%} worse)")
         return None
+
+    @torch.no_grad()
+    def _distance(self, candidate: Sequence[torch.Tensor]) -> float:
+        own = self.parameters if self._own is None else self._own
+        return math.sqrt(sum(float((value.to(mine.device, torch.float32) - mine.float()).norm()) ** 2
+                             for value, mine in zip(candidate, own)))
 
     @torch.no_grad()
     def _score(self, values: Optional[Sequence[torch.Tensor]]) -> float:

@@ -219,15 +219,15 @@ class ValidatedStateSharing:
     """Mixed in front of hivemind's ``TrainingStateAverager``: consistent snapshots out, validated states in.
 
     ``download_check`` (set by the swarm optimizer, :mod:`lean_transformer.swarm.averaging.state_check`): called once
-    per download, it returns a function of a fitting state's tensors that says why this peer should not adopt it
-    (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried.
+    per download (with the download's ``within``), it returns a function of a fitting state's tensors that says why
+    this peer should not adopt it (None: adopt). A refused donor is skipped for ``REFUSE_FOR`` seconds and the next one is tried.
     ``serve_gate`` (set by the swarm optimizer in DiLoCo mode): a snapshot waits for it for up to ``serve_wait``
     seconds (the swarm's setting, which a downloader adds to its wait for a donor's first part), then is taken
     anyway; the epoch's own gate (its optimizer step) is waited for within the downloader's patience, never passed.
     Both are checked under the optimizer's lock, so a gate cleared before a change that takes the lock keeps a
     snapshot either before the change or after the gate is set again."""
 
-    download_check: Optional[Callable[[], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
+    download_check: Optional[Callable[[Optional[float]], Callable[[Sequence[torch.Tensor]], Optional[str]]]] = None
     serve_gate: Optional[threading.Event] = None
     _state_label: Optional[tuple] = None  # see state_label
 
@@ -368,17 +368,19 @@ class ValidatedStateSharing:
     adopted_count = 0  # states adopted so far
 
     def load_state_from_peers(self, timeout: Optional[float] = None, donors: Sequence[str] = (),
-                              trusted: Sequence[str] = (), reason: str = "", **_unused) -> None:
+                              trusted: Sequence[str] = (), reason: str = "", within: Optional[float] = None,
+                              **_unused) -> None:
         """Load the best state that a peer serves, that fits this peer (see the module's docstring) and that passes
         :attr:`download_check`; keep the current state if none does within ``timeout`` seconds (default:
         ``request_timeout`` per part). ``donors`` (peer IDs) are tried first, and their states fit at any epoch: e.g.
         DiLoCo's groupmates whose outer state the group converged on. The states of ``trusted`` peers skip
         :attr:`download_check` (the layout checks still apply): e.g. the donor a DiLoCo newcomer joined from, one
-        outer step on (see ``SwarmOptimizer._trusted_donors``). ``reason`` (why it downloads) goes into the
-        ``state_downloaded`` event."""
+        outer step on (see ``SwarmOptimizer._trusted_donors``). ``within``: passed to :attr:`download_check` (a
+        candidate whose parameters lie within this distance of the own passes it, see ``StateCheck.begin``).
+        ``reason`` (why it downloads) goes into the ``state_downloaded`` event."""
         layout = self._local_layout()
         deadline = None if timeout is None else time.monotonic() + timeout
-        check = None if self.download_check is None else self.download_check()
+        check = None if self.download_check is None else self.download_check(within)
         refused = 0
         for attempt in range(MAX_CHECKED_DONORS if check is not None else 1):
             remaining = None if deadline is None else deadline - time.monotonic()
