@@ -243,13 +243,17 @@ def main(variant: str, case: str) -> None:
 
     import hivemind
     import torch
+    from hivemind.averaging.key_manager import GroupKeyManager
     from hivemind.averaging.matchmaking import PotentialLeaders
     from hivemind.optim import grad_averager
     from hivemind.utils.mpfuture import MPFuture
 
     from lean_transformer.swarm.averaging import averagers
+    from lean_transformer.swarm.hivemind_fixes import undeclare
 
     parent = averagers.GradientAverager if variant == "lean_transformer" else grad_averager.GradientAverager
+    if variant == "hivemind":  # its matchmaking's clean-up awaits the withdrawal's DHT store (hivemind_fixes.undeclare)
+        GroupKeyManager.declare_averager = undeclare.HIVEMIND_DECLARE_AVERAGER
 
     class Averager(parent):  # one class for A and B: hivemind names the RPCs after it
         def __init__(self, *args, answer_delay: float = 0.0, **kwargs):
@@ -262,12 +266,13 @@ def main(variant: str, case: str) -> None:
         async def _cleanup_waits_for_dht(self, future: MPFuture) -> None:
             """Whether a task of this process waits in matchmaking's clean-up for the (stopped) DHT: hivemind's
             ``PotentialLeaders._declare_averager_periodically``, past its ``finally``, where it withdraws the
-            declaration."""
+            declaration, or our withdrawal in the background (``hivemind_fixes.undeclare``)."""
             try:
                 code = PotentialLeaders._declare_averager_periodically.__code__
                 lines, first = inspect.getsourcelines(code)
                 cleanup = first + next(index for index, line in enumerate(lines) if line.strip() == "finally:")
-                future.set_result(any(frame.f_code is code and frame.f_lineno > cleanup
+                after = {code: cleanup, undeclare._withdraw.__code__: 0}
+                future.set_result(any(frame.f_code in after and frame.f_lineno > after[frame.f_code]
                                       for task in asyncio.all_tasks() for frame in task.get_stack()))
             except Exception as error:  # said in the test's process, not lost in this one's
                 future.set_exception(error)
