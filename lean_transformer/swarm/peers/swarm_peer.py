@@ -13,7 +13,7 @@ from lean_transformer.swarm.auth.revocation import RevocationWatcher
 from lean_transformer.swarm.monitoring.events import set_peer
 from lean_transformer.swarm.protocol.agreement import SwarmAgreement
 from lean_transformer.swarm.protocol.dht import build_dht, initial_peers_line, peer_private_key
-from lean_transformer.swarm.protocol.metrics import make_validators
+from lean_transformer.swarm.protocol.metrics import MetricsPublisher, make_validators
 
 if TYPE_CHECKING:
     from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a leaving peer waits for the store of its last metrics record, after its averagers left (the store had
+# their shutdown's seconds already), within the graceful shutdown's default budget of 25 s
+LAST_RECORD_TIMEOUT = 5.0
+
 
 class SwarmPeer:
     """A peer's membership in the swarm, as a context manager.
@@ -31,9 +35,11 @@ class SwarmPeer:
     On entry: the peer's identity key (``private_key``, which also signs its DHT records: ``public_key`` is their
     owner), the DHT with the run's record validators (``dht``), the agreement on ``swarm_settings`` with the peers
     already there (``agreement``; a mismatch raises SettingsMismatchError) and, in an authorized swarm, the watcher of
-    the authority's revocation list (``revocations``, else None; a revoked identity raises IdentityRevokedError). On
-    exit, after an error too: the optimizer of :meth:`start_optimizer` leaves first (its averagers say goodbye through
-    the DHT), then the agreement and the watcher stop and the DHT shuts down, also if the optimizer's shutdown failed.
+    the authority's revocation list (``revocations``, else None; a revoked identity raises IdentityRevokedError), and
+    the publisher of its metrics records (``metrics``). On exit, after an error too: the optimizer of
+    :meth:`start_optimizer` leaves first (its averagers say goodbye through the DHT), then the last metrics record is
+    given up to ``LAST_RECORD_TIMEOUT`` to be stored, the agreement and the watcher stop and the DHT shuts down, also if
+    the optimizer's shutdown failed.
     A peer that was asked to stop is held to its time budget by
     :class:`~lean_transformer.swarm.peers.shutdown.GracefulShutdown` meanwhile.
     """
@@ -49,6 +55,7 @@ class SwarmPeer:
         self.public_key: bytes = signature_validator.local_public_key
         self.dht = build_dht(self.network, [signature_validator, metrics_validator])
         set_peer(str(self.dht.peer_id))  # before the averagers fork: their events name this peer too
+        self.metrics = MetricsPublisher(self.dht, self.network.run_id, self.public_key)
         try:
             if self.network.auth_token_path is not None:
                 authority = load_public_key(self.network.authority_public_key_path, "authority public key file")
@@ -83,6 +90,7 @@ class SwarmPeer:
                 logger.info("Leaving the swarm")
                 self.optimizer.shutdown()
         finally:
+            self.metrics.flush(timeout=LAST_RECORD_TIMEOUT)
             self.agreement.stop()
             if self.revocations is not None:
                 self.revocations.stop()

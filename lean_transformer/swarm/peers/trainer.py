@@ -29,7 +29,7 @@ from lean_transformer.swarm.monitoring.events import EventReader, emit, peer_eve
 from lean_transformer.swarm.protocol.dht import derive_peer_seed, visible_maddrs
 from lean_transformer.swarm.averaging.host_grad_averager import check_host_gradient_options
 from lean_transformer.swarm.storage.hub import resolve_checkpoint
-from lean_transformer.swarm.protocol.metrics import publish_metrics
+from lean_transformer.swarm.protocol.metrics import MetricsPublisher
 from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
 from lean_transformer.swarm.peers.progress import ProgressLine
 from lean_transformer.swarm.peers.reporting import MetricsReporter
@@ -123,7 +123,7 @@ def _train(task: TrainingTask, network: NetworkSettings, collaboration: Collabor
         optimizer.check_downloads(model, local_batch_loss(task, model, optimizer, device, training,
                                                           derive_peer_seed(peer.dht.peer_id, training.seed + 1)))
         join_swarm(model, optimizer, checkpoint, peer.dht, network.client_mode, events_path)
-        finished = training_loop(task, model, optimizer, peer.dht, peer.public_key, shutdown, device, network,
+        finished = training_loop(task, model, optimizer, peer.dht, peer.metrics, shutdown, device, network,
                                  collaboration, training, peer.agreement, progress, block_scaling, events_path,
                                  peer.revocations)
     logger.info("Shut down cleanly")
@@ -146,9 +146,9 @@ def join_swarm(model: PreTrainedModel, optimizer: SwarmOptimizer, checkpoint: Op
 
 
 def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOptimizer, dht: hivemind.DHT,
-                  public_key: bytes, shutdown: GracefulShutdown, device: torch.device, network: NetworkSettings,
-                  collaboration: CollaborationSettings, training: TrainingSettings, agreement: SwarmAgreement,
-                  progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None,
+                  metrics_publisher: MetricsPublisher, shutdown: GracefulShutdown, device: torch.device,
+                  network: NetworkSettings, collaboration: CollaborationSettings, training: TrainingSettings,
+                  agreement: SwarmAgreement, progress: ProgressLine, block_scaling: Optional[SwarmBlockScaling] = None,
                   events_path: Optional[Path] = None, revocations: Optional[RevocationWatcher] = None) -> bool:
     """Train until ``training.stop_epoch`` (returns True) or a stop request (returns False). ``events_path``: this
     peer's event stream, where its averagers report their rounds (counted in its metrics records). ``revocations``
@@ -170,8 +170,8 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
     last_epoch_loss = math.nan  # shown until the current epoch has a loss of its own
     warned_short_epochs = False
     reporter = MetricsReporter(str(dht.peer_id), network.client_mode, events_path)
-    publish_metrics(dht, network.run_id, public_key, reporter.joined(optimizer.local_epoch),
-                    collaboration.metrics_expiration, wait=False)  # the aux peer waits for this trainer from now on
+    # the aux peer waits for this trainer from now on
+    metrics_publisher.publish(reporter.joined(optimizer.local_epoch), collaboration.metrics_expiration)
     model.train()
 
     while not shutdown.requested.is_set() and optimizer.local_epoch < training.stop_epoch:
@@ -253,7 +253,7 @@ def training_loop(task: TrainingTask, model: PreTrainedModel, optimizer: SwarmOp
             metrics = reporter.record(optimizer.local_epoch,
                                       float(optimizer.tracker.performance_ema.samples_per_second),
                                       samples=work.samples, loss_sum=work.loss_sum, mini_steps=work.mini_steps)
-            publish_metrics(dht, network.run_id, public_key, metrics, collaboration.metrics_expiration, wait=False)
+            metrics_publisher.publish(metrics, collaboration.metrics_expiration)
             optimizer.distrust(reporter.excluded)
             advice = None if collaboration.local_steps else short_epoch_warning(  # DiLoCo rounds are long by design
                 collaboration.target_batch_size, collaboration.matchmaking_time, metrics.samples_per_second,

@@ -17,6 +17,7 @@ hivemind's own ``SchemaValidator`` only accepts pydantic.v1 models, hence this s
 from __future__ import annotations
 
 import logging
+import time
 from typing import Annotated, NamedTuple, Optional, Union
 
 import hivemind
@@ -156,6 +157,45 @@ def publish_metrics(dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: 
     with ``wait=False`` a future of that (so that a slow DHT does not hold up training)."""
     return dht.store(metrics_key(run_id), subkey=public_key, value=metrics.model_dump(),
                      expiration_time=get_dht_time() + expiration, return_future=not wait)
+
+
+class MetricsPublisher:
+    """Stores this peer's records without holding up training, and lets the last one reach the DHT before it leaves.
+
+    A DHT request in a swarm of dozens over slow links takes seconds (the progress lookups of
+    ``benchmarks/internet.py``'s 16-trainer runs: 11-16 s at the 90th percentile), and a peer that shut its DHT down
+    meanwhile lost the record of the epoch it had just reached, so the aux peer's row of that epoch missed it (a
+    trainer that left by SIGTERM 0.5 s after reaching its epoch; its DHT was stopped 11 s later). :meth:`flush` waits,
+    bounded, for the last store.
+    """
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, public_key: bytes):
+        self.dht, self.run_id, self.public_key = dht, run_id, public_key
+        self._last: Optional[MPFuture] = None
+        self._last_published = 0.0
+
+    def publish(self, metrics: LocalMetrics, expiration: float) -> None:
+        """Start storing ``metrics`` for ``expiration`` seconds; it replaces the peer's earlier record."""
+        self._last = publish_metrics(self.dht, self.run_id, self.public_key, metrics, expiration, wait=False)
+        self._last_published = time.monotonic()
+
+    def flush(self, timeout: float) -> Optional[bool]:
+        """Wait up to ``timeout`` seconds for the last record's store: True if some node accepted it, False if none
+        did or it is still under way (one line says which), None if nothing was published."""
+        if self._last is None:
+            return None
+        try:
+            stored = bool(self._last.result(timeout=timeout))
+        except TimeoutError:
+            logger.warning(f"This peer's last metrics record was not stored within "
+                           f"{time.monotonic() - self._last_published:.1f} s; the aux peer may miss its last epoch")
+            return False
+        except Exception as error:  # the DHT failed the request: the same consequence, said once
+            logger.warning(f"Storing this peer's last metrics record failed ({type(error).__name__}: {error})")
+            return False
+        if not stored:
+            logger.warning("No DHT node accepted this peer's last metrics record")
+        return stored
 
 
 def fetch_metrics(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
