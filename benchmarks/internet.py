@@ -53,7 +53,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import psutil
 
@@ -354,17 +354,29 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
 # ---------------------------------------------------------------- the figures
 
 
-def aux_rows(aux_events: Sequence[dict], trainer_events: Dict[str, Sequence[dict]]) -> dict:
+def aux_rows(aux_events: Sequence[dict], trainer_events: Dict[str, Sequence[dict]],
+             stops: Mapping[str, Tuple[str, float]] = {}) -> dict:
     """The aux peer's epoch rows against the trainers' own events: the row of epoch E should count every trainer that
     reached E (its ``epoch`` event of E: the record of E carries the work of the epoch it finished). Returns how many
-    rows there are, how many count exactly that, and the others as [epoch, counted, reached]."""
-    reached: Dict[int, set] = {}
+    rows there are, how many count exactly that, and the others as [epoch, counted, reached, left]: ``left`` names
+    the trainers stopped on purpose (``stops``: name -> (signal, time)) in that epoch, as [name, signal, seconds from
+    reaching it to the signal]: a trainer SIGKILLed as it reaches E cannot tell the DHT of it."""
+    reached: Dict[int, Dict[str, float]] = {}
     for name, stream in trainer_events.items():
         for event in stream:
             if event["event"] == "epoch":
-                reached.setdefault(event["epoch"], set()).add(name)
+                reached.setdefault(event["epoch"], {}).setdefault(name, event["time"])
+    last_epoch = {name: max(reached_in) for name, reached_in in
+                  ((name, [epoch for epoch, names in reached.items() if name in names]) for name in trainer_events)
+                  if reached_in}
     rows = [(event["epoch"], event["alive_peers"]) for event in aux_events if event["event"] == "swarm_epoch"]
-    off = [[epoch, count, len(reached.get(epoch, ()))] for epoch, count in rows if count != len(reached.get(epoch, ()))]
+    off = []
+    for epoch, count in rows:
+        names = reached.get(epoch, {})
+        if count != len(names):
+            left = [[name, stops[name][0], round(stops[name][1] - names[name], 1)] for name in sorted(names)
+                    if name in stops and last_epoch[name] == epoch]
+            off.append([epoch, count, len(names), left])
     return {"rows": len(rows), "exact": len(rows) - len(off), "off": off}
 
 
@@ -372,7 +384,9 @@ def aux_note(rows: Optional[dict]) -> str:
     """:func:`aux_rows` in a few words."""
     if not rows:
         return "no aux rows"
-    off = ", ".join(f"epoch {epoch}: {count} of {reached}" for epoch, count, reached in rows["off"])
+    off = ", ".join(f"epoch {epoch}: {count} of {reached}" + (
+        " (" + "; ".join(f"{name} sent {signal} {seconds:g} s after reaching it" for name, signal, seconds in left)
+        + ")" if left else "") for epoch, count, reached, left in rows["off"])
     return f"aux rows counting every trainer that reached their epoch: {rows['exact']} of {rows['rows']}" + (
         f" (off: {off})" if off else "")
 
@@ -523,7 +537,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         **{f"{key}_mean": statistics.mean([t[key] for t in per_trainer if t[key] is not None] or [math.nan])
            for key in ("utilization", "waiting", "compute_cpu_share")},
         "aux_rows": aux_rows(events.get("aux", ()), {slot.name: events[slot.name] for slot in trainers
-                                                     if slot.name in events}),
+                                                     if slot.name in events},
+                             {slot.name: (slot.stop_signal, slot.stopped) for slot in trainers if slot.stop_signal}),
         "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
         "timeline": timeline_of(events, slots, start, stop, kind),
     }

@@ -49,6 +49,15 @@ def test_aux_rows_are_checked_against_the_trainers_that_reached_each_epoch():
     aux = [event(1.5, "swarm_epoch", epoch=1, alive_peers=1), event(2.5, "swarm_epoch", epoch=2, alive_peers=3),
            event(3.5, "swarm_epoch", epoch=3, alive_peers=1), event(3.6, "progress")]
     result = aux_rows(aux, trainers)
-    assert result == {"rows": 3, "exact": 2, "off": [[1, 1, 2]]}
+    assert result == {"rows": 3, "exact": 2, "off": [[1, 1, 2, []]]}
     assert aux_note(result) == "aux rows counting every trainer that reached their epoch: 2 of 3 (off: epoch 1: 1 of 2)"
+    # t0 is killed in epoch 1, t2 stopped in epoch 3, t1 later: the rows off name those that left in their epoch
+    trainers["t0"].pop()
+    aux[1]["alive_peers"], aux[2]["alive_peers"] = 2, 0
+    result = aux_rows(aux, trainers, {"t0": ("SIGKILL", 1.3), "t1": ("SIGTERM", 9.0), "t2": ("SIGTERM", 3.5)})
+    assert result == {"rows": 3, "exact": 1,
+                      "off": [[1, 1, 2, [["t0", "SIGKILL", 0.3]]], [3, 0, 1, [["t2", "SIGTERM", 0.5]]]]}
+    assert aux_note(result) == ("aux rows counting every trainer that reached their epoch: 1 of 3 (off: epoch 1: 1 "
+                                "of 2 (t0 sent SIGKILL 0.3 s after reaching it), epoch 3: 0 of 1 (t2 sent SIGTERM "
+                                "0.5 s after reaching it))")
     assert aux_note(None) == "no aux rows"
