@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # 2 pytest-xdist workers, each a test file at a time; a file marked `alone` runs by itself (tests/conftest.py: BoxShare)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests $(ARGS)
 
 # the docs site, strictly: a broken link or a results file that does not fit the schema fails the build
 docs: $(STAMP)

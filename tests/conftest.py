@@ -1,5 +1,5 @@
 """Shared fixtures: tiny model configs (fast on 2 busy CPU cores), the report of the fault and security cases, and
-the box's share between pytest-xdist's workers (files marked ``alone`` run with the box to themselves)."""
+the box's share between pytest-xdist's workers (files marked ``alone`` run with the box to themselves, and first)."""
 from __future__ import annotations
 
 import fcntl
@@ -149,6 +149,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = config.stash.get(BOX_FOLDER, None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Files marked ``alone`` first, then by number of tests (pytest-xdist's own order, which ``make test`` turns off
+    with ``--no-loadscope-reorder`` for this one). A worker that reaches an alone file in mid-run idles until the
+    other's current file ends (a swarm file: up to 6 min); at the start both begin together, and the alone files cost
+    only their own time (an estimate from a CI run's file times: ~100 s less of the suite's 24 min)."""
+    per_file: Dict[Path, int] = {}
+    for item in items:
+        per_file[item.path] = per_file.get(item.path, 0) + 1
+    alone = {item.path for item in items if item.get_closest_marker("alone") is not None}
+    items.sort(key=lambda item: (item.path not in alone, -per_file[item.path]))  # stable: in-file order kept
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: the wait is not the test's time
