@@ -2,7 +2,7 @@
 restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
 a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a DiLoCo
 peer one epoch label behind ends its epoch instead of downloading; a peer that takes its group's epoch label joins
-that epoch's parameter round; a leaving peer gives up a parameter round that has found no group; a groupmate that
+that epoch's parameter round, and one a label behind its group skips the parameter round its group held; a leaving peer gives up a parameter round that has found no group; a groupmate that
 starts its all-reduce late is still averaged in; a peer that leaves with rounds it will not finish logs no traceback;
 a gradient round is pre-scheduled and declared for the matchmaking window; a DiLoCo epoch end whose last round is
 still running trains on; a DiLoCo peer waits for a trainer that started with it before stepping alone, and two
@@ -104,10 +104,11 @@ def swarm_peer(dht, run_id: str, seed: int = 0, **options):
 
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)
-    return SwarmOptimizer(dht=dht, run_id=run_id, target_batch_size=1000, batch_size_per_step=4,
+    return SwarmOptimizer(dht=dht, run_id=run_id, batch_size_per_step=4,
                           params=[dict(params=list(model.parameters()))], offload_optimizer=True,
                           optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                          **dict(dict(matchmaking_time=0.5, averaging_timeout=5.0, load_state_timeout=20), **options))
+                          **dict(dict(target_batch_size=1000, matchmaking_time=0.5, averaging_timeout=5.0,
+                                      load_state_timeout=20), **options))
 
 
 def move_to(peer, epoch: int) -> None:
@@ -261,6 +262,69 @@ def run_label_taker() -> dict:
         for each in (*peers, *dhts):
             each.shutdown()
     return result
+
+
+def run_state_epoch_behind(hivemind_round: bool) -> dict:
+    """Two gradient-mode peers averaging parameters every 2 epochs: A at epoch 2 (it held that epoch's parameter
+    round), B one label behind at 1, as a newcomer whose download predates the swarm's last step. Their epochs end
+    together and their gradient round averages both: A steps to 3, B to 2. ``hivemind_round``: B's step begins
+    hivemind's parameter round of epoch 2, as before the fix. The round's group, the parameter rounds begun, how long
+    B's next optimizer step waits for its earlier ones, both epochs, the label B noted to take from its group, and
+    whether both took the same step."""
+    import tempfile
+    import threading
+    import time
+
+    import torch
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lean_transformer.swarm.averaging.optimizer import SwarmOptimizer
+    from lean_transformer.swarm.monitoring.events import open_events, read_events
+    from lean_transformer.swarm.peers.processes import wait_until
+
+    if hivemind_round:
+        SwarmOptimizer._group_held_state_round = lambda self: False
+    events = Path(tempfile.mkdtemp()) / "events.jsonl"
+    open_events(events, "trainer")
+    dhts, peers = joined_dhts(), []
+    try:
+        a, b = (swarm_peer(dht, "state_behind", seed, target_batch_size=8, average_state_every=2,
+                           matchmaking_time=2.0, averaging_timeout=8.0,
+                           tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=0.5,
+                                             private_key=RSAPrivateKey())) for seed, dht in enumerate(dhts))
+        peers += [a, b]
+        move_to(a, 2)
+        a.tracker.report_local_progress(2, samples_accumulated=8)  # A's epoch 2 is over; B, behind, sees it so
+        move_to(b, 1)
+        wait_until(lambda: all(peer.tracker.global_progress.num_peers == 2 and peer.tracker.ready_to_update_epoch
+                               for peer in peers), 30, "each tracker reads both records and the epoch over",
+                   interval=0.1)
+        b._should_check_synchronization_on_update = False  # its once-per-epoch exact check ran, as after a download
+        before = [[param.detach().clone() for param in peer.state_averager.main_parameters] for peer in peers]
+
+        def end_epoch(peer) -> None:
+            params = [param for group in peer.param_groups for param in group["params"]]
+            sum(param.pow(2).sum() for param in params).backward()
+            peer.step(batch_size=4)  # the swarm's epoch is over: this step ends it
+
+        threads = [threading.Thread(target=end_epoch, args=(peer,)) for peer in peers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        started = time.monotonic()
+        b.state_averager.step(wait_for_delayed_updates=True)
+        waited = time.monotonic() - started
+        steps = [[param - old for param, old in zip(peer.state_averager.main_parameters, olds)]
+                 for peer, olds in zip(peers, before)]
+        return dict(group=len(b.last_gradient_round.result()),
+                    state_rounds=len([event for event in read_events(events, "round_started")
+                                      if event["kind"] == "parameters"]),
+                    waited=round(waited, 1), epochs=[peer.local_epoch for peer in peers], label=b._group_epoch,
+                    same_step=all(torch.allclose(sa, sb, rtol=1e-4, atol=1e-5) for sa, sb in zip(*steps)))
+    finally:
+        for each in (*peers, *dhts):
+            each.shutdown()
 
 
 def run_leaver(order: str) -> dict:
@@ -630,6 +694,18 @@ def test_a_peer_that_takes_its_groups_epoch_label_joins_that_epochs_parameter_ro
 
 
 @pytest.mark.swarm
+def test_a_peer_a_label_behind_its_group_skips_the_parameter_round_its_group_held():
+    hivemind_round, ours = run_script("state_epoch", "hivemind"), run_script("state_epoch", "ours")
+    # both: one gradient round of the pair, the same step for both, A at 3 and B at 2, noting A's label 3 to take
+    for result in hivemind_round, ours:
+        assert (result["group"], result["epochs"], result["label"], result["same_step"]) == (2, [3, 2], 3, True), result
+    # hivemind's step to epoch 2 began a parameter round that no one else takes part in, and B's next optimizer step
+    # waited for it to fail; ours begins none and does not wait
+    assert hivemind_round["state_rounds"] == 1 and hivemind_round["waited"] >= 2.0, hivemind_round
+    assert ours["state_rounds"] == 0 and ours["waited"] < 1.0, ours
+
+
+@pytest.mark.swarm
 def test_a_peer_takes_the_label_most_of_its_group_stepped_from_without_waiting_for_its_view():
     result = run_script("label_majority")
     # 3 of 4 groupmates a label ahead: taken at once (before: only once a fetch showed epoch 5, which never came in
@@ -733,6 +809,7 @@ def test_an_epoch_end_from_a_view_without_other_trainers_stands_only_if_the_swar
 if __name__ == "__main__":
     scripts = dict(stale=run_stale_newcomer, behind=run_behind_at_epoch_end, label=run_label_taker,
                    label_majority=run_label_from_majority,
+                   state_epoch=lambda: run_state_epoch_behind(sys.argv[2] == "hivemind"),
                    leave=lambda: run_leaver(sys.argv[2]),
                    late=lambda: {case: run_late_member(case == "hivemind") for case in ("hivemind", "ours")},
                    leave_mid_round=run_leaving_mid_round, window=run_gradient_window, in_flight=run_round_in_flight,

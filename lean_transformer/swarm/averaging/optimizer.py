@@ -521,6 +521,25 @@ class SwarmOptimizer(hivemind.Optimizer):
         if control is not None and control.done() and not control.cancelled() and control.exception() is None:
             self._group_epochs = [epoch for epoch in (control.result() or {}).values()
                                   if isinstance(epoch, int) and not isinstance(epoch, bool)]
+            # on the step's own thread (not delayed: hivemind decides on its parameter round after this returns)
+            if not self.delay_grad_averaging and self._group_held_state_round():
+                self.average_state_every = NEVER  # for the rest of this step (_advance_epoch restores it)
+
+    def _group_held_state_round(self) -> bool:
+        """Gradient mode, inside the epoch's step, after its gradient round: whether that round's group had members
+        a label ahead of this peer's and none at its label, so that they held the parameter round of the epoch this
+        step moves to a round ago, and hivemind's round for it (which this step would begin) has no one to find.
+
+        Seen in benchmarks/internet.py (16 trainers, gradient mode): a newcomer one label behind its group stepped to
+        epoch 10 (--average_state_every 10) as the group stepped to 11; its parameter round looked for a group for
+        59 s, and its next optimizer step waited for that round (hivemind runs them on one thread), so the swarm moved
+        on two epochs meanwhile and it trained two labels behind for the rest of the run: its records went to the
+        aux peer's rows two epochs late, after those rows had been written without it. The step skips that round; the
+        peer takes the group's label at its next check (:meth:`_should_load_state_from_peers`)."""
+        others = list(self._group_epochs or [])
+        if self.local_epoch in others:
+            others.remove(self.local_epoch)  # this peer's own
+        return bool(others) and self.local_epoch not in others and max(others) > self.local_epoch
 
     def _align_epoch_with_group(self, epoch: int) -> None:
         """Gradient-averaging mode, after the round that ended ``epoch``: note the epoch that groupmates one label
@@ -592,8 +611,13 @@ class SwarmOptimizer(hivemind.Optimizer):
                                  averaging_control=control, averaging_opts=dict(timeout=self.averaging_timeout))
 
     def _advance_epoch(self, grad_scaler: Optional[hivemind.GradScaler]) -> None:
-        """hivemind's epoch update (in DiLoCo mode after the outer round)."""
-        super()._update_global_epoch(grad_scaler)
+        """hivemind's epoch update (in DiLoCo mode after the outer round), without the parameter round that this
+        peer's gradient group held a round ago (:meth:`_group_held_state_round`)."""
+        average_state_every = self.average_state_every
+        try:
+            super()._update_global_epoch(grad_scaler)
+        finally:
+            self.average_state_every = average_state_every
 
     def _end_outer_round(self) -> None:
         with self.tracker.performance_ema.pause():  # not tracker.pause_updates: hivemind's epoch update takes it
