@@ -2,12 +2,13 @@
 restarting from the anchor (after a download or a checkpoint) in DiLoCo mode, a no-op in gradient-averaging mode. And
 a newcomer whose view of the swarm's epoch predates its download: it does not download the same state again; a DiLoCo
 peer one epoch label behind ends its epoch instead of downloading; a peer that takes its group's epoch label joins
-that epoch's parameter round, and one a label behind its group skips the parameter round its group held; a leaving peer gives up a parameter round that has found no group; a groupmate that
-starts its all-reduce late is still averaged in; a peer that leaves with rounds it will not finish logs no traceback;
-a gradient round is pre-scheduled and declared for the matchmaking window; a DiLoCo epoch end whose last round is
-still running trains on; a DiLoCo peer waits for a trainer that started with it before stepping alone, and two
-gradient-mode trainers that start together average their first epoch; an epoch end from a view that shows no
-other trainer stands only if the swarm's records agree."""
+that epoch's parameter round, and one a label behind its group skips the parameter round its group held; a leaving
+peer gives up a parameter round that has found no group; a groupmate that starts its all-reduce late is still
+averaged in; a peer that leaves with rounds it will not finish logs no traceback; a gradient round is pre-scheduled
+and declared for the matchmaking window; a DiLoCo epoch end whose last round is still running trains on; a DiLoCo
+peer waits for a trainer that started with it before stepping alone, and two gradient-mode trainers that start
+together average their first epoch; an epoch end from a view that shows no other trainer stands only if the swarm's
+records agree."""
 from __future__ import annotations
 
 import json

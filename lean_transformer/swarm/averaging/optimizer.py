@@ -523,6 +523,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                                   if isinstance(epoch, int) and not isinstance(epoch, bool)]
             # on the step's own thread (not delayed: hivemind decides on its parameter round after this returns)
             if not self.delay_grad_averaging and self._group_held_state_round():
+                logger.info(f"This peer's gradient group was a label ahead (epochs {sorted(set(self._group_epochs))}, "
+                            f"this peer {self.local_epoch}): it held this step's parameter round already, skipped")
                 self.average_state_every = NEVER  # for the rest of this step (_advance_epoch restores it)
 
     def _group_held_state_round(self) -> bool:
