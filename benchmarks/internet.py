@@ -354,29 +354,57 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
 # ---------------------------------------------------------------- the figures
 
 
+def aux_tables(path: Path) -> Dict[int, Dict[str, int]]:
+    """The aux peer's table of contributors as it wrote it after each epoch row (its JSONL file): epoch -> {peer ID:
+    the epoch of that peer's record then}; empty if there is no file."""
+    tables: Dict[int, Dict[str, int]] = {}
+    pending: List[int] = []  # the epoch rows written since the last table
+    if not path.exists():
+        return tables
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "alive_peers" in row:
+            pending.append(row["epoch"])
+        elif "peers" in row:
+            for epoch in pending:
+                tables[epoch] = {peer["peer_id"]: peer["epoch"] for peer in row["peers"] if peer.get("peer_id")}
+            pending = []
+    return tables
+
+
 def aux_rows(aux_events: Sequence[dict], trainer_events: Dict[str, Sequence[dict]],
-             stops: Mapping[str, Tuple[str, float]] = {}) -> dict:
+             stops: Mapping[str, Tuple[str, float]] = {}, tables: Mapping[int, Mapping[str, int]] = {},
+             peer_ids: Mapping[str, Optional[str]] = {}) -> dict:
     """The aux peer's epoch rows against the trainers' own events: the row of epoch E should count every trainer that
     reached E (its ``epoch`` event of E: the record of E carries the work of the epoch it finished). Returns how many
-    rows there are, how many count exactly that, and the others as [epoch, counted, reached, left]: ``left`` names
-    the trainers stopped on purpose (``stops``: name -> (signal, time)) in that epoch, as [name, signal, seconds from
-    reaching it to the signal]: a trainer SIGKILLed as it reaches E cannot tell the DHT of it."""
+    rows there are, how many count exactly that, and the others as [epoch, counted, reached, missed]: ``missed``
+    names the trainers that reached E whose record was still below E in the aux peer's table written with the row
+    (``tables``, :func:`aux_tables`; ``peer_ids``: trainer name -> peer ID), each with why: the signal that stopped it
+    in that epoch and how soon after reaching it (``stops``: name -> (signal, time); a trainer SIGKILLed as it reaches
+    E cannot tell the DHT of it), else when it reached E relative to the row."""
     reached: Dict[int, Dict[str, float]] = {}
     for name, stream in trainer_events.items():
         for event in stream:
             if event["event"] == "epoch":
                 reached.setdefault(event["epoch"], {}).setdefault(name, event["time"])
-    last_epoch = {name: max(reached_in) for name, reached_in in
-                  ((name, [epoch for epoch, names in reached.items() if name in names]) for name in trainer_events)
-                  if reached_in}
-    rows = [(event["epoch"], event["alive_peers"]) for event in aux_events if event["event"] == "swarm_epoch"]
+    last_epoch = {name: max(epoch for epoch, names in reached.items() if name in names)
+                  for name in trainer_events if any(name in names for names in reached.values())}
+    rows = [event for event in aux_events if event["event"] == "swarm_epoch"]
     off = []
-    for epoch, count in rows:
-        names = reached.get(epoch, {})
-        if count != len(names):
-            left = [[name, stops[name][0], round(stops[name][1] - names[name], 1)] for name in sorted(names)
-                    if name in stops and last_epoch[name] == epoch]
-            off.append([epoch, count, len(names), left])
+    for row in rows:
+        epoch, names = row["epoch"], reached.get(row["epoch"], {})
+        if row["alive_peers"] == len(names):
+            continue
+        table, missed = tables.get(epoch), []
+        for name in sorted(names, key=names.get) if table is not None else ():  # no table: who is unknown
+            if table.get(peer_ids.get(name) or "", -1) >= epoch:
+                continue
+            if name in stops and last_epoch[name] == epoch:
+                why = f"sent {stops[name][0]} {stops[name][1] - names[name]:.1f} s after reaching it"
+            else:
+                why = f"reached it {names[name] - row['time']:+.1f} s from the row"
+            missed.append([name, why])
+        off.append([epoch, row["alive_peers"], len(names), missed])
     return {"rows": len(rows), "exact": len(rows) - len(off), "off": off}
 
 
@@ -385,8 +413,8 @@ def aux_note(rows: Optional[dict]) -> str:
     if not rows:
         return "no aux rows"
     off = ", ".join(f"epoch {epoch}: {count} of {reached}" + (
-        " (" + "; ".join(f"{name} sent {signal} {seconds:g} s after reaching it" for name, signal, seconds in left)
-        + ")" if left else "") for epoch, count, reached, left in rows["off"])
+        " (" + "; ".join(f"{name} {why}" for name, why in missed) + ")" if missed else "")
+        for epoch, count, reached, missed in rows["off"])
     return f"aux rows counting every trainer that reached their epoch: {rows['exact']} of {rows['rows']}" + (
         f" (off: {off})" if off else "")
 
@@ -538,7 +566,8 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
            for key in ("utilization", "waiting", "compute_cpu_share")},
         "aux_rows": aux_rows(events.get("aux", ()), {slot.name: events[slot.name] for slot in trainers
                                                      if slot.name in events},
-                             {slot.name: (slot.stop_signal, slot.stopped) for slot in trainers if slot.stop_signal}),
+                             {slot.name: (slot.stop_signal, slot.stopped) for slot in trainers if slot.stop_signal},
+                             aux_tables(Path(args.output_dir) / mode / "aux_metrics.jsonl"), peer_ids),
         "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
         "timeline": timeline_of(events, slots, start, stop, kind),
     }

@@ -4,7 +4,9 @@ two trainers of a 16-trainer run (times in seconds). And its check of the aux pe
 epochs."""
 from __future__ import annotations
 
-from benchmarks.internet import aux_note, aux_rows, rounds_cut_by_leaving
+import json
+
+from benchmarks.internet import aux_note, aux_rows, aux_tables, rounds_cut_by_leaving
 
 
 def event(time: float, name: str, **fields) -> dict:
@@ -41,7 +43,7 @@ def test_other_misses_and_other_kinds_are_counted():
     assert rounds_cut_by_leaving(stream, "gradients") == 0
 
 
-def test_aux_rows_are_checked_against_the_trainers_that_reached_each_epoch():
+def test_aux_rows_are_checked_against_the_trainers_that_reached_each_epoch(tmp_path):
     trainers = {"t0": [event(1.0, "epoch", epoch=1), event(2.0, "epoch", epoch=2)],
                 "t1": [event(1.1, "epoch", epoch=1), event(1.9, "label_taken", epoch=2), event(2.1, "epoch", epoch=2),
                        event(2.2, "epoch", epoch=2)],  # restored from a backup: epoch 2 twice, one trainer
@@ -51,13 +53,22 @@ def test_aux_rows_are_checked_against_the_trainers_that_reached_each_epoch():
     result = aux_rows(aux, trainers)
     assert result == {"rows": 3, "exact": 2, "off": [[1, 1, 2, []]]}
     assert aux_note(result) == "aux rows counting every trainer that reached their epoch: 2 of 3 (off: epoch 1: 1 of 2)"
-    # t0 is killed in epoch 1, t2 stopped in epoch 3, t1 later: the rows off name those that left in their epoch
-    trainers["t0"].pop()
-    aux[1]["alive_peers"], aux[2]["alive_peers"] = 2, 0
-    result = aux_rows(aux, trainers, {"t0": ("SIGKILL", 1.3), "t1": ("SIGTERM", 9.0), "t2": ("SIGTERM", 3.5)})
-    assert result == {"rows": 3, "exact": 1,
-                      "off": [[1, 1, 2, [["t0", "SIGKILL", 0.3]]], [3, 0, 1, [["t2", "SIGTERM", 0.5]]]]}
+    # the aux peer's table written with each row names whom it missed: t1, whose record of epoch 1 was not in yet,
+    # and t2, SIGKILLed 0.2 s after reaching epoch 3
+    tables = tmp_path / "aux_metrics.jsonl"
+    tables.write_text("\n".join(json.dumps(row) for row in [
+        {"epoch": 1, "alive_peers": 1}, {"peers": [{"peer_id": "P0", "epoch": 1}, {"peer_id": "P1", "epoch": 0}]},
+        {"epoch": 2, "alive_peers": 3}, {"epoch": 3, "alive_peers": 0},
+        {"peers": [{"peer_id": "P0", "epoch": 2}, {"peer_id": "P1", "epoch": 2}, {"peer_id": "P2", "epoch": 2}]}]))
+    assert aux_tables(tables) == {1: {"P0": 1, "P1": 0}, 2: {"P0": 2, "P1": 2, "P2": 2},
+                                  3: {"P0": 2, "P1": 2, "P2": 2}}
+    assert aux_tables(tmp_path / "none.jsonl") == {}
+    aux[2]["alive_peers"] = 0
+    result = aux_rows(aux, trainers, {"t1": ("SIGTERM", 9.0), "t2": ("SIGKILL", 3.2)}, aux_tables(tables),
+                      {"t0": "P0", "t1": "P1", "t2": "P2"})
+    assert result == {"rows": 3, "exact": 1, "off": [[1, 1, 2, [["t1", "reached it -0.4 s from the row"]]],
+                                                     [3, 0, 1, [["t2", "sent SIGKILL 0.2 s after reaching it"]]]]}
     assert aux_note(result) == ("aux rows counting every trainer that reached their epoch: 1 of 3 (off: epoch 1: 1 "
-                                "of 2 (t0 sent SIGKILL 0.3 s after reaching it), epoch 3: 0 of 1 (t2 sent SIGTERM "
-                                "0.5 s after reaching it))")
+                                "of 2 (t1 reached it -0.4 s from the row), epoch 3: 0 of 1 (t2 sent SIGKILL 0.2 s "
+                                "after reaching it))")
     assert aux_note(None) == "no aux rows"
