@@ -86,6 +86,26 @@ def test_collector_releases_an_epoch_when_a_later_one_appears():
     assert released[0] == aggregate(1, [a1], now=2.0)
 
 
+def test_collector_counts_a_trainer_two_labels_behind_that_moves_with_the_swarm():
+    """Trainer b trains two labels behind a (as a cluster behind a round a kill delayed did in benchmarks/internet.py),
+    and the aux peer sees each of a's epochs one refresh before b's: each row waits for b's report, where "some peer
+    is two epochs past it" wrote it without b."""
+    rng = random.Random(5)
+    collector, rows, reports = EpochCollector(), [], {}
+    a, b = random_record(rng, 2), random_record(rng, 0)
+    for step in range(12):
+        if step % 2:
+            a = random_record(rng, a.epoch + 1)
+        elif step:
+            b = random_record(rng, b.epoch + 1)
+        for record in (a, b):
+            reports.setdefault(record.epoch, {})[id(record)] = record
+        rows += collector.update({"a": a, "b": b}, now=float(step))
+    assert [row.epoch for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert [row.alive_peers for row in rows] == [1, 1, 2, 2, 2, 2]
+    assert rows == [aggregate(row.epoch, list(reports[row.epoch].values()), now=row.time) for row in rows]
+
+
 def test_collector_skips_epochs_already_logged_before_a_restart():
     rng = random.Random(3)
     collector = EpochCollector(last_released_epoch=5)

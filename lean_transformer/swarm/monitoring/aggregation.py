@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, Hashable, List, Mapping, Protocol, Sequence
+from typing import Dict, Hashable, List, Mapping, Protocol, Sequence, Tuple
 
 
 class EpochReport(Protocol):
@@ -85,12 +85,18 @@ class EpochCollector:
     record (a trainer publishes one as it joins, which reports no epoch) has reached E or later, or when some peer is
     more than ``lag`` epochs past E: a peer that left (its last record lives on until it expires) must not hold the
     log back for ever, and one that is up to ``lag`` epochs behind the fastest still gets its report of E counted.
+    But not while a record below E still moves, that is, its epoch advanced since the newest epoch among the records
+    was ``stale_after`` epochs lower: a trainer that trains labels behind the fastest (a newcomer, or a group whose
+    round a kill delayed) advances with the swarm, and "some peer is two epochs past E" wrote rows of a gradient-mode
+    run without it (benchmarks/internet.py: rows 13 and 14 of 18 missed a trainer that reached those epochs 0-1.5 s
+    before them). A record that stopped moving (its peer left, or is stuck) holds nothing back beyond ``lag``.
     Released epochs are dropped, so memory does not grow with the run.
     """
 
-    def __init__(self, last_released_epoch: int = -1, lag: int = 1):
-        self.last_released_epoch, self.lag = last_released_epoch, lag
+    def __init__(self, last_released_epoch: int = -1, lag: int = 1, stale_after: int = 2):
+        self.last_released_epoch, self.lag, self.stale_after = last_released_epoch, lag, stale_after
         self._buckets: Dict[int, Dict[Hashable, EpochReport]] = {}
+        self._moved: Dict[Hashable, Tuple[int, int]] = {}  # peer key -> (its record's epoch, the newest epoch then)
 
     def update(self, records: Mapping[Hashable, PeerRecord], now: float) -> List[SwarmStats]:
         """Add the records currently in the DHT (peer key -> record); return the statistics of newly complete epochs,
@@ -99,14 +105,21 @@ class EpochCollector:
             for report in record.reports():
                 if report.epoch > self.last_released_epoch:
                     self._buckets.setdefault(report.epoch, {})[peer] = report
+        self._moved = {peer: moved for peer, moved in self._moved.items() if peer in records}  # expired: forgotten
         if not records:
             return []
         newest_epoch = max(record.epoch for record in records.values())
+        for peer, record in records.items():
+            if self._moved.get(peer, (None,))[0] != record.epoch:
+                self._moved[peer] = (record.epoch, newest_epoch)
         slowest_epoch = min(record.epoch for record in records.values())
+        # the newest record's peer moved when it reached that epoch: never empty
+        slowest_moving = min(record.epoch for peer, record in records.items()
+                             if newest_epoch - self._moved[peer][1] < self.stale_after)
 
         released = []
         for epoch in sorted(self._buckets):
-            if not (epoch <= slowest_epoch or epoch < newest_epoch - self.lag):
+            if epoch > slowest_moving or not (epoch <= slowest_epoch or epoch < newest_epoch - self.lag):
                 break
             released.append(aggregate(epoch, list(self._buckets.pop(epoch).values()), now))
             self.last_released_epoch = epoch
