@@ -6,6 +6,7 @@ import fcntl
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -155,10 +156,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     """Files marked ``alone`` first, then by number of tests (pytest-xdist's own order, which ``make test`` turns off
     with ``--no-loadscope-reorder`` for this one). A worker that reaches an alone file in mid-run idles until the
     other's current file ends (a swarm file: up to 6 min); at the start both begin together, and the alone files cost
-    only their own time (an estimate from a CI run's file times: ~100 s less of the suite's 24 min)."""
-    per_file: Dict[Path, int] = {}
-    for item in items:
-        per_file[item.path] = per_file.get(item.path, 0) + 1
+    only their own time (estimated from a CI run's file times: ~100 s less; the next CI run fit 211 s more of summed
+    test time into the same 24:20)."""
+    per_file = Counter(item.path for item in items)
     alone = {item.path for item in items if item.get_closest_marker("alone") is not None}
     items.sort(key=lambda item: (item.path not in alone, -per_file[item.path]))  # stable: in-file order kept
 
