@@ -36,6 +36,9 @@ MATCHMAKING, STAGGER = 2.0, 3.5  # the staggered test: c ends its round STAGGER 
 # 2 s window, and a formed its group with c alone)
 FORMED_MATCHMAKING = 4.0
 LATE = 30.0  # ... or, in the group's-word test, its own view of the swarm would end it this much later
+# the quorum test: a and b's group closes QUORUM_EARLY s before the round's end, QUORUM_MATCHMAKING s before which c
+# and d begin matchmaking; after a rematch a and b look for QUORUM_MATCHMAKING s more, 2 s of which c and d look too
+QUORUM_MATCHMAKING, QUORUM_EARLY = 4.0, 6.0
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
 SPARSE_SAMPLES = {"a": 1, "client": 3}  # the sparse test's trainers and their samples per round
@@ -708,6 +711,30 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
 
 
 @pytest.mark.swarm
+def test_a_group_of_half_the_swarm_that_closed_early_matches_again_and_the_round_holds_one_group(tmp_path, report):
+    """Four trainers end a round at T; a and b estimated T - QUORUM_EARLY and prepared for it, c and d for T, and
+    hivemind closes a group when its leader's declared time comes. Without counts of the swarm (hivemind's
+    matchmaking) a and b average as two before c and d look, c and d as two: two averages of one round, two anchors.
+    Each counting the swarm's 4 trainers (group_quorum), a and b dissolve their group of 2 and match again, in time
+    for c and d: one group of 4, one anchor."""
+    results = peer_results(tmp_path, ["uncounted", "counted"], names="abcd")
+    uncounted, counted = results["uncounted"], results["counted"]
+    sizes = {mode: [results[mode][name]["group_size"] for name in "abcd"] for mode in results}
+    assert sizes["uncounted"] == [2, 2, 2, 2], uncounted
+    assert uncounted["a"]["anchor"] == uncounted["b"]["anchor"] != uncounted["c"]["anchor"] == uncounted["d"]["anchor"]
+    assert not any(uncounted[name]["rematched"] for name in "abcd"), uncounted
+    assert sizes["counted"] == [4, 4, 4, 4], counted
+    mean = (0.5 + 0.25 - 1.0 + 2.0) / 4  # 4 samples each
+    for name in "abcd":
+        assert counted[name]["anchor"] == counted["a"]["anchor"], counted
+    torch.testing.assert_close(torch.tensor(counted["a"]["anchor"]), torch.tensor([hand_nesterov(1.0, [mean])]),
+                               rtol=1e-4, atol=1e-5)
+    assert [len(counted[name]["rematched"]) for name in "abcd"] == [1, 1, 0, 0], counted
+    report(f"a and b's group closed {QUORUM_EARLY} s before the round's end: without counts, groups "
+           f"{sizes['uncounted']}; counting the swarm, a and b matched again ({counted['a']['rematched'][0]!r}) and {sizes['counted']}")
+
+
+@pytest.mark.swarm
 def test_a_peer_whose_view_of_the_swarm_lags_ends_its_round_when_a_groupmate_begins_the_all_reduce(tmp_path, report):
     """a, b and c prepare a round; a and b end it at T, c's own view of the swarm would end it LATE s later, longer
     than its groupmates wait for its parts. c ends it as soon as the parts of a groupmate reach it
@@ -1036,6 +1063,40 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
+def quorum_peer(name: str, mode: str, role: str) -> None:
+    """A peer of the quorum test: all four end their round at T; a and b estimated it EARLY s sooner, so they
+    prepared their matchmaking for T - EARLY, c and d for T. Each sees the swarm's 4 trainers (``counted``) or gathers
+    no count (``uncounted``: the groups of hivemind's matchmaking)."""
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.monitoring.events import close_events, open_events, read_events
+
+    events = Path(os.environ["RENDEZVOUS"]) / f"{name}.events.jsonl"
+    open_events(events, "trainer")
+    dht = start_dht(role)
+    end = common_time(role) + QUORUM_EARLY
+    weight = torch.nn.Parameter(torch.full((3,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_quorum", [weight.shape], matchmaking_time=QUORUM_MATCHMAKING,
+                                      allreduce_timeout=10.0, swarm_size=lambda: 4 if mode == "counted" else 0)
+    rounds = OuterLoop(outer, averager)
+    with torch.no_grad():
+        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0}[name])
+    rounds.add_samples(4)
+    scheduled = end - (QUORUM_EARLY if name in "ab" else 0.0)
+    time.sleep(max(0.0, scheduled - QUORUM_MATCHMAKING - get_dht_time()))
+    rounds.prepare(scheduled)
+    time.sleep(max(0.0, end - get_dht_time()))
+    group_size = rounds.end_round()
+    averager.shutdown()
+    dht.shutdown()
+    close_events()
+    rematched = [event["reason"] for event in read_events(events) if event["event"] == "group_rematched"]
+    print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0][:1].tolist(), rematched=rematched)),
+          flush=True)
+
+
 def newcomer_peer(name: str, mode: str, role: str) -> None:
     """A peer of the newcomer test: a and b (overlap) send round 1 at T; a serves its outer state, asked while the
     round is in flight: once its step is applied (``applied``, ``OuterLoop.settled``), which it is as soon as the
@@ -1203,6 +1264,8 @@ if __name__ == "__main__":
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving", "group_word"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
+    elif sys.argv[2] in ("counted", "uncounted"):
+        quorum_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in CATCH_UP_ROUNDS:
         catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:
@@ -1241,6 +1304,24 @@ def test_a_lone_peer_ends_a_round_on_its_samples():
             assert tracker.ready_to_update_epoch is (type(tracker) is RoundProgress), type(tracker).__name__
     finally:
         dht.shutdown()
+
+
+def test_a_group_matches_again_only_when_its_trainers_are_at_most_half_of_the_median_count():
+    """group_quorum.minority, from what a group's members gathered: trainers' dicts (``samples``), aux peers' None."""
+    from lean_transformer.swarm.averaging.group_quorum import minority
+
+    def trainer(swarm, **extra):
+        return dict(tag=None, samples=4, client=False, swarm=swarm, **extra)
+
+    assert minority([trainer(16)] * 8) is not None  # 8 of 16: not more than half
+    assert minority([trainer(16)] * 9) is None
+    assert minority([trainer(4), trainer(4), None]) is not None  # an aux peer is no trainer
+    assert minority([trainer(3), trainer(3)]) is None
+    assert minority([trainer(4), trainer(4, rematched=True)]) is None  # a round matches at most twice
+    assert minority([trainer(0), trainer(0)]) is None  # no counts (unknown, or older peers): kept
+    assert minority([trainer(4), trainer(10**9), trainer(4)]) is None  # one inflated count moves the median little
+    assert minority([trainer(True), trainer("9"), trainer(-3), "junk", 7]) is None  # malformed: no count
+    assert "2 of the swarm's 5 trainers" in minority([trainer(5), trainer(5)])
 
 
 def test_a_peer_checks_answers_only_with_a_contribution_near_the_median():

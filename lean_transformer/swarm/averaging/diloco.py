@@ -72,6 +72,7 @@ from lean_transformer.swarm.hivemind_fixes.control_pipe import WholeControlMessa
 from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivered
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
+from lean_transformer.swarm.averaging.group_quorum import RematchesMinorityGroups
 from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, HISTORY_OUTSIDERS, OuterHistory,
                                                             ServesOuterHistory, history_key, path_to)
 from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
@@ -337,11 +338,12 @@ def gross_ratio(own_weight: float, weights: Sequence[Any]) -> float:
     return GROSS_RATIO * max(1.0, statistics.median(claimed) / own_weight)
 
 
-class _Averager(ServesOuterHistory, ReportsRounds, WholeControlMessages, CancelSafe, RefusesExcluded,
-               AnswersDelivered, DecentralizedAverager):
+class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, WholeControlMessages, CancelSafe,
+               RefusesExcluded, AnswersDelivered, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, its answers delivered
     (also before it shuts down), every peer getting the same average (same wire format), and all of it or
-    nothing; with ``topk_fraction``, the sparse all-reduce of
+    nothing, in groups that hold more than half of the swarm's trainers where one more match can find such a group
+    (:mod:`lean_transformer.swarm.averaging.group_quorum`); with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
 
     hivemind accepts a partial result: where a reducer fails half-way (a peer killed in the round), each peer keeps
@@ -490,14 +492,17 @@ class PseudoGradientAverager:
     all-reduce) instead of ``compression``; ``aggregation`` picks the reducers' rule (mean or centered_clip).
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging). ``window``: how
     long a round begun without :meth:`prepare` is declared for (its matchmaking), at least ``matchmaking_time``.
+    ``swarm_size``: how many trainers this peer sees in the swarm, itself included, gathered with each round (a group
+    that holds at most half of its members' median count matches once more: :mod:`.group_quorum`); 0: not known.
     """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
                  matchmaking_time: float = 5.0, window: Optional[Callable[[], float]] = None,
                  allreduce_timeout: float = 60.0,
                  compression: CompressionBase = NoCompression(), topk_fraction: Optional[float] = None,
-                 gate: Optional[AveragingGate] = None, **averager_opts):
+                 gate: Optional[AveragingGate] = None, swarm_size: Callable[[], int] = lambda: 0, **averager_opts):
         self.shapes = [torch.Size(shape) for shape in shapes]
+        self.swarm_size = swarm_size
         averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:
             averager_opts["gate"] = gate
@@ -520,7 +525,7 @@ class PseudoGradientAverager:
         fingerprint as it will be then."""
         timeout = max(0.0, scheduled_time - get_dht_time()) + self.timeout
         return self.averager.step(scheduled_time=scheduled_time,
-                                  gather=dict(tag=tag, samples=max(1, samples), client=self.client_mode),
+                                  gather=self._gather(tag, max(1, samples)),
                                   timeout=timeout, require_trigger=True, wait=False)
 
     def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None,
@@ -540,9 +545,13 @@ class PseudoGradientAverager:
             prepared.allow_allreduce()
             return prepared
         window = max(self.matchmaking_time, self.window())
-        return self.averager.step(weight=float(samples), gather=dict(tag=tag, samples=samples, client=self.client_mode),
+        return self.averager.step(weight=float(samples), gather=self._gather(tag, samples),
                                   scheduled_time=get_dht_time() + window, timeout=window + self.allreduce_timeout,
                                   wait=False)
+
+    def _gather(self, tag: Any, samples: int) -> dict:
+        """What this trainer sends its groupmates with a round (all-gathered)."""
+        return dict(tag=tag, samples=samples, client=self.client_mode, swarm=int(self.swarm_size()))
 
     def groupmate_began_since(self, since: float) -> bool:
         """Whether a groupmate opened a part stream to this peer after ``since`` (time.time()) for a group whose

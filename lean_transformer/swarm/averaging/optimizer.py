@@ -202,7 +202,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             matchmaking_time=self.matchmaking_time, window=self.matchmaking_window,
             allreduce_timeout=self.averaging_timeout,
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
-            auxiliary=self.auxiliary, aggregation=aggregation, **averager_opts)
+            auxiliary=self.auxiliary, aggregation=aggregation, swarm_size=self._trainers_seen, **averager_opts)
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean",
                                     branch_depth=diloco.branch_depth if diloco.topk_fraction is not None else 0,
                                     history_donors=self._full_trainers)
@@ -685,6 +685,14 @@ class SwarmOptimizer(hivemind.Optimizer):
             if count > 1:
                 self.tracker.recount(records)
         return count
+
+    def _trainers_seen(self) -> int:
+        """How many trainers this peer sees in the swarm, itself included: the progress records the tracker last read
+        that show training and have not expired, except those of peers it excluded. Gathered with each outer round
+        (:mod:`..averaging.group_quorum`); no lookup of its own, as it runs on the training thread."""
+        now = get_dht_time()
+        return max(1, sum(1 for _, record, _ in trainer_records(self.tracker.last_records(), self._excluded)
+                          if getattr(record, "expiration_time", 0.0) >= now))
 
     def _full_trainers(self) -> list[str]:
         """The peer IDs of the other trainers that accept connections (not in client mode), by the progress records

@@ -30,6 +30,10 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``round_missed``      the round failed, found no group, was cancelled, or only served its group with weight 0:
                       ``kind``, ``epoch``, ``reason`` (``cancelled``, ``leaving`` (cancelled or served as the peer
                       left: not a round it missed while training), ``served its group with weight 0``, or the error)
+``group_rematched``   (DiLoCo) its round's group held at most half of the swarm's trainers: every member dissolved it
+                      before the all-reduce and matched once more
+                      (:mod:`lean_transformer.swarm.averaging.group_quorum`): ``kind``, ``group_size`` (its members,
+                      aux peers included), ``reason``
 ``label_taken``       its last group had stepped from the epoch label one above its own: it took the group's label
                       ``epoch`` (from ``previous``) instead of downloading the state; no step of its own
 ``joined_early``      (gradient mode) the swarm's ``epoch`` ended during this peer's micro-batch, ``seconds_left`` (as
@@ -92,7 +96,7 @@ SCHEMA_VERSION = 1
 EVENTS = ("joined", "epoch", "progress", "round_started", "averaged", "round_missed", "outer_step", "state_downloaded",
           "state_rejected", "peer_refused", "identity_revoked", "settings_mismatch", "checkpoint", "evaluation",
           "swarm_epoch", "shutdown", "answer_rejected", "sender_clipped", "peer_excluded", "average_rejected",
-          "outer_caught_up", "catch_up_failed", "label_taken", "joined_early", "sender_dropped")
+          "outer_caught_up", "catch_up_failed", "label_taken", "joined_early", "sender_dropped", "group_rematched")
 
 
 class EventLog:
