@@ -27,9 +27,9 @@ peers' event files: the DHT's connectivity (each trainer's progress events name 
 10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
 than one); per trainer the fraction of its epochs (DiLoCo: outer rounds; not those in flight when it left) in which it
 averaged with at least one other peer; group sizes; newcomers' time from start to their first averaged round; state
-downloads (why, and their time) and DiLoCo catch-ups; bytes sent per sample (link counters); compute utilization, with
-the share of the wall time spent waiting for the swarm and the share of the compute time the training thread ran (on
-this shared box the rest went to other processes); RAM and CPU per peer;
+downloads (why, and their time), DiLoCo catch-ups and groups dissolved to match again; bytes sent per sample (link
+counters); compute utilization, with the share of the wall time spent waiting for the swarm and the share of the
+compute time the training thread ran (on this shared box the rest went to other processes); RAM and CPU per peer;
 crashes (peers not stopped on purpose that exited non-zero, or whose log holds a traceback).
 
 Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
@@ -481,6 +481,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
     catch_ups = 0  # DiLoCo: missed outer steps replayed from a groupmate's history instead of a download
     ended_by: Counter = Counter()  # why the trainers' epochs ended (None: a label taken or a download, no step)
     catch_up_failures: Counter = Counter()  # DiLoCo: why a peer behind could not replay them
+    rematches = 0  # DiLoCo: members of groups dissolved as too small for the swarm (averaging/group_quorum.py)
     for slot in trainers:
         if slot.name not in events:
             continue
@@ -497,6 +498,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         reasons.update(e.get("reason") or "unknown" for e in got)
         catch_ups += sum(e["event"] == "outer_caught_up" for e in stream)
         catch_up_failures.update(e.get("kind") or "unknown" for e in stream if e["event"] == "catch_up_failed")
+        rematches += sum(e["event"] == "group_rematched" for e in stream)
         transitions = max(0, len(epochs) - 1)
         # an epoch label taken from the group is no round: the step to it was the group's averaged one
         labels = epoch_causes(stream).count("label")
@@ -557,7 +559,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
         "averaged_fraction_median": statistics.median(fractions) if fractions else None,
         "trainers_at_least_90pct": sum(f >= 0.9 for f in fractions), "trainers_with_rounds": len(fractions),
         "state_downloads": len(downloads), "downloads_by_reason": dict(reasons.most_common()),
-        "catch_ups": catch_ups, "catch_up_failures": dict(catch_up_failures.most_common()),
+        "catch_ups": catch_ups, "catch_up_failures": dict(catch_up_failures.most_common()), "rematches": rematches,
         "epochs_ended_by": dict(ended_by.most_common()),
         "download_seconds_median": statistics.median([d for d in downloads if d is not None] or [math.nan]),
         "newcomers": newcomers, "bytes_per_sample": sent / total_samples if total_samples else None,
@@ -662,7 +664,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
                       f"downloads {r['downloads_by_reason']} (median {r['download_seconds_median']:.1f} s), "
                       f"{r.get('catch_ups', 0)} outer catch-ups from a groupmate's history "
-                      f"({sum(r.get('catch_up_failures', {}).values())} failed); "
+                      f"({sum(r.get('catch_up_failures', {}).values())} failed), {r.get('rematches', 0)} "
+                      f"trainers' groups dissolved to match again as too small for the swarm; "
                       f"newcomers' seconds to their state {to_state} and to their first average {newcomer}; "
                       f"{r['bytes_per_sample'] or 0:,.0f} bytes sent per sample; {aux_note(r.get('aux_rows'))}; "
                       f"mean compute "
