@@ -36,8 +36,8 @@ MATCHMAKING, STAGGER = 2.0, 3.5  # the staggered test: c ends its round STAGGER 
 # 2 s window, and a formed its group with c alone)
 FORMED_MATCHMAKING = 4.0
 LATE = 30.0  # ... or, in the group's-word test, its own view of the swarm would end it this much later
-# the quorum test: a and b's group closes QUORUM_EARLY s before the round's end, QUORUM_MATCHMAKING s before which c
-# and d begin matchmaking; after a rematch a and b look for QUORUM_MATCHMAKING s more, 2 s of which c and d look too
+# the quorum test: a and b's group closes QUORUM_EARLY s before the round's end, QUORUM_MATCHMAKING s before which c,
+# d and e begin matchmaking; after a rematch a and b look for QUORUM_MATCHMAKING s more, 2 s of which the others too
 QUORUM_MATCHMAKING, QUORUM_EARLY = 4.0, 6.0
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
@@ -711,25 +711,27 @@ def test_peers_that_see_a_round_end_seconds_apart_average_in_one_group_when_it_w
 
 
 @pytest.mark.swarm
-def test_a_group_of_half_the_swarm_that_closed_early_matches_again_and_the_round_holds_one_group(tmp_path, report):
-    """Four trainers end a round at T; a and b estimated T - QUORUM_EARLY and prepared for it, c and d for T, and
+def test_a_group_of_less_than_half_the_swarm_that_closed_early_matches_again_and_the_round_holds_one_group(
+        tmp_path, report):
+    """Five trainers end a round at T; a and b estimated T - QUORUM_EARLY and prepared for it, c, d and e for T, and
     hivemind closes a group when its leader's declared time comes. Without counts of the swarm (hivemind's
-    matchmaking) a and b average as two before c and d look, c and d as two: two averages of one round, two anchors.
-    Each counting the swarm's 4 trainers (group_quorum), a and b dissolve their group of 2 and match again, in time
-    for c and d: one group of 4, one anchor."""
-    results = peer_results(tmp_path, ["uncounted", "counted"], names="abcd")
+    matchmaking) a and b average as two before the others look, c, d and e as three: two averages of one round, two
+    anchors. Each counting the swarm's 5 trainers (group_quorum), a and b dissolve their group of 2 and match again,
+    in time for the others: one group of 5, one anchor."""
+    results = peer_results(tmp_path, ["uncounted", "counted"], names="abcde")
     uncounted, counted = results["uncounted"], results["counted"]
-    sizes = {mode: [results[mode][name]["group_size"] for name in "abcd"] for mode in results}
-    assert sizes["uncounted"] == [2, 2, 2, 2], uncounted
-    assert uncounted["a"]["anchor"] == uncounted["b"]["anchor"] != uncounted["c"]["anchor"] == uncounted["d"]["anchor"]
-    assert not any(uncounted[name]["rematched"] for name in "abcd"), uncounted
-    assert sizes["counted"] == [4, 4, 4, 4], counted
-    mean = (0.5 + 0.25 - 1.0 + 2.0) / 4  # 4 samples each
-    for name in "abcd":
+    sizes = {mode: [results[mode][name]["group_size"] for name in "abcde"] for mode in results}
+    assert sizes["uncounted"] == [2, 2, 3, 3, 3], uncounted
+    assert uncounted["a"]["anchor"] == uncounted["b"]["anchor"] != uncounted["c"]["anchor"], uncounted
+    assert uncounted["c"]["anchor"] == uncounted["d"]["anchor"] == uncounted["e"]["anchor"], uncounted
+    assert not any(uncounted[name]["rematched"] for name in "abcde"), uncounted
+    assert sizes["counted"] == [5, 5, 5, 5, 5], counted
+    mean = (0.5 + 0.25 - 1.0 + 2.0 + 1.0) / 5  # 4 samples each
+    for name in "abcde":
         assert counted[name]["anchor"] == counted["a"]["anchor"], counted
     torch.testing.assert_close(torch.tensor(counted["a"]["anchor"]), torch.tensor([hand_nesterov(1.0, [mean])]),
                                rtol=1e-4, atol=1e-5)
-    assert [len(counted[name]["rematched"]) for name in "abcd"] == [1, 1, 0, 0], counted
+    assert [len(counted[name]["rematched"]) for name in "abcde"] == [1, 1, 0, 0, 0], counted
     report(f"a and b's group closed {QUORUM_EARLY} s before the round's end: without counts, groups "
            f"{sizes['uncounted']}; counting the swarm, a and b matched again ({counted['a']['rematched'][0]!r}) and {sizes['counted']}")
 
@@ -1064,9 +1066,9 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
 
 
 def quorum_peer(name: str, mode: str, role: str) -> None:
-    """A peer of the quorum test: all four end their round at T; a and b estimated it EARLY s sooner, so they
-    prepared their matchmaking for T - EARLY, c and d for T. Each sees the swarm's 4 trainers (``counted``) or gathers
-    no count (``uncounted``: the groups of hivemind's matchmaking)."""
+    """A peer of the quorum test: all five end their round at T; a and b estimated it EARLY s sooner, so they
+    prepared their matchmaking for T - EARLY, c, d and e for T. Each sees the swarm's 5 trainers (``counted``) or
+    gathers no count (``uncounted``: the groups of hivemind's matchmaking)."""
     from hivemind.utils import get_dht_time
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
@@ -1079,10 +1081,10 @@ def quorum_peer(name: str, mode: str, role: str) -> None:
     weight = torch.nn.Parameter(torch.full((3,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_quorum", [weight.shape], matchmaking_time=QUORUM_MATCHMAKING,
-                                      allreduce_timeout=10.0, swarm_size=lambda: 4 if mode == "counted" else 0)
+                                      allreduce_timeout=10.0, swarm_size=lambda: 5 if mode == "counted" else 0)
     rounds = OuterLoop(outer, averager)
     with torch.no_grad():
-        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0}[name])
+        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0, "e": 1.0}[name])
     rounds.add_samples(4)
     scheduled = end - (QUORUM_EARLY if name in "ab" else 0.0)
     time.sleep(max(0.0, scheduled - QUORUM_MATCHMAKING - get_dht_time()))
@@ -1306,20 +1308,20 @@ def test_a_lone_peer_ends_a_round_on_its_samples():
         dht.shutdown()
 
 
-def test_a_group_matches_again_only_when_its_trainers_are_at_most_half_of_the_median_count():
+def test_a_group_matches_again_only_when_its_trainers_are_less_than_half_of_the_median_count():
     """group_quorum.minority, from what a group's members gathered: trainers' dicts (``samples``), aux peers' None."""
     from lean_transformer.swarm.averaging.group_quorum import minority
 
     def trainer(swarm, **extra):
         return dict(tag=None, samples=4, client=False, swarm=swarm, **extra)
 
-    assert minority([trainer(16)] * 8) is not None  # 8 of 16: not more than half
-    assert minority([trainer(16)] * 9) is None
-    assert minority([trainer(4), trainer(4), None]) is not None  # an aux peer is no trainer
+    assert minority([trainer(16)] * 7) is not None
+    assert minority([trainer(16)] * 8) is None  # half: kept (the other half may have found no group at all)
+    assert minority([trainer(5), trainer(5), None]) is not None  # an aux peer is no trainer
     assert minority([trainer(3), trainer(3)]) is None
-    assert minority([trainer(4), trainer(4, rematched=True)]) is None  # a round matches at most twice
+    assert minority([trainer(5), trainer(5, rematched=True)]) is None  # a round matches at most twice
     assert minority([trainer(0), trainer(0)]) is None  # no counts (unknown, or older peers): kept
-    assert minority([trainer(4), trainer(10**9), trainer(4)]) is None  # one inflated count moves the median little
+    assert minority([trainer(5), trainer(10**9), trainer(5)]) is None  # one inflated count moves the median little
     assert minority([trainer(True), trainer("9"), trainer(-3), "junk", 7]) is None  # malformed: no count
     assert "2 of the swarm's 5 trainers" in minority([trainer(5), trainer(5)])
 

@@ -342,7 +342,7 @@ class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, Whol
                RefusesExcluded, AnswersDelivered, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, its answers delivered
     (also before it shuts down), every peer getting the same average (same wire format), and all of it or
-    nothing, in groups that hold more than half of the swarm's trainers where one more match can find such a group
+    nothing, in groups that hold at least half of the swarm's trainers where one more match can find such a group
     (:mod:`lean_transformer.swarm.averaging.group_quorum`); with ``topk_fraction``, the sparse all-reduce of
     :mod:`lean_transformer.swarm.averaging.sparse_allreduce` instead (its error feedback lives here, in the averager's process).
 
@@ -493,7 +493,7 @@ class PseudoGradientAverager:
     ``auxiliary``: join rounds without a pseudo-gradient of its own (an aux peer helping averaging). ``window``: how
     long a round begun without :meth:`prepare` is declared for (its matchmaking), at least ``matchmaking_time``.
     ``swarm_size``: how many trainers this peer sees in the swarm, itself included, gathered with each round (a group
-    that holds at most half of its members' median count matches once more: :mod:`.group_quorum`); 0: not known.
+    that holds less than half of its members' median count matches once more: :mod:`.group_quorum`); 0: not known.
     """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,

@@ -1,4 +1,4 @@
-"""A DiLoCo round's group that holds at most half of the swarm's trainers matches once more before it averages.
+"""A DiLoCo round's group that holds less than half of the swarm's trainers matches once more before it averages.
 
 hivemind's matchmaking assembles a group when its leader's declared time comes, and the leader is the peer that
 declared the earliest time: its own estimate of the round's end. Peers' estimates differ (each reads the swarm's
@@ -11,9 +11,11 @@ anchor: the smaller group's members then went back and replayed the larger one's
 no history held the path (6 such downloads in that run). Most rounds of that run split this way.
 
 Here every trainer gathers, with its round, how many trainers it sees in the swarm (its progress records). A group
-whose trainers number at most half of the median of its members' counts is dissolved by every member alike (all
+whose trainers number less than half of the median of its members' counts is dissolved by every member alike (all
 decide from the same gathered data) before its all-reduce, and hivemind's step matches again, now declared for one
-matchmaking time, in which the later peers look for a group too. A member that matched once already in this round
+matchmaking time, in which the later peers look for a group too. A group of exactly half is kept: in one run of that
+benchmark a group of 8 of 16 dissolved, the other 8 had found no group either, and the round ended in groups of 5
+and 2 and five misses; kept, the halves average apart and the next round's vote settles the anchor. A member that matched once already in this round
 says so in what it gathers, and a group holding one is kept whatever its size: a round matches at most twice, so a
 count that is too high (records of peers that left, which expire after a minute) costs a round one matchmaking time,
 never the round. Groups without counts (aux peers gather none; older peers) are kept.
@@ -53,7 +55,7 @@ def minority(members: Sequence[Any]) -> Optional[str]:
     if not counts:
         return None
     swarm = statistics.median(counts)
-    if 2 * len(trainers) > swarm:
+    if 2 * len(trainers) >= swarm:
         return None
     return f"a group of {len(trainers)} of the swarm's {swarm:g} trainers: matching again for a larger one"
 

@@ -30,7 +30,7 @@ not bump it: readers ignore what they do not know). ``time`` is Unix time in sec
 ``round_missed``      the round failed, found no group, was cancelled, or only served its group with weight 0:
                       ``kind``, ``epoch``, ``reason`` (``cancelled``, ``leaving`` (cancelled or served as the peer
                       left: not a round it missed while training), ``served its group with weight 0``, or the error)
-``group_rematched``   (DiLoCo) its round's group held at most half of the swarm's trainers: every member dissolved it
+``group_rematched``   (DiLoCo) its round's group held less than half of the swarm's trainers: every member dissolved it
                       before the all-reduce and matched once more
                       (:mod:`lean_transformer.swarm.averaging.group_quorum`): ``kind``, ``group_size`` (its members,
                       aux peers included), ``reason``
