@@ -15,10 +15,12 @@ whose trainers number less than half of the median of its members' counts is dis
 decide from the same gathered data) before its all-reduce, and hivemind's step matches again, now declared for one
 matchmaking time, in which the later peers look for a group too. A group of exactly half is kept: in one run of that
 benchmark a group of 8 of 16 dissolved, the other 8 had found no group either, and the round ended in groups of 5
-and 2 and five misses; kept, the halves average apart and the next round's vote settles the anchor. A member that matched once already in this round
-says so in what it gathers, and a group holding one is kept whatever its size: a round matches at most twice, so a
-count that is too high (records of peers that left, which expire after a minute) costs a round one matchmaking time,
-never the round. Groups without counts (aux peers gather none; older peers) are kept.
+and 2 and five misses; kept, the halves average apart and the next round's vote settles the anchor. A member that
+matched once already in this round says so in what it gathers, and a group holding one is kept whatever its size: a
+round matches at most twice, so a count that is too high (records of peers that left, which expire after a minute)
+costs a round one matchmaking time, never the round. Groups without counts (aux peers gather none; older peers) are
+kept. A peer's count is its message: the median resists one inflated count, and a false ``rematched`` only keeps a
+group as hivemind would.
 
 Hooked where hivemind offers no hook: its Matchmaking is built inside the averager's process, so its
 ``look_for_group`` is wrapped on the instance, once (as :class:`..exclusion.RefusesExcluded` wraps its requests).
