@@ -733,7 +733,8 @@ def test_a_group_of_less_than_half_the_swarm_that_closed_early_matches_again_and
                                rtol=1e-4, atol=1e-5)
     assert [len(counted[name]["rematched"]) for name in "abcde"] == [1, 1, 0, 0, 0], counted
     report(f"a and b's group closed {QUORUM_EARLY} s before the round's end: without counts, groups "
-           f"{sizes['uncounted']}; counting the swarm, a and b matched again ({counted['a']['rematched'][0]!r}) and {sizes['counted']}")
+           f"{sizes['uncounted']}; counting the swarm, a and b matched again ({counted['a']['rematched'][0]!r}) "
+           f"and {sizes['counted']}")
 
 
 @pytest.mark.swarm

@@ -36,6 +36,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 
+from lean_transformer.swarm.averaging.round_events import gathered_data
 from lean_transformer.swarm.monitoring.events import emit
 
 AVERAGER_LOGGER = "hivemind.averaging.averager"  # where hivemind's _step logs "caught ..., retrying"
@@ -98,13 +99,7 @@ class RematchesMinorityGroups:
         matchmaking.look_for_group = look_for_a_large_enough_group
 
     def _dissolve_if_minority(self, group: GroupInfo, step: StepControl) -> None:
-        members = []
-        for data in group.gathered:
-            try:
-                members.append(self.serializer.loads(self.serializer.loads(data)[2]))
-            except Exception:  # a peer's message: malformed, it counts as no trainer's
-                members.append(None)
-        reason = minority(members)
+        reason = minority([gathered_data(self.serializer, data) for data in group.gathered])
         if reason is None:
             return
         bandwidth, mode, own = self.serializer.loads(step.data_for_gather)

@@ -57,12 +57,17 @@ class ReportsRounds:
         return gathered_epoch(self.serializer, step.data_for_gather)
 
 
-def gathered_epoch(serializer: Any, data_for_gather: bytes) -> Optional[int]:
-    """The epoch label in a member's ``data_for_gather`` (the layout hivemind's ``DecentralizedAverager.step``
-    writes: its serializer's [bandwidth, mode, gathered]), or None: none, not an int, or not that layout (a peer's
-    message: anything)."""
+def gathered_data(serializer: Any, data_for_gather: bytes) -> Any:
+    """What a member gathered, from its ``data_for_gather`` (the layout hivemind's ``DecentralizedAverager.step``
+    writes: its serializer's [bandwidth, mode, gathered]); None if it is not that layout (a peer's message:
+    anything)."""
     try:
-        gathered = serializer.loads(serializer.loads(data_for_gather)[2])
+        return serializer.loads(serializer.loads(data_for_gather)[2])
     except Exception:
         return None
+
+
+def gathered_epoch(serializer: Any, data_for_gather: bytes) -> Optional[int]:
+    """The epoch label in a member's ``data_for_gather`` (:func:`gathered_data`), or None: none or not an int."""
+    gathered = gathered_data(serializer, data_for_gather)
     return gathered if isinstance(gathered, int) and not isinstance(gathered, bool) else None
