@@ -871,21 +871,37 @@ def test_a_peer_whose_groupmates_serve_no_history_catches_up_from_a_full_peer_ou
 
 
 def peer_results(root: Path, modes: list, names: str = "abc") -> dict:
-    """Runs peers a, b and c (or ``names``) once per mode, each time in a folder of its own; by mode, each peer's
-    last printed line (JSON)."""
-    results = {}
-    for mode in modes:
-        (root / mode).mkdir()
-        outputs = run_peers({name: [mode] for name in names}, root / mode)
-        for code, _, err in outputs.values():
-            assert code == 0, err[-3000:]
-        results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
-    return results
+    """Runs peers a, b and c (or ``names``) once per mode, each mode's swarm in a folder of its own and all modes side
+    by side (their peers mostly wait, and each swarm keeps its own clock: ``common_time``); by mode, each peer's last
+    printed line (JSON)."""
+    started = {}
+    try:
+        for mode in modes:
+            (root / mode).mkdir()
+            started[mode] = start_peers({name: [mode] for name in names}, root / mode)
+        results = {}
+        for mode, procs in started.items():
+            outputs = collect(procs)
+            for code, _, err in outputs.values():
+                assert code == 0, err[-3000:]
+            results[mode] = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outputs.items()}
+        return results
+    finally:
+        for procs in started.values():
+            kill(procs)
 
 
 def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     """Starts one process per peer at once (``__file__ NAME *ARGS``; the first named one starts the swarm and the
     others join at the address it leaves in ``rendezvous``); returns each peer's (exit code, stdout, stderr)."""
+    procs = start_peers(args, rendezvous, new_session)
+    try:
+        return collect(procs)
+    finally:
+        kill(procs)
+
+
+def start_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
     env = dict(os.environ, **preloaded.PEER_ENV, RENDEZVOUS=str(rendezvous))
     procs = {}
     try:
@@ -893,15 +909,25 @@ def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
             procs[name] = preloaded.popen([sys.executable, __file__, name, *rest, "first" if index == 0 else "join"],
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                           start_new_session=name in new_session)
-        outputs = {}
-        for name, proc in procs.items():
-            out, err = proc.communicate(timeout=120)
-            outputs[name] = (proc.returncode, out, err)
-        return outputs
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+    except BaseException:
+        kill(procs)
+        raise
+    return procs
+
+
+def collect(procs: dict) -> dict:
+    """Each peer's (exit code, stdout, stderr), waiting 120 s at most for each."""
+    outputs = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        outputs[name] = (proc.returncode, out, err)
+    return outputs
+
+
+def kill(procs: dict) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
 
 
 def start_dht(role: str, client_mode: bool = False) -> "hivemind.DHT":
