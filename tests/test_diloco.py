@@ -1342,15 +1342,64 @@ def test_a_group_matches_again_only_when_its_trainers_are_less_than_half_of_the_
     def trainer(swarm, **extra):
         return dict(tag=None, samples=4, client=False, swarm=swarm, **extra)
 
-    assert minority([trainer(16)] * 7) is not None
-    assert minority([trainer(16)] * 8) is None  # half: kept (the other half may have found no group at all)
-    assert minority([trainer(5), trainer(5), None]) is not None  # an aux peer is no trainer
-    assert minority([trainer(3), trainer(3)]) is None
-    assert minority([trainer(5), trainer(5, rematched=True)]) is None  # a round matches at most twice
-    assert minority([trainer(0), trainer(0)]) is None  # no counts (unknown, or older peers): kept
-    assert minority([trainer(5), trainer(10**9), trainer(5)]) is None  # one inflated count moves the median little
-    assert minority([trainer(True), trainer("9"), trainer(-3), "junk", 7]) is None  # malformed: no count
-    assert "2 of the swarm's 5 trainers" in minority([trainer(5), trainer(5)])
+    assert minority([trainer(16)] * 7, NOW) is not None
+    assert minority([trainer(16)] * 8, NOW) is None  # half: kept (the other half may have found no group at all)
+    assert minority([trainer(5), trainer(5), None], NOW) is not None  # an aux peer is no trainer
+    assert minority([trainer(3), trainer(3)], NOW) is None
+    assert minority([trainer(5), trainer(5, rematched=True)], NOW) is None  # a round matches at most twice
+    assert minority([trainer(0), trainer(0)], NOW) is None  # no counts (unknown, or older peers): kept
+    assert minority([trainer(5), trainer(10**9), trainer(5)], NOW) is None  # one inflated count moves the median little
+    assert minority([trainer(True), trainer("9"), trainer(-3), "junk", 7], NOW) is None  # malformed: no count
+    assert "2 of the swarm's 5 trainers" in minority([trainer(5), trainer(5)], NOW)
+
+
+NOW = 1000.0
+
+
+def test_a_minority_group_matches_again_only_if_its_earliest_deadline_leaves_two_matchmaking_windows():
+    """The windows' median (a slow DHT stretches them) against the time to the earliest deadline a member gathered."""
+    from lean_transformer.swarm.averaging.group_quorum import minority, retry_window
+
+    def trainer(window, deadline):
+        return dict(tag=None, samples=4, client=False, swarm=16, window=window, deadline=deadline)
+
+    assert minority([trainer(15.0, NOW + 75)] * 5, NOW) is not None  # 75 s left, 2 x 15 needed
+    assert minority([trainer(60.0, NOW + 70)] * 5, NOW) is None  # lookups of 30 s: no time to match again
+    assert minority([trainer(15.0, NOW + 75)] * 4 + [trainer(15.0, NOW + 29.9)], NOW) is None  # the earliest decides
+    assert minority([trainer(15.0, NOW + 30.0)] * 5, NOW) is not None  # exactly two windows: matches again
+    assert minority([trainer(15.0, NOW + 75)] * 4 + [trainer(10**9, NOW + 75)], NOW) is not None  # one inflated window
+    malformed = [trainer(float("nan"), "soon"), trainer(True, None), trainer(-1.0, float("inf"))] * 2
+    assert minority(malformed, NOW) is not None  # nothing usable gathered: as before the rule
+    assert retry_window(malformed) is None and retry_window([trainer(10.0, 0), trainer(30.0, 0)]) == 20.0
+
+
+def test_a_group_that_matches_again_declares_its_retry_for_the_members_window():
+    """hivemind's retry of a dissolved group declares itself until max(step.scheduled_time, now + its
+    min_matchmaking_time); the group's median window, gathered, replaces the scheduled time (a slow DHT shows a
+    declaration only after its lookups), and what this peer gathers for the retry says it matched once."""
+    from hivemind.averaging.control import StepControl
+    from hivemind.averaging.group_info import GroupInfo
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+    from hivemind.utils.mpfuture import MPFuture
+
+    from lean_transformer.swarm.averaging.group_quorum import Rematch, RematchesMinorityGroups
+
+    def data(window):
+        gathered = dict(tag=None, samples=4, client=False, swarm=8, window=window, deadline=get_dht_time() + 200)
+        return MSGPackSerializer.dumps([0.0, 0, MSGPackSerializer.dumps(gathered)])
+
+    peer = RematchesMinorityGroups()
+    peer.serializer = MSGPackSerializer
+    trigger, signal = MPFuture(), MPFuture()  # the first future of a process must be an MPFuture itself
+    step = StepControl(scheduled_time=get_dht_time() - 5, deadline=get_dht_time() + 200, allow_retries=True,
+                       weight=1.0, data_for_gather=data(20.0))
+    step.attach(trigger, signal)
+    group = GroupInfo(b"group", (b"a", b"b", b"c"), (data(20.0), data(30.0), data(60.0)))
+    before = get_dht_time()
+    with pytest.raises(Rematch, match="a group of 3 of the swarm's 8 trainers"):
+        peer._dissolve_if_minority(group, step)
+    assert before + 30.0 <= step.scheduled_time <= get_dht_time() + 30.0
+    assert MSGPackSerializer.loads(MSGPackSerializer.loads(step.data_for_gather)[2])["rematched"] is True
 
 
 def test_a_peer_checks_answers_only_with_a_contribution_near_the_median():

@@ -525,7 +525,7 @@ class PseudoGradientAverager:
         fingerprint as it will be then."""
         timeout = max(0.0, scheduled_time - get_dht_time()) + self.timeout
         return self.averager.step(scheduled_time=scheduled_time,
-                                  gather=self._gather(tag, max(1, samples)),
+                                  gather=self._gather(tag, max(1, samples), get_dht_time() + timeout),
                                   timeout=timeout, require_trigger=True, wait=False)
 
     def start(self, pseudo_gradients: Optional[Sequence[torch.Tensor]], samples: int, tag: Any = None,
@@ -545,13 +545,16 @@ class PseudoGradientAverager:
             prepared.allow_allreduce()
             return prepared
         window = max(self.matchmaking_time, self.window())
-        return self.averager.step(weight=float(samples), gather=self._gather(tag, samples),
-                                  scheduled_time=get_dht_time() + window, timeout=window + self.allreduce_timeout,
-                                  wait=False)
+        scheduled = get_dht_time() + window
+        return self.averager.step(weight=float(samples),
+                                  gather=self._gather(tag, samples, scheduled + self.allreduce_timeout),
+                                  scheduled_time=scheduled, timeout=window + self.allreduce_timeout, wait=False)
 
-    def _gather(self, tag: Any, samples: int) -> dict:
-        """What this trainer sends its groupmates with a round (all-gathered)."""
-        return dict(tag=tag, samples=samples, client=self.client_mode, swarm=int(self.swarm_size()))
+    def _gather(self, tag: Any, samples: int, deadline: float) -> dict:
+        """What this trainer sends its groupmates with a round (all-gathered); ``swarm``, ``window`` and ``deadline``
+        (DHT time) are what :mod:`.group_quorum` decides a re-match by."""
+        return dict(tag=tag, samples=samples, client=self.client_mode, swarm=int(self.swarm_size()),
+                    window=float(max(self.matchmaking_time, self.window())), deadline=float(deadline))
 
     def groupmate_began_since(self, since: float) -> bool:
         """Whether a groupmate opened a part stream to this peer after ``since`` (time.time()) for a group whose

@@ -22,6 +22,16 @@ costs a round one matchmaking time, never the round. Groups without counts (aux 
 kept. A peer's count is its message: the median resists one inflated count, and a false ``rematched`` only keeps a
 group as hivemind would.
 
+A re-match needs time, and its declaration must live as long as the DHT takes to show it. Each trainer also gathers
+its matchmaking window (``SwarmOptimizer.matchmaking_window``: the matchmaking time, stretched by slow DHT lookups)
+and its round's deadline. A minority group re-matches only if the earliest deadline leaves two of the members'
+median window (one to match, one for the all-reduce and late members), and the retry declares itself for that
+window, not for hivemind's ``min_matchmaking_time``. benchmarks/internet.py (16 DiLoCo trainers, matchmaking logged at
+DEBUG, DHT lookups 11 s median): two groups of 5 of one round re-matched 70 s before their deadlines; the DHT lookup of
+their retry took 47 s and found no one, the declaration's store 75 s, and all ten missed the round, where kept they
+would have averaged as two groups. A false deadline or window only keeps a group (as hivemind would), and the median
+resists one inflated window.
+
 Hooked where hivemind offers no hook: its Matchmaking is built inside the averager's process, so its
 ``look_for_group`` is wrapped on the instance, once (as :class:`..exclusion.RefusesExcluded` wraps its requests).
 hivemind logs the retry of a dissolved group as a WARNING; :class:`RematchRetries` makes it one INFO line.
@@ -29,15 +39,19 @@ hivemind logs the retry of a dissolved group as a WARNING; :class:`RematchRetrie
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from typing import Any, Optional, Sequence
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.utils import get_dht_time
 
 from lean_transformer.swarm.averaging.round_events import gathered_data
 from lean_transformer.swarm.monitoring.events import emit
+
+logger = logging.getLogger(__name__)
 
 AVERAGER_LOGGER = "hivemind.averaging.averager"  # where hivemind's _step logs "caught ..., retrying"
 
@@ -46,21 +60,37 @@ class Rematch(MatchmakingException):
     """Raised by every member of a group that holds too few of the swarm's trainers: hivemind's step retries."""
 
 
-def minority(members: Sequence[Any]) -> Optional[str]:
+def minority(members: Sequence[Any], now: float) -> Optional[str]:
     """Why a group whose members gathered ``members`` (each a peer's message: a dict from a trainer, anything else
-    from an aux peer or a malformed one) matches again; None to keep it. Trainers' dicts carry ``samples``; their
-    ``swarm`` is how many trainers each sees, ``rematched`` whether it matched once already in this round."""
+    from an aux peer or a malformed one) matches again at DHT time ``now``; None to keep it. Trainers' dicts carry
+    ``samples``; their ``swarm`` is how many trainers each sees, ``rematched`` whether it matched once already in this
+    round, ``window`` and ``deadline`` what :func:`retry_window` reads."""
     trainers = [member for member in members if isinstance(member, dict) and "samples" in member]
     if any(member.get("rematched") is True for member in trainers):
         return None
-    counts = [member.get("swarm") for member in trainers]
-    counts = [count for count in counts if isinstance(count, int) and not isinstance(count, bool) and count > 0]
+    counts = [count for count in (member.get("swarm") for member in trainers) if _number(count) and count > 0]
     if not counts:
         return None
     swarm = statistics.median(counts)
     if 2 * len(trainers) >= swarm:
         return None
+    window = retry_window(trainers)
+    deadlines = [deadline for deadline in (member.get("deadline") for member in trainers) if _number(deadline)]
+    if window is not None and deadlines and min(deadlines) - now < 2 * window:
+        logger.info(f"A group of {len(trainers)} of the swarm's {swarm:g} trainers, kept: {min(deadlines) - now:.0f} s "
+                    f"left before its deadline, a re-match needs 2 x {window:.0f} s")
+        return None
     return f"a group of {len(trainers)} of the swarm's {swarm:g} trainers: matching again for a larger one"
+
+
+def retry_window(trainers: Sequence[dict]) -> Optional[float]:
+    """The median of the matchmaking windows (seconds) that ``trainers`` gathered, None if none gathered one."""
+    windows = [window for window in (member.get("window") for member in trainers) if _number(window) and window > 0]
+    return statistics.median(windows) if windows else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RematchRetries(logging.Filter):
@@ -99,9 +129,14 @@ class RematchesMinorityGroups:
         matchmaking.look_for_group = look_for_a_large_enough_group
 
     def _dissolve_if_minority(self, group: GroupInfo, step: StepControl) -> None:
-        reason = minority([gathered_data(self.serializer, data) for data in group.gathered])
+        members = [gathered_data(self.serializer, data) for data in group.gathered]
+        now = get_dht_time()
+        reason = minority(members, now)
         if reason is None:
             return
+        window = retry_window([member for member in members if isinstance(member, dict)])
+        if window is not None and now + window < step.deadline:  # hivemind's retry declares itself until
+            step.scheduled_time = now + window  # max(scheduled time, now + min_matchmaking_time)
         bandwidth, mode, own = self.serializer.loads(step.data_for_gather)
         own = self.serializer.loads(own)
         if isinstance(own, dict):  # what this peer gathers when it matches again (hivemind's retry sends it)
