@@ -249,11 +249,11 @@ def main(variant: str, case: str) -> None:
     from hivemind.utils.mpfuture import MPFuture
 
     from lean_transformer.swarm.averaging import averagers
-    from lean_transformer.swarm.hivemind_fixes import undeclare
+    from lean_transformer.swarm.hivemind_fixes import declaration_stores
 
     parent = averagers.GradientAverager if variant == "lean_transformer" else grad_averager.GradientAverager
-    if variant == "hivemind":  # its matchmaking's clean-up awaits the withdrawal's DHT store (hivemind_fixes.undeclare)
-        GroupKeyManager.declare_averager = undeclare.HIVEMIND_DECLARE_AVERAGER
+    if variant == "hivemind":  # its clean-up awaits the withdrawal's DHT store (hivemind_fixes.declaration_stores)
+        GroupKeyManager.declare_averager = declaration_stores.HIVEMIND_DECLARE_AVERAGER
 
     class Averager(parent):  # one class for A and B: hivemind names the RPCs after it
         def __init__(self, *args, answer_delay: float = 0.0, **kwargs):
@@ -266,12 +266,12 @@ def main(variant: str, case: str) -> None:
         async def _cleanup_waits_for_dht(self, future: MPFuture) -> None:
             """Whether a task of this process waits in matchmaking's clean-up for the (stopped) DHT: hivemind's
             ``PotentialLeaders._declare_averager_periodically``, past its ``finally``, where it withdraws the
-            declaration, or our withdrawal in the background (``hivemind_fixes.undeclare``)."""
+            declaration, or our withdrawal in the background (``hivemind_fixes.declaration_stores``)."""
             try:
                 code = PotentialLeaders._declare_averager_periodically.__code__
                 lines, first = inspect.getsourcelines(code)
                 cleanup = first + next(index for index, line in enumerate(lines) if line.strip() == "finally:")
-                after = {code: cleanup, undeclare._withdraw.__code__: 0}
+                after = {code: cleanup, declaration_stores._store.__code__: 0}
                 future.set_result(any(frame.f_code in after and frame.f_lineno > after[frame.f_code]
                                       for task in asyncio.all_tasks() for frame in task.get_stack()))
             except Exception as error:  # said in the test's process, not lost in this one's

@@ -84,10 +84,12 @@ that the swarm code uses explicitly.
   hivemind's matchmaking (an ERROR traceback; seen with 24 trainers on 2 cores). Here it declines that group, as one
   from a leader that disbanded. Reproduced by ``tests/test_late_group.py``. Drop when hivemind checks the group's
   future before it assembles.
-- :mod:`.undeclare`: an averager leaving matchmaking (its group formed) awaits the DHT store that withdraws its
-  declaration before its all-reduce begins: 2-31 s in a busy swarm over slow links, and a group whose members began
-  more than 20 s apart failed its round. Here the withdrawal is stored in the background. Reproduced by
-  ``tests/test_undeclare.py``. Drop when hivemind's matchmaking does not wait for that store.
+- :mod:`.declaration_stores`: an averager that matchmakes awaits the DHT store of its declaration before it sleeps
+  until its declared time, so a leader closes its group only when both are past (stores returned up to 34 s late in
+  a busy swarm over slow links), and one that leaves matchmaking (its group formed) awaits the store that withdraws
+  it before its all-reduce begins (2-31 s; a group whose members began more than 20 s apart failed its round). Here
+  both stores run in the background. Reproduced by ``tests/test_declaration_stores.py``. Drop when hivemind's
+  matchmaking waits for neither store.
 - :mod:`.shared_bytes`: hivemind's futures take their shared state byte from 16-byte buffers, each one a round
   trip to torch's shared-memory manager, which a peer starved of CPU misses (1 s), and the error ended a trainer's
   progress tracker. Here buffers hold a page and an unanswered allocation is tried again (bounded). Reproduced by
@@ -117,9 +119,10 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import (dht_beam, dht_pacing, late_group, quiet_logs, shared_bytes,
-                                                   step_cancel, unary_calls, undeclare)
+from lean_transformer.swarm.hivemind_fixes import (declaration_stores, dht_beam, dht_pacing, late_group, quiet_logs,
+                                                   shared_bytes, step_cancel, unary_calls)
 
+declaration_stores.install()
 dht_beam.install()
 dht_pacing.install()
 late_group.install()
@@ -127,4 +130,3 @@ quiet_logs.install()
 shared_bytes.install()
 step_cancel.install()
 unary_calls.install()
-undeclare.install()
