@@ -39,6 +39,9 @@ LATE = 30.0  # ... or, in the group's-word test, its own view of the swarm would
 # the quorum test: a and b's group closes QUORUM_EARLY s before the round's end, QUORUM_MATCHMAKING s before which c,
 # d and e begin matchmaking; after a rematch a and b look for QUORUM_MATCHMAKING s more, 2 s of which the others too
 QUORUM_MATCHMAKING, QUORUM_EARLY = 4.0, 6.0
+# the direct-declarations test: every declaration takes SLOW_STORE s to store, longer than a round's matchmaking and
+# all-reduce timeout together (benchmarks/internet.py saw 2-75 s on 2 cores)
+KNOWN_MATCHMAKING, KNOWN_TIMEOUT, SLOW_STORE = 3.0, 8.0, 30.0
 PARTIAL_SIZE = 3000  # elements of the partial-round test's tensor
 SPARSE_SIZE, SPARSE_FRACTION = 4000, 0.05  # the sparse test's tensor, and the fraction each trainer sends
 SPARSE_SAMPLES = {"a": 1, "client": 3}  # the sparse test's trainers and their samples per round
@@ -738,6 +741,27 @@ def test_a_group_of_less_than_half_the_swarm_that_closed_early_matches_again_and
 
 
 @pytest.mark.swarm
+def test_peers_whose_declarations_the_dht_shows_too_late_match_through_declarations_sent_directly(tmp_path, report):
+    """Four trainers prepare a round for T; every declaration takes SLOW_STORE s to reach the DHT (a swarm on slow
+    links and busy CPUs), longer than the round's matchmaking and all-reduce time. hivemind's search, which finds
+    leaders only in the DHT (``declared``), finds nobody and every peer misses the round. Each sending its
+    declarations to the trainers it knows from the swarm's progress records (``known``, direct_declarations), the four
+    form one group: one anchor, the hand-computed Nesterov step of their mean."""
+    results = peer_results(tmp_path, ["declared", "known"], names="abcd")
+    sizes = {mode: [results[mode][name]["group_size"] for name in "abcd"] for mode in results}
+    assert sizes["declared"] == [None] * 4, results["declared"]
+    assert sizes["known"] == [4] * 4, results["known"]
+    mean = (0.5 + 0.25 - 1.0 + 2.0) / 4  # 4 samples each
+    for name in "abcd":
+        assert results["known"][name]["anchor"] == results["known"]["a"]["anchor"], results["known"]
+    torch.testing.assert_close(torch.tensor(results["known"]["a"]["anchor"]), torch.tensor([hand_nesterov(1.0, [mean])]),
+                               rtol=1e-4, atol=1e-5)
+    report(f"declarations stored {SLOW_STORE:g} s late (matchmaking {KNOWN_MATCHMAKING:g} s, all-reduce timeout "
+           f"{KNOWN_TIMEOUT:g} s): from the DHT alone, groups {sizes['declared']}; declarations sent to the known "
+           f"trainers too, {sizes['known']}")
+
+
+@pytest.mark.swarm
 def test_a_peer_whose_view_of_the_swarm_lags_ends_its_round_when_a_groupmate_begins_the_all_reduce(tmp_path, report):
     """a, b and c prepare a round; a and b end it at T, c's own view of the swarm would end it LATE s later, longer
     than its groupmates wait for its parts. c ends it as soon as the parts of a groupmate reach it
@@ -1126,6 +1150,48 @@ def quorum_peer(name: str, mode: str, role: str) -> None:
           flush=True)
 
 
+def known_peer(name: str, mode: str, role: str) -> None:
+    """A peer of the direct-declarations test: a, b, c and d prepare a round for T; every declaration's DHT store
+    waits SLOW_STORE s first. ``known``: each peer also sends its declarations to the others, whose peer IDs it reads
+    from files in the rendezvous folder (as a trainer reads them from the progress records)."""
+    from hivemind.utils import get_dht_time
+
+    from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
+    from lean_transformer.swarm.hivemind_fixes import declaration_stores
+
+    store = declaration_stores.HIVEMIND_DECLARE_AVERAGER
+
+    async def slow_store(self, group_key, peer_id, expiration_time, looking_for_group=True):
+        await asyncio.sleep(SLOW_STORE)
+        return await store(self, group_key, peer_id, expiration_time, looking_for_group)
+
+    declaration_stores.HIVEMIND_DECLARE_AVERAGER = slow_store  # before the averager's process forks
+    rendezvous = Path(os.environ["RENDEZVOUS"])
+    dht = start_dht(role)
+    (rendezvous / f"{name}.peer").write_text(str(dht.peer_id))
+    end = common_time(role)
+
+    def known_trainers() -> list:
+        return [path.read_text() for path in sorted(rendezvous.glob("*.peer")) if path.stem != name]
+
+    weight = torch.nn.Parameter(torch.full((1,), 1.0))
+    outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
+    averager = PseudoGradientAverager(dht, "test_diloco_known", [weight.shape], matchmaking_time=KNOWN_MATCHMAKING,
+                                      allreduce_timeout=KNOWN_TIMEOUT,
+                                      known_trainers=known_trainers if mode == "known" else tuple)
+    rounds = OuterLoop(outer, averager)
+    with torch.no_grad():
+        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0}[name])
+    rounds.add_samples(4)
+    time.sleep(max(0.0, end - KNOWN_MATCHMAKING - get_dht_time()))
+    rounds.prepare(end)
+    time.sleep(max(0.0, end - get_dht_time()))
+    group_size = rounds.end_round()
+    averager.shutdown()
+    dht.shutdown()
+    print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist())), flush=True)
+
+
 def newcomer_peer(name: str, mode: str, role: str) -> None:
     """A peer of the newcomer test: a and b (overlap) send round 1 at T; a serves its outer state, asked while the
     round is in flight: once its step is applied (``applied``, ``OuterLoop.settled``), which it is as soon as the
@@ -1295,6 +1361,8 @@ if __name__ == "__main__":
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("counted", "uncounted"):
         quorum_peer(sys.argv[1], sys.argv[2], sys.argv[3])
+    elif sys.argv[2] in ("declared", "known"):
+        known_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in CATCH_UP_ROUNDS:
         catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     else:

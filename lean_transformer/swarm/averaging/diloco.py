@@ -73,6 +73,7 @@ from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivere
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
 from lean_transformer.swarm.averaging.group_quorum import RematchesMinorityGroups
+from lean_transformer.swarm.averaging.direct_declarations import DeclaresDirectly
 from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, HISTORY_OUTSIDERS, OuterHistory,
                                                             ServesOuterHistory, history_key, path_to)
 from lean_transformer.swarm.averaging.robust import CenteredClipReduction, check_aggregation, robust_exclusions
@@ -338,8 +339,8 @@ def gross_ratio(own_weight: float, weights: Sequence[Any]) -> float:
     return GROSS_RATIO * max(1.0, statistics.median(claimed) / own_weight)
 
 
-class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, WholeControlMessages, CancelSafe,
-               RefusesExcluded, AnswersDelivered, DecentralizedAverager):
+class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, DeclaresDirectly, WholeControlMessages,
+               CancelSafe, RefusesExcluded, AnswersDelivered, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, its answers delivered
     (also before it shuts down), every peer getting the same average (same wire format), and all of it or
     nothing, in groups that hold at least half of the swarm's trainers where one more match can find such a group
@@ -494,15 +495,18 @@ class PseudoGradientAverager:
     long a round begun without :meth:`prepare` is declared for (its matchmaking), at least ``matchmaking_time``.
     ``swarm_size``: how many trainers this peer sees in the swarm, itself included, gathered with each round (a group
     that holds less than half of its members' median count matches once more: :mod:`.group_quorum`); 0: not known.
+    ``known_trainers``: the peer IDs of the trainers that accept connections, by this peer's progress records; each
+    round's matchmaking declarations go to them directly, besides the DHT (:mod:`.direct_declarations`).
     """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, shapes: Sequence[torch.Size], *,
                  matchmaking_time: float = 5.0, window: Optional[Callable[[], float]] = None,
                  allreduce_timeout: float = 60.0,
                  compression: CompressionBase = NoCompression(), topk_fraction: Optional[float] = None,
-                 gate: Optional[AveragingGate] = None, swarm_size: Callable[[], int] = lambda: 0, **averager_opts):
+                 gate: Optional[AveragingGate] = None, swarm_size: Callable[[], int] = lambda: 0,
+                 known_trainers: Callable[[], Sequence[str]] = tuple, **averager_opts):
         self.shapes = [torch.Size(shape) for shape in shapes]
-        self.swarm_size = swarm_size
+        self.swarm_size, self.known_trainers = swarm_size, known_trainers
         averager_class = pseudo_gradient_averager_class(gated=gate is not None)
         if gate is not None:
             averager_opts["gate"] = gate
@@ -524,6 +528,7 @@ class PseudoGradientAverager:
         its groupmates compare their own final samples with: :func:`checks_answers`) and its outer state's
         fingerprint as it will be then."""
         timeout = max(0.0, scheduled_time - get_dht_time()) + self.timeout
+        self.averager.set_known_trainers(self.known_trainers())
         return self.averager.step(scheduled_time=scheduled_time,
                                   gather=self._gather(tag, max(1, samples), get_dht_time() + timeout),
                                   timeout=timeout, require_trigger=True, wait=False)
@@ -546,6 +551,7 @@ class PseudoGradientAverager:
             return prepared
         window = max(self.matchmaking_time, self.window())
         scheduled = get_dht_time() + window
+        self.averager.set_known_trainers(self.known_trainers())
         return self.averager.step(weight=float(samples),
                                   gather=self._gather(tag, samples, scheduled + self.allreduce_timeout),
                                   scheduled_time=scheduled, timeout=window + self.allreduce_timeout, wait=False)

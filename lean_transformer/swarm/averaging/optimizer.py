@@ -202,7 +202,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             matchmaking_time=self.matchmaking_time, window=self.matchmaking_window,
             allreduce_timeout=self.averaging_timeout,
             compression=diloco.compression, topk_fraction=diloco.topk_fraction, client_mode=self.client_mode,
-            auxiliary=self.auxiliary, aggregation=aggregation, swarm_size=self._trainers_seen, **averager_opts)
+            auxiliary=self.auxiliary, aggregation=aggregation, swarm_size=self._trainers_seen,
+            known_trainers=self._full_trainers, **averager_opts)
         self.outer_loop = OuterLoop(outer, averager, overlap=diloco.overlap, check_averages=aggregation != "mean",
                                     branch_depth=diloco.branch_depth if diloco.topk_fraction is not None else 0,
                                     history_donors=self._full_trainers)

@@ -60,8 +60,8 @@ SWARM_FETCHES_PER_SECOND = 8.0
 
 
 class PacedLookups:
-    """A group key manager whose ``get_averagers`` calls start at least ``interval`` seconds apart; everything else
-    is the wrapped manager's."""
+    """A group key manager whose ``get_averagers`` calls start at least ``interval`` seconds apart (unless the
+    wrapped manager's paces its own lookups: ``paces_lookups``); everything else is the wrapped manager's."""
 
     def __init__(self, key_manager: GroupKeyManager, interval: float):
         self._key_manager, self._interval = key_manager, interval
@@ -71,6 +71,8 @@ class PacedLookups:
         return getattr(self._key_manager, name)
 
     async def get_averagers(self, group_key: GroupKey, only_active: bool) -> List[Tuple[PeerID, DHTExpiration]]:
+        if getattr(self._key_manager.get_averagers, "paces_lookups", False):  # averaging.direct_declarations'
+            return await self._key_manager.get_averagers(group_key, only_active)
         delay = self._next_start - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
