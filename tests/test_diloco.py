@@ -746,19 +746,21 @@ def test_peers_whose_declarations_the_dht_shows_too_late_match_through_declarati
     links and busy CPUs), longer than the round's matchmaking and all-reduce time. hivemind's search, which finds
     leaders only in the DHT (``declared``), finds nobody and every peer misses the round. Each sending its
     declarations to the trainers it knows from the swarm's progress records (``known``, direct_declarations), the four
-    form one group: one anchor, the hand-computed Nesterov step of their mean."""
-    results = peer_results(tmp_path, ["declared", "known"], names="abcd")
+    form one group: one anchor, the hand-computed Nesterov step of their mean. So too when d is in client mode
+    (``known_client``): it declares nothing and cannot be reached, and asks the others to lead it."""
+    results = peer_results(tmp_path, ["declared", "known", "known_client"], names="abcd")
     sizes = {mode: [results[mode][name]["group_size"] for name in "abcd"] for mode in results}
     assert sizes["declared"] == [None] * 4, results["declared"]
-    assert sizes["known"] == [4] * 4, results["known"]
     mean = (0.5 + 0.25 - 1.0 + 2.0) / 4  # 4 samples each
-    for name in "abcd":
-        assert results["known"][name]["anchor"] == results["known"]["a"]["anchor"], results["known"]
-    torch.testing.assert_close(torch.tensor(results["known"]["a"]["anchor"]), torch.tensor([hand_nesterov(1.0, [mean])]),
-                               rtol=1e-4, atol=1e-5)
+    for mode in ("known", "known_client"):
+        assert sizes[mode] == [4] * 4, results[mode]
+        for name in "abcd":
+            assert results[mode][name]["anchor"] == results[mode]["a"]["anchor"], results[mode]
+        torch.testing.assert_close(torch.tensor(results[mode]["a"]["anchor"]),
+                                   torch.tensor([hand_nesterov(1.0, [mean])]), rtol=1e-4, atol=1e-5)
     report(f"declarations stored {SLOW_STORE:g} s late (matchmaking {KNOWN_MATCHMAKING:g} s, all-reduce timeout "
            f"{KNOWN_TIMEOUT:g} s): from the DHT alone, groups {sizes['declared']}; declarations sent to the known "
-           f"trainers too, {sizes['known']}")
+           f"trainers too, {sizes['known']}, and {sizes['known_client']} with d in client mode (asking them)")
 
 
 @pytest.mark.swarm
@@ -1166,10 +1168,8 @@ def known_peer(name: str, mode: str, role: str) -> None:
         return await store(self, group_key, peer_id, expiration_time, looking_for_group)
 
     declaration_stores.HIVEMIND_DECLARE_AVERAGER = slow_store  # before the averager's process forks
-    rendezvous = Path(os.environ["RENDEZVOUS"])
-    dht = start_dht(role)
-    (rendezvous / f"{name}.peer").write_text(str(dht.peer_id))
-    end = common_time(role)
+    rendezvous, client = Path(os.environ["RENDEZVOUS"]), mode == "known_client" and name == "d"
+    dht = start_dht(role, client_mode=client)
 
     def known_trainers() -> list:
         return [path.read_text() for path in sorted(rendezvous.glob("*.peer")) if path.stem != name]
@@ -1178,7 +1178,13 @@ def known_peer(name: str, mode: str, role: str) -> None:
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     averager = PseudoGradientAverager(dht, "test_diloco_known", [weight.shape], matchmaking_time=KNOWN_MATCHMAKING,
                                       allreduce_timeout=KNOWN_TIMEOUT,
-                                      known_trainers=known_trainers if mode == "known" else tuple)
+                                      known_trainers=known_trainers if mode != "declared" else tuple,
+                                      client_mode=client)
+    if not client:  # a trainer knows the others that accept connections: those that published a record
+        (rendezvous / f"{name}.peer").write_text(str(dht.peer_id))
+    (rendezvous / f"{name}.ready").touch()  # the round begins once every peer is up (each started seconds apart)
+    wait_until(lambda: len(list(rendezvous.glob("*.ready"))) == 4, timeout=60, what="the peers", interval=0.05)
+    end = common_time(role)
     rounds = OuterLoop(outer, averager)
     with torch.no_grad():
         weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0}[name])
@@ -1361,7 +1367,7 @@ if __name__ == "__main__":
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("counted", "uncounted"):
         quorum_peer(sys.argv[1], sys.argv[2], sys.argv[3])
-    elif sys.argv[2] in ("declared", "known"):
+    elif sys.argv[2] in ("declared", "known", "known_client"):
         known_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in CATCH_UP_ROUNDS:
         catch_up_peer(sys.argv[1], sys.argv[2], sys.argv[3])

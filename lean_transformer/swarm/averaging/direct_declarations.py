@@ -10,8 +10,8 @@ peers that began matching 15 s before a round's end found each other late or not
 
 A trainer already knows who trains with it: the progress records it reads every few seconds name the trainers that
 accept connections (``SwarmOptimizer._full_trainers``). Here each declaration a peer stores in the DHT (and its
-withdrawal, as its search ends) also goes to those trainers, one small request each (``rpc_declare``), and each adds
-what it receives to what its DHT lookups find: hivemind's search then sees a known peer's declaration a round trip
+withdrawal, as its search ends) also goes to those trainers, one small request each (``rpc_declare``, answered with
+the receiver's own declaration), and each adds what it receives to what its DHT lookups find: hivemind's search then sees a known peer's declaration a round trip
 after it was made, with its true time, so its leader rule works unchanged, and no peer asks another that could not
 lead it (asking every known peer instead would make two peers ask each other at once, each holding hivemind's lock
 until the other's answer times out). The DHT lookup goes on in the background (it finds the peers this one does not
@@ -81,24 +81,29 @@ class DeclaresDirectly:
         self._known = tuple(peer for peer in known if peer != self.peer_id)
 
     async def rpc_declare(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> averaging_pb2.JoinRequest:
-        """A peer's declaration (``expiration``; ``WITHDRAWN``: it stopped matching), sent to this peer directly. With
-        an averaging gate (:mod:`..auth.averaging_gate`), only from a peer it admits: else this peer would ask a
-        stranger to lead it."""
+        """A peer's declaration (``expiration``; ``WITHDRAWN``: it stopped matching), sent to this peer directly; the
+        answer is this peer's own (so a peer that tells the others as it begins matching learns who matches already,
+        also those that told it before it was up). With an averaging gate (:mod:`..auth.averaging_gate`), only with
+        a peer it admits: else this peer would ask a stranger to lead it."""
         gate = getattr(self, "_gate", None)
-        if gate is not None and not await gate.admits(context.remote_id, self.prefix):
-            return averaging_pb2.JoinRequest()
         matchmaking = getattr(self, "_matchmaking", None)
-        if matchmaking is not None and request.schema_hash == matchmaking.schema_hash and isinstance(
-                request.expiration, float) and math.isfinite(request.expiration) and (
-                request.group_key == matchmaking.group_key_manager.current_key):
-            self._receive(context.remote_id, request.expiration, matchmaking)
-        return averaging_pb2.JoinRequest()
+        if matchmaking is None or gate is not None and not await gate.admits(context.remote_id, self.prefix):
+            return averaging_pb2.JoinRequest()
+        self._receive(context.remote_id, request, matchmaking)
+        leaders = matchmaking.potential_leaders
+        declared = leaders.declared_expiration_time if matchmaking.is_looking_for_group else WITHDRAWN
+        return averaging_pb2.JoinRequest(schema_hash=matchmaking.schema_hash, group_key=leaders.declared_group_key or "",
+                                         expiration=declared if math.isfinite(declared) else WITHDRAWN)
 
-    def _receive(self, peer: PeerID, expiration: DHTExpiration, matchmaking: Any) -> None:
-        declared, now = self._declared, get_dht_time()
+    def _receive(self, peer: PeerID, declaration: averaging_pb2.JoinRequest, matchmaking: Any) -> None:
+        """Keep ``peer``'s declaration if it is one for this averager's group key and tensors."""
+        if declaration.schema_hash != matchmaking.schema_hash or not isinstance(declaration.expiration, float) or (
+                declaration.group_key != matchmaking.group_key_manager.current_key):
+            return
+        declared, now, expiration = self._declared, get_dht_time(), declaration.expiration
         for stale in [other for other, until in declared.items() if until <= now]:
             del declared[stale]
-        if expiration <= now or expiration > now + MAX_AHEAD:  # a withdrawal, or none this peer can use
+        if not now < expiration <= now + MAX_AHEAD:  # a withdrawal, or none this peer can use (inf and NaN too)
             declared.pop(peer, None)
             return
         if peer in declared or len(declared) < MAX_DECLARED:
@@ -123,9 +128,11 @@ class DeclaresDirectly:
                                             group_key=group_key)
         try:
             stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-            await asyncio.wait_for(stub.rpc_declare(request), timeout=matchmaking.request_timeout)
+            answer = await asyncio.wait_for(stub.rpc_declare(request), timeout=matchmaking.request_timeout)
         except Exception as error:  # gone, older, or slow: it still has the DHT
             logger.debug(f"Could not tell {peer} of this peer's declaration: {error!r}")
+            return
+        self._receive(peer, answer, matchmaking)
 
 
 class TellsKnown:
