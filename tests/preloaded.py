@@ -43,7 +43,8 @@ PRELOAD = ("torch", "numpy", "hivemind", "transformers.modeling_utils", "lean_tr
            "run_aux_peer")
 # variables no preloaded module reads: pytest's note of the running test, and those the tests' own peer scripts
 # (tests/slow_trainer.py, ...) read at run time; a child gets them all the same
-RUN_TIME_VARIABLES = frozenset({"PYTEST_CURRENT_TEST", "SLOW_BATCH_SECONDS", "SLOW_FSYNC_SECONDS", "RENDEZVOUS"})
+RUN_TIME_VARIABLES = frozenset({"PYTEST_CURRENT_TEST", "SLOW_BATCH_SECONDS", "SLOW_FSYNC_SECONDS", "RENDEZVOUS",
+                               "SWARM_PEERS"})
 # what the tests give their peers: one torch thread (tiny models, several peers on 2 busy cores), the repository
 # importable
 PEER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

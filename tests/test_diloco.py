@@ -928,7 +928,7 @@ def run_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
 
 
 def start_peers(args: dict, rendezvous: Path, new_session: tuple = ()) -> dict:
-    env = dict(os.environ, **preloaded.PEER_ENV, RENDEZVOUS=str(rendezvous))
+    env = dict(os.environ, **preloaded.PEER_ENV, RENDEZVOUS=str(rendezvous), SWARM_PEERS=str(len(args)))
     procs = {}
     try:
         for index, (name, rest) in enumerate(args.items()):
@@ -974,11 +974,16 @@ def start_dht(role: str, client_mode: bool = False) -> "hivemind.DHT":
 
 
 def common_time(role: str) -> float:
-    """A DHT time that all peers of a test share: the first peer's now + 8 s (the others' DHTs start meanwhile)."""
+    """A DHT time that all peers of a test share: the first peer's now + 8 s, once every peer of its swarm got here
+    (with DHTs up; several swarms starting side by side start their peers seconds apart on 2 cores)."""
     from hivemind.utils import get_dht_time
 
-    common = Path(os.environ["RENDEZVOUS"]) / "time"
+    rendezvous = Path(os.environ["RENDEZVOUS"])
+    common = rendezvous / "time"
+    (rendezvous / f"up.{os.getpid()}").touch()
     if role == "first":
+        wait_until(lambda: len(list(rendezvous.glob("up.*"))) == int(os.environ["SWARM_PEERS"]), timeout=60,
+                   what="every peer", interval=0.05)
         common.with_suffix(".tmp").write_text(str(get_dht_time() + 8.0))
         common.with_suffix(".tmp").rename(common)
     wait_until(common.exists, timeout=60, what="the common time", interval=0.05)
