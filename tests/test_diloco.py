@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ import torch
 import preloaded
 from aux_utils import wait_until
 
-from lean_transformer.swarm.averaging.diloco import OuterNesterov
+from lean_transformer.swarm.averaging.diloco import OuterLoop, OuterNesterov
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -1123,6 +1123,21 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
     dht.shutdown()
 
 
+def prepared_round(rounds: OuterLoop, weight: torch.Tensor, delta: float, scheduled: float, end: float,
+                   matchmaking: float) -> Optional[int]:
+    """A round of 4 samples whose pseudo-gradient is ``delta``, prepared ``matchmaking`` s before ``scheduled`` and
+    ended at ``end`` (DHT times): its group's size."""
+    from hivemind.utils import get_dht_time
+
+    with torch.no_grad():
+        weight.sub_(delta)
+    rounds.add_samples(4)
+    time.sleep(max(0.0, scheduled - matchmaking - get_dht_time()))
+    rounds.prepare(scheduled)
+    time.sleep(max(0.0, end - get_dht_time()))
+    return rounds.end_round()
+
+
 def quorum_peer(name: str, mode: str, role: str) -> None:
     """A peer of the quorum test: all five end their round at T; a and b estimated it EARLY s sooner, so they
     prepared their matchmaking for T - EARLY, c, d and e for T. Each sees the swarm's 5 trainers (``counted``) or
@@ -1141,14 +1156,9 @@ def quorum_peer(name: str, mode: str, role: str) -> None:
     averager = PseudoGradientAverager(dht, "test_diloco_quorum", [weight.shape], matchmaking_time=QUORUM_MATCHMAKING,
                                       allreduce_timeout=10.0, swarm_size=lambda: 5 if mode == "counted" else 0)
     rounds = OuterLoop(outer, averager)
-    with torch.no_grad():
-        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0, "e": 1.0}[name])
-    rounds.add_samples(4)
     scheduled = end - (QUORUM_EARLY if name in "ab" else 0.0)
-    time.sleep(max(0.0, scheduled - QUORUM_MATCHMAKING - get_dht_time()))
-    rounds.prepare(scheduled)
-    time.sleep(max(0.0, end - get_dht_time()))
-    group_size = rounds.end_round()
+    group_size = prepared_round(rounds, weight, {"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0, "e": 1.0}[name],
+                                scheduled, end, QUORUM_MATCHMAKING)
     averager.shutdown()
     dht.shutdown()
     close_events()
@@ -1191,13 +1201,8 @@ def known_peer(name: str, mode: str, role: str) -> None:
     wait_until(lambda: len(list(rendezvous.glob("*.ready"))) == 4, timeout=60, what="the peers", interval=0.05)
     end = common_time(role)
     rounds = OuterLoop(outer, averager)
-    with torch.no_grad():
-        weight.sub_({"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0}[name])
-    rounds.add_samples(4)
-    time.sleep(max(0.0, end - KNOWN_MATCHMAKING - get_dht_time()))
-    rounds.prepare(end)
-    time.sleep(max(0.0, end - get_dht_time()))
-    group_size = rounds.end_round()
+    group_size = prepared_round(rounds, weight, {"a": 0.5, "b": 0.25, "c": -1.0, "d": 2.0}[name], end, end,
+                                KNOWN_MATCHMAKING)
     averager.shutdown()
     dht.shutdown()
     print(json.dumps(dict(group_size=group_size, anchor=outer.anchor[0].tolist())), flush=True)
