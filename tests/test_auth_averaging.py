@@ -186,10 +186,11 @@ async def _download(node, member: str) -> dict:
     from hivemind.utils.asyncio import aiter_with_timeout
 
     from lean_transformer.swarm.auth.averaging_gate import GatedTrainingStateAverager
+    from lean_transformer.swarm.hivemind_fixes.stream_answers import UntilStateEnd
 
     stub = GatedTrainingStateAverager.get_stub(node.p2p, PeerID.from_base58(member),
                                                namespace=f"{RUN_ID}_state_averager")
-    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    stream = UntilStateEnd(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
     messages = [message async for message in aiter_with_timeout(stream, CALL_TIMEOUT)]
     return dict(messages=len(messages), metadata=any(message.metadata for message in messages))
 

@@ -48,6 +48,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
+from lean_transformer.swarm.hivemind_fixes.stream_answers import UntilStateEnd
 from lean_transformer.swarm.protocol.settings import HISTORY_ROUNDS
 
 HISTORY_OUTSIDERS = 2  # full peers outside the group asked for a history after the groupmates
@@ -194,21 +195,26 @@ class ServesOuterHistory:
 
     async def _read_history(self, peer: str, max_bytes: int) -> Tuple[Any, List[torch.Tensor]]:
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        answers = UntilStateEnd(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
         metadata, parts, tensors, received = None, [], [], 0
-        async for message in stream:
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            received += len(message.tensor_part.buffer)
-            if received > max_bytes:
-                raise ValueError(f"{peer} sent more than {max_bytes} bytes of outer history")
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            if message.tensor_part.dtype or parts:
-                parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        try:
+            async for message in answers:
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                received += len(message.tensor_part.buffer)
+                if received > max_bytes:
+                    raise ValueError(f"{peer} sent more than {max_bytes} bytes of outer history")
+                if message.tensor_part.dtype and parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                if message.tensor_part.dtype or parts:
+                    parts.append(message.tensor_part)
+        finally:
+            await answers.aclose()
         if metadata is None:
             raise ValueError(f"{peer} sent no outer history")
+        if not answers.whole:
+            raise ValueError(f"{peer}'s outer history was cut after {len(tensors)} tensors")
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return metadata, tensors

@@ -28,8 +28,9 @@ which wakes the goroutine that copies the caller's data; it sees a reset stream 
 the race with the ``CloseWrite`` that follows, the caller receives RST instead of FIN. A caller that has not yet read
 the answers in its p2pd's buffer loses them: an empty stream (CI: a stranger's refusal) or an all-reduce share one
 part short (CI: "Averaging: received 99.8% results", a pair whose final parameters differed). The race is inside
-p2pd and rare (0 in 30,000 streams of a stress run on the 2-core box, 2 of the last 3 CI suites hit it), so it is
-avoided rather than reproduced: the caller closes first, once it holds every answer it expects
+p2pd: the more answers a caller's daemon still holds, the more likely (0 in 30,000 streams of small answers on the
+2-core box; 23 of 600 streams of 200 answers of 20 kB each, all of them cut at the tail, with hivemind's own P2P). It
+is avoided: the caller closes first, once it holds every answer it expects
 (:class:`CallerClosesFirst`: one answer per tensor part it sent, or a refusal), and the handler, having answered and
 drained, waits for that close (hivemind cancels the handler when the caller's end closes) for at most
 ``LINGER_TIMEOUT`` s. Whatever the caller's close does to the stream, it has nothing left to receive.
@@ -37,7 +38,13 @@ drained, waits for that close (hivemind cancels the handler when the caller's en
 waits for no timeout. The same race loses matchmaking's answers (a join request is one message, its answers a
 stream): CI saw an empty stream instead of a join answer (``tests/test_auth_averaging.py``: a token holder asking an
 idle averager), so those handlers also wait, after their last answer, for the caller to close (:func:`lingering`;
-hivemind's matchmaking closes its request stream once it has read what it needs). Drop with the rest of this module.
+hivemind's matchmaking closes its request stream once it has read what it needs). And it cut served states: a
+state's answers are megabytes, and a downloader that got 96 of 154 tensors rejected its only donor and joined the
+swarm alone (CI, ``tests/test_diloco_swarm.py``); DiLoCo's outer histories travel the same way. A state's answers
+end with an empty message (:func:`ending_state`), after which its handler waits for the caller's close, and a
+downloader reads up to that end and closes (:class:`UntilStateEnd`); a stream that ends without it was cut.
+``tests/test_stream_answers.py`` checks the order and that 200 streams of 4 MB arrive whole (hivemind's own P2P cut
+the tail of 3 of 200 such streams, and of 23 of 600 in another run). Drop with the rest of this module.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ from typing import Any, AsyncIterator, Optional, Set, TypeVar
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter
 
 DRAIN_TIMEOUT = 10.0  # seconds a caller may go on sending after it was answered
 LINGER_TIMEOUT = 10.0  # seconds a handler that has answered waits for its caller to close the stream first
@@ -73,6 +81,40 @@ async def lingering(answers: AsyncIterator[Answer], linger: float = LINGER_TIMEO
     async for answer in answers:
         yield answer
     await asyncio.sleep(linger)
+
+
+async def ending_state(answers: AsyncIterator[averaging_pb2.DownloadData], linger: float = LINGER_TIMEOUT
+                       ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    """A served state's ``answers``, then an empty message that ends it, then wait for the caller to close the
+    stream (:func:`lingering`)."""
+    async for answer in lingering(achain(answers, as_aiter(averaging_pb2.DownloadData())), linger):
+        yield answer
+
+
+class UntilStateEnd:
+    """The answers of a state's stream (``rpc_download_state``) up to the empty message that ends it
+    (:func:`ending_state`), at which this end closes the stream, first. ``whole``: the end arrived; a stream that
+    stopped before it was cut (or its donor runs an older version, which sends none)."""
+
+    def __init__(self, answers: AsyncIterator[averaging_pb2.DownloadData]):
+        self._answers, self.whole = answers, False
+
+    def __aiter__(self) -> UntilStateEnd:
+        return self
+
+    async def __anext__(self) -> averaging_pb2.DownloadData:
+        if self.whole:
+            raise StopAsyncIteration
+        answer = await self._answers.__anext__()
+        if answer.metadata or answer.HasField("tensor_part"):
+            return answer
+        self.whole = True
+        await self.aclose()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Close the stream (hivemind's caller closes its end of the p2pd stream)."""
+        await self._answers.aclose()
 
 
 async def _read_to_end(requests: AsyncIterator[Any]) -> None:
@@ -169,8 +211,9 @@ class CallerClosesFirst:
 
 
 class AnswersDelivered(AnswersBeforeLeaving):
-    """Mixed in front of a hivemind averager: its all-reduce and matchmaking answers reach the caller, also when this
-    averager shuts down right after its round (see above). As a caller (its stubs), it closes first once answered."""
+    """Mixed in front of a hivemind averager: its all-reduce, matchmaking and state answers reach the caller, also
+    when this averager shuts down right after its round (see above). As a caller (its stubs), it closes first once
+    answered; a state's reader closes first with :class:`UntilStateEnd`."""
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -180,6 +223,11 @@ class AnswersDelivered(AnswersBeforeLeaving):
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         async for answer in lingering(super().rpc_join_group(request, context)):
+            yield answer
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for answer in ending_state(super().rpc_download_state(request, context)):
             yield answer
 
     @classmethod
