@@ -24,8 +24,8 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
 
 Reported (benchmarks/results/internet.json and a plot of peers alive / averaging / downloading over time), from the
 peers' event files: the DHT's connectivity (each trainer's progress events name the peers whose records it sees; per
-10 s bucket, the connected components of that graph over the trainers that reported: a split is any bucket with more
-than one); per trainer the fraction of its epochs (DiLoCo: outer rounds; not those in flight when it left) in which it
+10 s bucket, the connected components of that graph over the trainers that reported and the live ones they see: a
+split is any bucket with more than one); per trainer the fraction of its epochs (DiLoCo: outer rounds; not those in flight when it left) in which it
 averaged with at least one other peer; group sizes; newcomers' time from start to their first averaged round; state
 downloads (why, and their time), DiLoCo catch-ups and groups dissolved to match again; bytes sent per sample (link
 counters); compute utilization, with the share of the wall time spent waiting for the swarm and the share of the
@@ -419,6 +419,32 @@ def aux_note(rows: Optional[dict]) -> str:
         f" (off: {off})" if off else "")
 
 
+def dht_buckets(events: Dict[str, Sequence[dict]], peer_ids: Dict[str, Optional[str]], trainers: Sequence[Slot],
+                start: float, stop: float) -> List[dict]:
+    """The DHT's connectivity per 10 s bucket from ``start`` to ``stop``: how many trainers reported what they see
+    (their last progress event in the bucket) and the connected components of "who sees whose record". The graph's
+    nodes are the trainers that reported and the trainers alive throughout the bucket whose records they see: two
+    trainers that see the record of a third that has not reported yet read one DHT (the window's first bucket,
+    before most trackers' first fetch). A record of a peer that had left joins nothing: the halves of a split DHT
+    both keep it until it expires."""
+    buckets = []
+    for bucket_start in range(int(start), int(stop), 10):
+        views = {}
+        for name, stream in events.items():
+            for event in stream:
+                # an empty view is a tracker that has not fetched the records yet (not a peer alone in its DHT)
+                if event["event"] == "progress" and bucket_start <= event["time"] < bucket_start + 10 \
+                        and event.get("visible"):
+                    views[peer_ids.get(name) or name] = event["visible"]
+        alive = {peer_ids.get(slot.name) for slot in trainers if slot.started is not None
+                 and slot.started <= bucket_start and (slot.stopped is None or slot.stopped >= bucket_start + 10)}
+        seen = {peer for view in views.values() for peer in view if peer in alive}
+        if views:
+            buckets.append({"time": bucket_start - start, "reporting": len(views),
+                            "components": components(sorted(set(views) | seen), views)})
+    return buckets
+
+
 def components(nodes: Sequence[str], edges: Dict[str, Sequence[str]]) -> int:
     """Connected components of the undirected graph on ``nodes`` (edges to other peers are ignored)."""
     parent = {node: node for node in nodes}
@@ -460,19 +486,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
     peer_ids = {slot.name: next((e["peer"] for e in events[slot.name] if e.get("peer")), None) for slot in trainers
                 if slot.name in events}
 
-    # DHT connectivity: per 10 s bucket, each trainer's last progress event in it
-    buckets = []
-    for bucket_start in range(int(start), int(stop), 10):
-        views = {}
-        for name, stream in events.items():
-            for event in stream:
-                # an empty view is a tracker that has not fetched the records yet (not a peer alone in its DHT)
-                if event["event"] == "progress" and bucket_start <= event["time"] < bucket_start + 10 \
-                        and event.get("visible"):
-                    views[peer_ids.get(name) or name] = event["visible"]
-        if views:
-            buckets.append({"time": bucket_start - start, "reporting": len(views),
-                            "components": components(list(views), views)})
+    buckets = dht_buckets(events, peer_ids, trainers, start, stop)
     lookups = sorted(e["dht_lookup_seconds"] for stream in events.values() for e in stream  # in the window
                      if e["event"] == "progress" and start <= e["time"] < stop
                      and e.get("dht_lookup_seconds") is not None)

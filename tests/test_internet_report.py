@@ -1,12 +1,12 @@
 """benchmarks/internet.py's count of a DiLoCo trainer's rounds: a round still in flight when the trainer left is
 neither averaged nor missed, also when its epoch had ended (``--outer_overlap``). Event streams shaped like those of
-two trainers of a 16-trainer run (times in seconds). And its check of the aux peer's rows against the trainers'
-epochs."""
+two trainers of a 16-trainer run (times in seconds). Its check of the aux peer's rows against the trainers'
+epochs. And its DHT connectivity: who sees whose record, per 10 s bucket."""
 from __future__ import annotations
 
 import json
 
-from benchmarks.internet import aux_note, aux_rows, aux_tables, rounds_cut_by_leaving
+from benchmarks.internet import Slot, aux_note, aux_rows, aux_tables, dht_buckets, rounds_cut_by_leaving
 
 
 def event(time: float, name: str, **fields) -> dict:
@@ -72,3 +72,20 @@ def test_aux_rows_are_checked_against_the_trainers_that_reached_each_epoch(tmp_p
                                 "of 2 (t1 reached it -0.4 s from the row), epoch 3: 0 of 1 (t2 sent SIGKILL 0.2 s "
                                 "after reaching it))")
     assert aux_note(None) == "no aux rows"
+
+
+def test_two_trainers_that_see_the_record_of_a_live_third_read_one_dht():
+    """The first bucket of a 16-trainer gradient run (seed 0, 2026-12-02): trainer1 saw trainer0 and itself,
+    trainer3 only trainer0, and trainer0 had not reported yet: one DHT, not a split. Had trainer0 left before the
+    bucket, its record would join nothing (both halves of a split DHT keep it until it expires)."""
+    def slot(name: str, stopped=None) -> Slot:
+        return Slot(0, name, 50.0, 50.0, 0.05, False, 0.0, started=900.0, stopped=stopped)
+
+    ids = {"trainer0": "Z", "trainer1": "A", "trainer3": "B"}
+    events = {"trainer1": [event(1001.0, "progress", visible=["Z", "A"])],
+              "trainer3": [event(1003.0, "progress", visible=["Z"]), event(1005.0, "progress", visible=[])],
+              "trainer0": [event(1004.0, "progress", visible=[])]}  # no records fetched yet: no view
+    live = [slot("trainer0"), slot("trainer1"), slot("trainer3")]
+    assert dht_buckets(events, ids, live, 1000.0, 1010.0) == [dict(time=0.0, reporting=2, components=1)]
+    left = [slot("trainer0", stopped=990.0), slot("trainer1"), slot("trainer3")]
+    assert dht_buckets(events, ids, left, 1000.0, 1010.0) == [dict(time=0.0, reporting=2, components=2)]
