@@ -38,7 +38,9 @@ that the swarm code uses explicitly.
   handlers (``tests/test_averagers.py``, case ``leave``; seen in CI as a pair whose final parameters differed).
   And a handler's end that closes first can reset the stream inside p2pd before the caller has read its answers
   (rare; CI: an empty refusal, a share one part short): the caller now closes first, once answered, and the handler
-  waits for that (``test_the_caller_closes_an_answered_stream_first``). Drop when hivemind reads a request to its
+  waits for that (``test_the_caller_closes_an_answered_stream_first``). The same race cut served states at their
+  tail (1 to 4 in 100 streams of 4 MB): a state's answers end with an empty message, at which its reader closes
+  first (``test_a_served_state_arrives_whole_and_its_reader_closes_first``). Drop when hivemind reads a request to its
   end before closing, finishes its handlers before it shuts down and p2pd closes a stream without a reset.
 - :mod:`.store_outcomes`: hivemind's progress tracker bounds each store of its record by a task whose outcome
   nobody reads, so a store that times out (a peer starved of CPU) logs an ERROR traceback; DiLoCo's outer averager
@@ -84,6 +86,10 @@ that the swarm code uses explicitly.
   hivemind's matchmaking (an ERROR traceback; seen with 24 trainers on 2 cores). Here it declines that group, as one
   from a leader that disbanded. Reproduced by ``tests/test_late_group.py``. Drop when hivemind checks the group's
   future before it assembles.
+- :mod:`.leader_resets`: a join request whose connection to the leader breaks (``ConnectionResetError``,
+  ``BrokenPipeError``) ends the asking peer's whole matchmaking with an ERROR traceback, so it misses the round
+  (seen with 16 DiLoCo trainers and churn). Here it is a leader that said no. Reproduced by
+  ``tests/test_leader_resets.py``. Drop when hivemind's matchmaking catches ``ConnectionError``.
 - :mod:`.declaration_stores`: an averager that matchmakes awaits the DHT store of its declaration before it sleeps
   until its declared time, so a leader closes its group only when both are past (stores returned up to 34 s late in
   a busy swarm over slow links), and one that leaves matchmaking (its group formed) awaits the store that withdraws
@@ -119,13 +125,14 @@ that the swarm code uses explicitly.
 """
 
 from lean_transformer.swarm.hivemind_fixes import numpy_decode  # noqa: F401  (installs itself)
-from lean_transformer.swarm.hivemind_fixes import (declaration_stores, dht_beam, dht_pacing, late_group, quiet_logs,
-                                                   shared_bytes, step_cancel, unary_calls)
+from lean_transformer.swarm.hivemind_fixes import (declaration_stores, dht_beam, dht_pacing, late_group,
+                                                   leader_resets, quiet_logs, shared_bytes, step_cancel, unary_calls)
 
 declaration_stores.install()
 dht_beam.install()
 dht_pacing.install()
 late_group.install()
+leader_resets.install()
 quiet_logs.install()
 shared_bytes.install()
 step_cancel.install()
