@@ -1,11 +1,12 @@
 """Shared by the tests that run whole swarms of peer processes: what the peers report in their events, and what a
-DHT's routing table holds."""
+DHT's routing table holds; and by those that run two bare P2P daemons."""
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from lean_transformer.swarm.peers.processes import PeerExited, PeerProcess, wait_until
 
@@ -15,6 +16,20 @@ def listed_entry(dht, key: str, subkey: bytes):
     None if there is none."""
     found = dht.get(key, latest=True)
     return found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+
+
+@contextlib.asynccontextmanager
+async def p2p_pair() -> AsyncIterator[Tuple[Any, Any]]:
+    """Two real P2P daemons on 127.0.0.1, the second bootstrapped from the first, shut down on exit."""
+    from hivemind.p2p import P2P
+
+    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await first.get_visible_maddrs())
+    try:
+        yield first, second
+    finally:
+        await second.shutdown()
+        await first.shutdown()
 
 
 async def routing_table_size(dht, node) -> int:

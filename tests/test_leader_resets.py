@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import pytest
 
 import preloaded
+from swarm_utils import p2p_pair
 
 CALLS, GATHER_BYTES = 6, 8_000_000
 
@@ -24,7 +25,7 @@ CALLS, GATHER_BYTES = 6, 8_000_000
 async def _scenario(variant: str) -> dict:
     from hivemind.averaging.key_manager import GroupKeyManager
     from hivemind.averaging.matchmaking import Matchmaking
-    from hivemind.p2p import P2P, P2PContext, ServicerBase
+    from hivemind.p2p import P2PContext, ServicerBase
     from hivemind.proto import averaging_pb2
 
     from lean_transformer.swarm.hivemind_fixes import leader_resets
@@ -38,9 +39,7 @@ async def _scenario(variant: str) -> dict:
         writer.close()
 
     request = leader_resets.HIVEMIND_REQUEST_JOIN_GROUP if variant == "hivemind" else leader_resets.request_join_group
-    leader = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    follower = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await leader.get_visible_maddrs())
-    try:
+    async with p2p_pair() as (leader, follower):
         await leader.add_binary_stream_handler(Averager._get_handle_name("fix", "rpc_join_group"), close_at_once)
         outcomes = []
         for _ in range(CALLS):
@@ -60,9 +59,6 @@ async def _scenario(variant: str) -> dict:
                 except Exception as error:
                     outcomes.append(type(error).__name__)
         return dict(outcomes=outcomes)
-    finally:
-        await follower.shutdown()
-        await leader.shutdown()
 
 
 @pytest.mark.swarm

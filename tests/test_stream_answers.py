@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import preloaded
+from swarm_utils import p2p_pair
 
 REPO = Path(__file__).resolve().parent.parent
 CALLS = 6
@@ -27,7 +28,6 @@ READ_DELAY = 0.5  # seconds between the caller's last part and its first read
 
 
 async def _scenario(variant: str) -> dict:
-    from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2, runtime_pb2
     from hivemind.utils.asyncio import anext, as_aiter
 
@@ -39,9 +39,7 @@ async def _scenario(variant: str) -> dict:
         async for answer in answers:
             yield answer
 
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
-    try:
+    async with p2p_pair() as (server, client):
         await server.add_protobuf_handler("part", refuse, averaging_pb2.AveragingData, stream_input=True,
                                           stream_output=True)
         part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group",
@@ -61,9 +59,6 @@ async def _scenario(variant: str) -> dict:
             finally:
                 await answers.aclose()
         return dict(outcomes=outcomes)
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 def _run_side_by_side(*variants: str) -> list:
@@ -103,7 +98,6 @@ async def _close_order(variant: str) -> dict:
     "linger": it closed first, after ``LINGER`` s), the caller's answers and the seconds its call took."""
     import time
 
-    from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import as_aiter
 
@@ -118,9 +112,7 @@ async def _close_order(variant: str) -> dict:
         async for answer in _noting_end(answer_then_drain(answers(), stream, linger=LINGER), ended):
             yield answer
 
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
-    try:
+    async with p2p_pair() as (server, client):
         await server.add_protobuf_handler("part", averaged, averaging_pb2.AveragingData, stream_input=True,
                                           stream_output=True)
 
@@ -136,9 +128,6 @@ async def _close_order(variant: str) -> dict:
                    async for answer in await stub.rpc_aggregate_part(as_aiter(*[part] * ANSWERS))]
         seconds = time.monotonic() - start
         return dict(ended=await asyncio.wait_for(ended, 2 * LINGER), answers=answers, seconds=seconds)
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 @pytest.mark.swarm
@@ -159,7 +148,6 @@ async def _join_answered() -> dict:
     matchmaking does (it reads the answer it needs, then closes): how the handler ended, the answer, the seconds."""
     import time
 
-    from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import anext, as_aiter
 
@@ -172,9 +160,7 @@ async def _join_answered() -> dict:
         async for answer in _noting_end(lingering(refusal, linger=LINGER), ended):
             yield answer
 
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
-    try:
+    async with p2p_pair() as (server, client):
         await server.add_protobuf_handler("join", refuse, averaging_pb2.JoinRequest, stream_output=True)
         start = time.monotonic()
         stream = await client.iterate_protobuf_handler(server.peer_id, "join", averaging_pb2.JoinRequest(),
@@ -185,9 +171,6 @@ async def _join_answered() -> dict:
             await stream.aclose()
         seconds = time.monotonic() - start
         return dict(ended=await asyncio.wait_for(ended, 2 * LINGER), answer=answer, seconds=seconds)
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 @pytest.mark.swarm
@@ -207,7 +190,6 @@ async def _states(variant: str) -> dict:
     whole, how many were cut (with how many answers), and how each handler ended. Variant ``state``: served through
     :func:`ending_state` and read with :class:`UntilStateEnd`, as the averagers do; ``state_hivemind``: hivemind's
     handler and caller, which reads until the handler closes (run by hand: it shows the loss)."""
-    from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2, runtime_pb2
     from hivemind.utils.asyncio import aiter_with_timeout
 
@@ -228,9 +210,7 @@ async def _states(variant: str) -> dict:
         async for answer in _noting_end(ending_state(answers(), linger=LINGER), endings[-1]):
             yield answer
 
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
-    try:
+    async with p2p_pair() as (server, client):
         await server.add_protobuf_handler("state", serve, averaging_pb2.DownloadRequest, stream_output=True)
         whole, cut = 0, []
         for _ in range(STATES):
@@ -244,9 +224,6 @@ async def _states(variant: str) -> dict:
                 cut.append(len(indices))
         ended = [await asyncio.wait_for(ending, 2 * LINGER) for ending in endings]
         return dict(whole=whole, cut=cut, ended=sorted(set(ended)))
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 @pytest.mark.swarm
