@@ -25,12 +25,13 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
 Reported (benchmarks/results/internet.json and a plot of peers alive / averaging / downloading over time), from the
 peers' event files: the DHT's connectivity (each trainer's progress events name the peers whose records it sees; per
 10 s bucket, the connected components of that graph over the trainers that reported and the live ones they see: a
-split is any bucket with more than one); per trainer the fraction of its epochs (DiLoCo: outer rounds; not those in flight when it left) in which it
-averaged with at least one other peer; group sizes; newcomers' time from start to their first averaged round; state
-downloads (why, and their time), DiLoCo catch-ups and groups dissolved to match again; bytes sent per sample (link
-counters); compute utilization, with the share of the wall time spent waiting for the swarm and the share of the
-compute time the training thread ran (on this shared box the rest went to other processes); RAM and CPU per peer;
-crashes (peers not stopped on purpose that exited non-zero, or whose log holds a traceback).
+split is any bucket with more than one); per trainer the fraction of its epochs (DiLoCo: outer rounds; not those in
+flight when it left) in which it averaged with at least one other peer; group sizes; newcomers' time from start to
+their first averaged round; state downloads (why, and their time), DiLoCo catch-ups and groups dissolved to match
+again; bytes sent per sample (link counters); compute utilization, with the share of the wall time spent waiting for
+the swarm and the share of the compute time the training thread ran (on this shared box the rest went to other
+processes); RAM and CPU per peer; crashes (peers not stopped on purpose that exited non-zero, or whose log holds a
+traceback).
 
 Usage: sudo python benchmarks/internet.py [--trainers 16] [--seconds 240] [--modes gradients diloco] [--seed 0]
 Each mode takes --seconds plus about a minute to start and stop. Needs root, ``ip``, ``tc``, ``nft`` and the cgroup
