@@ -35,14 +35,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     use_hivemind_log_handler("in_root_logger")
 
     from lean_transformer.swarm.peers.aux_peer import run_aux_peer
+    from lean_transformer.swarm.peers.shutdown import errors_wait_for_an_ending
     from lean_transformer.swarm.protocol.dht import SwarmConnectionError
     from tasks import get_task
 
     run_config = {name: value for args in (network, collaboration, task_args, training, aux)
                   for name, value in dataclasses.asdict(args).items()}
     try:
-        task = get_task(task_args.task)(task_args, training)
-        run_aux_peer(task, network, collaboration, training, aux, task.swarm_settings(collaboration), run_config)
+        with errors_wait_for_an_ending():
+            task = get_task(task_args.task)(task_args, training)
+            run_aux_peer(task, network, collaboration, training, aux, task.swarm_settings(collaboration), run_config)
     except (ValueError, OSError, SwarmConnectionError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_aux_peer.py: error: {e}", file=sys.stderr)

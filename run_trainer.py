@@ -30,13 +30,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars between the progress lines
     from lean_transformer.swarm.peers.backups import NonFiniteParametersError
     from lean_transformer.swarm.protocol.dht import SwarmConnectionError
-    from lean_transformer.swarm.peers.shutdown import exit_now
+    from lean_transformer.swarm.peers.shutdown import errors_wait_for_an_ending, exit_now
     from lean_transformer.swarm.peers.trainer import train
     from tasks import get_task
 
     try:
-        task = get_task(task_args.task)(task_args, training)
-        train(task, network, collaboration, training, task.swarm_settings(collaboration))
+        with errors_wait_for_an_ending():
+            task = get_task(task_args.task)(task_args, training)
+            train(task, network, collaboration, training, task.swarm_settings(collaboration))
     except (ValueError, OSError, SwarmConnectionError, NonFiniteParametersError) as e:
         logger.debug("Traceback of the error below (shown with HIVEMIND_LOGLEVEL=DEBUG)", exc_info=True)
         print(f"run_trainer.py: error: {e}", file=sys.stderr)

@@ -67,3 +67,49 @@ def test_a_daemon_thread_in_torch_does_not_abort_a_clean_exit(report):
     report(f"daemon thread in a torch op at exit: a plain exit ended with code {python.returncode} "
            f"({python.stderr.strip().splitlines()[-1] if python.stderr.strip() else 'no message'}), "
            f"exit_after_clean_shutdown with code {ours.returncode}, its exit handlers run")
+
+
+ABANDONED = """
+import logging, os, signal, subprocess, sys, threading
+from lean_transformer.swarm.monitoring.events import peer_events
+from lean_transformer.swarm.peers.shutdown import GracefulShutdown, errors_wait_for_an_ending, exit_now
+
+# a stand-in for hivemind's DHT process: on the watchdog's SIGTERM it tells the main loop, which then fails, and it
+# outlives the grace period, so the failure comes while the watchdog is still ending the process
+CHILD = "import os, signal, time; signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getppid(), signal.SIGUSR1)); " \\
+        "print('ready', flush=True); time.sleep(60)"
+terminated = threading.Event()
+signal.signal(signal.SIGUSR1, lambda *_: terminated.set())
+guard = errors_wait_for_an_ending() if sys.argv[2] == "ours" else open(os.devnull)
+try:  # run_trainer.main's structure
+    with guard, peer_events(sys.argv[1], "trainer"):
+        shutdown = GracefulShutdown(timeout=0.5)
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+        os.kill(os.getpid(), signal.SIGTERM)  # the step outlasts the budget: the watchdog abandons it
+        while not terminated.wait(0.01):
+            pass
+        raise RuntimeError("Broken pipe")  # the loop's next call into a terminated hivemind process
+except Exception:
+    logging.exception("Unexpected error, stopping")
+    exit_now(1)
+"""
+
+
+def test_an_error_of_the_loop_while_the_watchdog_abandons_it_is_not_reported(tmp_path, report):
+    from lean_transformer.swarm.monitoring.events import read_events
+    runs, endings = {}, {}
+    for variant in ("unguarded", "ours"):
+        events = tmp_path / f"{variant}.jsonl"
+        runs[variant] = subprocess.run([sys.executable, "-c", ABANDONED, str(events), variant], capture_output=True,
+                                       text=True, timeout=60)
+        endings[variant] = [(event["reason"], event["clean"]) for event in read_events(events, "shutdown")]
+    ours = runs["ours"]
+    assert ours.returncode == 0 and "Abandoning the current step" in ours.stderr, ours.stderr[-2000:]
+    assert "Traceback" not in ours.stderr and "Unexpected error" not in ours.stderr, ours.stderr[-2000:]
+    assert endings["ours"] == [("signal", False)]
+    unguarded = runs["unguarded"]  # the error is reported as a bug, after the stream's end
+    assert "Unexpected error, stopping" in unguarded.stderr and "RuntimeError: Broken pipe" in unguarded.stderr
+    assert endings["unguarded"] == [("signal", False)]
+    report(f"an error of the main loop while the watchdog abandons it: unguarded, a traceback and exit code "
+           f"{unguarded.returncode}; ours, exit code {ours.returncode}, one shutdown event")

@@ -152,21 +152,25 @@ def open_events(path: Union[str, Path], role: str) -> EventLog:
 
 def set_peer(peer_id: str) -> None:
     """Name this process's peer in the events to come (once its DHT has started)."""
-    if _current is not None:
-        _current.peer = peer_id
+    current = _current
+    if current is not None:
+        current.peer = peer_id
 
 
 def emit(event: str, **fields: Any) -> None:
-    """Append one event to this process's stream, if one is open (see the module docstring for the events)."""
-    if _current is not None:
-        _current.emit(event, **fields)
+    """Append one event to this process's stream, if one is open (see the module docstring for the events); safe
+    while another thread closes it."""
+    current = _current
+    if current is not None:
+        current.emit(event, **fields)
 
 
 def close_events() -> None:
+    """End this process's stream: what is emitted from now on, from any thread, is dropped."""
     global _current
-    if _current is not None:
-        _current.close()
-        _current = None
+    current, _current = _current, None
+    if current is not None:
+        current.close()
 
 
 @contextlib.contextmanager
