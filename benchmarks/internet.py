@@ -164,6 +164,9 @@ class Slot:
     limited: Optional[float] = None  # unix time its CPU quota was applied (once it had joined)
     measured_rtt_ms: Optional[float] = None
     usage: Dict[str, float] = field(default_factory=dict)  # peak RSS, CPU seconds
+    relay: Optional[subprocess.Popen] = None  # a full peer's delay relay
+    # pid -> (kind, (time, CPU seconds, seconds its threads waited for a core) at its first and at its last sample)
+    times: Dict[int, Tuple[str, Tuple[float, float, float], Tuple[float, float, float]]] = field(default_factory=dict)
 
 
 def draw_slots(args: argparse.Namespace, rng: random.Random) -> List[Slot]:
@@ -206,7 +209,7 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
     logdir.mkdir(parents=True, exist_ok=True)
     if not slot.nat:  # its relay (and an echo server behind it, to measure the round trip), outside its cgroup
         ip = network.peer_ips[slot.index]
-        relay = subprocess.Popen(["ip", "netns", "exec", network.namespaces[slot.index], sys.executable,
+        relay = slot.relay = subprocess.Popen(["ip", "netns", "exec", network.namespaces[slot.index], sys.executable,
                                   str(REPO / "benchmarks" / "latency.py"), "--rtt_ms", str(slot.rtt_ms),
                                   "--forward", f"{ip}:{PORT}", f"127.0.0.1:{PORT}",
                                   "--forward", f"{ip}:{ECHO_PORT}", f"127.0.0.1:{ECHO_PORT + 1}",
@@ -263,8 +266,34 @@ def in_round(slot: Slot, kind: str) -> bool:
     return last == "round_started"
 
 
+PROCESS_KINDS = ("main", "dht", "p2pd", "averagers", "relay")
+
+
+def process_times(process: psutil.Process) -> Tuple[float, float, float]:
+    """Now, the CPU seconds of ``process`` and the seconds its live threads spent runnable but waiting for a core (the
+    kernel's per-thread schedstat: ``run_delay``). On a box with more runnable threads than cores the last grows:
+    it is the box's share of a peer's latency, not the protocol's."""
+    now, cpu = time.time(), sum(process.cpu_times()[:2])
+    waited = 0
+    for task in Path(f"/proc/{process.pid}/task").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            waited += int((task / "schedstat").read_text().split()[1])
+    return now, cpu, waited / 1e9
+
+
+def process_kind(process: psutil.Process, root: psutil.Process) -> str:
+    """What a process of a peer's tree is: its main process, its DHT (the process that started the p2p daemon), the
+    daemon, or the rest (its averagers; torch's shared-memory manager)."""
+    if process.pid == root.pid:
+        return "main"
+    if process.name() == "p2pd":
+        return "p2pd"
+    return "dht" if any(child.name() == "p2pd" for child in process.children()) else "averagers"
+
+
 def sample_usage(slots: Sequence[Slot]) -> None:
-    """Peak RSS (MB) and CPU seconds of each live peer's process tree."""
+    """Peak RSS (MB) and CPU seconds of each live peer's process tree, and each process's CPU and run-queue seconds
+    (:func:`process_times`), its relay's included."""
     for slot in slots:
         if slot.process is None or slot.process.returncode is not None:
             continue
@@ -273,10 +302,32 @@ def sample_usage(slots: Sequence[Slot]) -> None:
             tree = [root, *root.children(recursive=True)]
             rss = sum(p.memory_full_info().pss for p in tree) / 2 ** 20  # PSS: forked children share pages
             cpu = sum(sum(p.cpu_times()[:4]) for p in tree)
+            kinds = [(p, process_kind(p, root)) for p in tree]
+            if slot.relay is not None and slot.relay.poll() is None:
+                kinds.append((psutil.Process(slot.relay.pid), "relay"))
+            for process, kind in kinds:
+                times = process_times(process)
+                first = slot.times.get(process.pid, (kind, times, times))[1]
+                slot.times[process.pid] = (kind, first, times)
         except psutil.Error:
             continue
         slot.usage["peak_pss_mb"] = max(slot.usage.get("peak_pss_mb", 0.0), rss)
         slot.usage["cpu_seconds"] = max(slot.usage.get("cpu_seconds", 0.0), cpu)
+
+
+def usage_by_kind(slot: Slot) -> Dict[str, Dict[str, float]]:
+    """Per kind of process (:data:`PROCESS_KINDS`), the cores the peer's processes of that kind used and the seconds
+    their threads waited for a core, per second from the peer's first sample in the window to its last."""
+    if not slot.times:
+        return {}
+    seconds = (max(last[0] for _, _, last in slot.times.values())
+               - min(first[0] for _, first, _ in slot.times.values()))
+    totals = {kind: [0.0, 0.0] for kind in PROCESS_KINDS if any(kind == each for each, _, _ in slot.times.values())}
+    for kind, first, last in slot.times.values():
+        totals[kind][0] += last[1] - first[1]
+        totals[kind][1] += last[2] - first[2]
+    return {kind: {"cores": cpu / seconds, "waited": waited / seconds} for kind, (cpu, waited) in totals.items()
+            if seconds > 0}
 
 
 def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
@@ -553,6 +604,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
             "utilization": utilization, "waiting": waiting, "compute_cpu_share": cpu_share,
             "peak_pss_mb": slot.usage.get("peak_pss_mb"),
             "cpu_per_second": slot.usage.get("cpu_seconds", 0.0) / alive if alive > 0 else None,
+            "processes": usage_by_kind(slot),
             "exit": code, "joined": joined, "tracebacks": tracebacks})
         rows.append([slot.name, "NAT" if slot.nat else "full", f"{slot.cores:.3f}", f"{slot.rate_mbit:g}",
                      f"{slot.rtt_ms:g}" + ("" if slot.measured_rtt_ms is None else f" ({slot.measured_rtt_ms:.0f})"),
@@ -585,6 +637,11 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
                                                      if slot.name in events},
                              {slot.name: (slot.stop_signal, slot.stopped) for slot in trainers if slot.stop_signal},
                              aux_tables(Path(args.output_dir) / mode / "aux_metrics.jsonl"), peer_ids),
+        # per kind of process, the median trainer's cores and run-queue seconds per second; the aux peer's own
+        "processes": {kind: {key: statistics.median(t["processes"][kind][key] for t in per_trainer
+                                                    if kind in t["processes"]) for key in ("cores", "waited")}
+                      for kind in PROCESS_KINDS if any(kind in t["processes"] for t in per_trainer)},
+        "aux_processes": next((usage_by_kind(slot) for slot in slots if slot.name == "aux"), {}),
         "crashes": crashes, "never_joined": never_joined, "per_trainer": per_trainer, "rows": rows, "start": start,
         "timeline": timeline_of(events, slots, start, stop, kind),
     }
@@ -673,7 +730,8 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
             "title": f"{r['mode']}: {r['trainers']} trainers + aux, {r['seconds']:.0f} s window",
             "columns": COLUMNS, "rows": r["rows"],
             "notes": (f"DHT: {r['dht_splits']} split bucket(s) of {len(r['dht_buckets'])} (max components "
-                      f"{r['max_components']}); {lookup_note(r.get('dht_lookup_seconds'))}; group sizes "
+                      f"{r['max_components']}); {lookup_note(r.get('dht_lookup_seconds'))}; "
+                      f"{processes_note(r.get('processes'), r.get('aux_processes'))}; group sizes "
                       f"{r['group_sizes']} (median {r['median_group_size']}); "
                       f"{r['trainers_at_least_90pct']}/{r['trainers_with_rounds']} trainers averaged in >= 90% of "
                       f"their epochs (median {r['averaged_fraction_median']}); {r['state_downloads']} state "
@@ -695,6 +753,17 @@ def report(results: Sequence[dict], args: argparse.Namespace, command: str) -> d
             "baseline": "none: absolute figures per mode (targets from issue 23)", "tables": tables,
             "plots": ["internet.png"],
             "raw": {"args": vars(args), "results": [{k: v for k, v in r.items() if k != "rows"} for r in results]}}
+
+
+def processes_note(trainers: Optional[dict], aux: Optional[dict]) -> str:
+    """The ``processes`` figures of :func:`analyse` in a few words."""
+    if not trainers:
+        return "no process samples"
+
+    def kinds(usage: dict) -> str:
+        return ", ".join(f"{kind} {u['cores']:.3f} cores (waited {u['waited']:.2f} s/s)" for kind, u in usage.items())
+    return (f"a median trainer's processes: {kinds(trainers)}" + (f"; the aux peer's: {kinds(aux)}" if aux else "")
+            + " (waited: seconds its threads were runnable without a core, per second: the box's share)")
 
 
 def lookup_note(lookups: Optional[dict]) -> str:

@@ -1,12 +1,21 @@
 """benchmarks/internet.py's count of a DiLoCo trainer's rounds: a round still in flight when the trainer left is
 neither averaged nor missed, also when its epoch had ended (``--outer_overlap``). Event streams shaped like those of
 two trainers of a 16-trainer run (times in seconds). Its check of the aux peer's rows against the trainers'
-epochs. And its DHT connectivity: who sees whose record, per 10 s bucket."""
+epochs. And its DHT connectivity: who sees whose record, per 10 s bucket. And its split of a peer's CPU between using a
+core and waiting for one."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
-from benchmarks.internet import Slot, aux_note, aux_rows, aux_tables, dht_buckets, rounds_cut_by_leaving
+import psutil
+import pytest
+
+from benchmarks.internet import (Slot, aux_note, aux_rows, aux_tables, dht_buckets, process_kind, process_times,
+                                 rounds_cut_by_leaving, sample_usage, usage_by_kind)
 
 
 def event(time: float, name: str, **fields) -> dict:
@@ -89,3 +98,29 @@ def test_two_trainers_that_see_the_record_of_a_live_third_read_one_dht():
     assert dht_buckets(events, ids, live, 1000.0, 1010.0) == [dict(time=0.0, reporting=2, components=1)]
     left = [slot("trainer0", stopped=990.0), slot("trainer1"), slot("trainer3")]
     assert dht_buckets(events, ids, left, 1000.0, 1010.0) == [dict(time=0.0, reporting=2, components=2)]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
+def test_two_busy_processes_on_one_core_each_wait_for_it_half_the_time():
+    busy = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    processes = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
+    try:
+        for process in processes:
+            os.sched_setaffinity(process.pid, {0})
+        slot = Slot(index=1, name="trainer0", rate_mbit=20, rtt_ms=20, cores=1, nat=False, joins_at=0)
+        slot.process = processes[0]
+        sample_usage([slot])  # its tree: the first process, the main one
+        time.sleep(2)
+        sample_usage([slot])
+        usage = usage_by_kind(slot)
+        alone = process_times(psutil.Process(processes[1].pid))
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    assert process_kind(psutil.Process(os.getpid()), psutil.Process(os.getpid())) == "main"
+    assert set(usage) == {"main"}
+    # one core shared by two busy processes: each runs about half the time and waits the other half
+    assert 0.3 < usage["main"]["cores"] < 0.7 and 0.3 < usage["main"]["waited"] < 0.7, usage
+    assert abs(usage["main"]["cores"] + usage["main"]["waited"] - 1) < 0.15, usage
+    assert alone[2] > 0.3, alone
