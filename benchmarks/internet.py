@@ -4,12 +4,12 @@ seeded schedule, and CPU quotas that make some peers up to 10x slower than other
 DiLoCo mode with the slow-link flags.
 
 Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer, veth pairs, ``tc tbf``):
-- rate: each link is limited in both directions to a rate drawn from [20, 100] Mbit/s;
+- rate: each link is limited in both directions to a rate drawn from [20, 100] Mbit/s (``--rate_mbit``);
 - round trip: netem and fq are absent from these kernels, so a delay relay (benchmarks/latency.py) in each full
   peer's namespace listens on the address the peer announces and forwards to the peer on the namespace's loopback,
-  holding each chunk for half the peer's drawn round trip ([20, 150] ms) each way: every connection to a peer takes
-  its round trip (the table shows it measured with a TCP echo through the relay; a relay delays TCP only, so there
-  is no ``ping``);
+  holding each chunk for half the peer's drawn round trip ([20, 150] ms, ``--rtt_ms``) each way: every connection
+  to a peer takes its round trip (the table shows it measured with a TCP echo through the relay; a relay delays TCP
+  only, so there is no ``ping``);
 - NAT: a share of the trainers (``--nat_share``) runs with ``--client_mode`` and their namespace drops every new
   inbound connection (nftables); they dial the full peers out;
 - CPU: each trainer's training process is in a cgroup (v1 ``cpu``) with a quota drawn log-uniformly from a
@@ -180,8 +180,8 @@ def draw_slots(args: argparse.Namespace, rng: random.Random) -> List[Slot]:
     join_times = sorted(rng.uniform(0.2, 0.7) * args.seconds for _ in range(args.joins))
     for i in range(total):
         joiner = i >= args.trainers
-        slots.append(Slot(i + 1, f"{'joiner' if joiner else 'trainer'}{i}", round(rng.uniform(20, 100), 1),
-                          round(rng.uniform(20, 150), 1), min(1.0, factors[i] * scale), i in nat,
+        slots.append(Slot(i + 1, f"{'joiner' if joiner else 'trainer'}{i}", round(rng.uniform(*args.rate_mbit), 1),
+                          round(rng.uniform(*args.rtt_ms), 1), min(1.0, factors[i] * scale), i in nat,
                           join_times[i - args.trainers] if joiner else 0.0))
     return slots
 
@@ -616,6 +616,7 @@ def analyse(mode: str, slots: Sequence[Slot], start: float, stop: float, sent: i
     fractions = [t["averaged_fraction"] for t in per_trainer if t["averaged_fraction"] is not None]
     summary = {
         "mode": mode, "seconds": stop - start, "trainers": args.trainers, "joins": args.joins, "leaves": args.leaves,
+        "rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms,
         "dht_buckets": buckets, "dht_splits": sum(b["components"] > 1 for b in buckets),
         "max_components": max((b["components"] for b in buckets), default=None),
         # the trainers' DHT lookups (their progress fetches) as their progress events report them
@@ -689,6 +690,12 @@ def timeline_of(events: Dict[str, List[dict]], slots: Sequence[Slot], start: flo
     return points
 
 
+def span(bounds: Sequence[float]) -> str:
+    """A drawn range as the plot's title says it: 20-150, or 100 for one value."""
+    low, high = bounds
+    return f"{low:g}" if low == high else f"{low:g}-{high:g}"
+
+
 def plot(results: Sequence[dict], path: Path) -> None:
     import matplotlib
 
@@ -703,8 +710,8 @@ def plot(results: Sequence[dict], path: Path) -> None:
         splits = [b["time"] for b in result["dht_buckets"] if b["components"] > 1]
         if splits:
             axis.scatter(splits, [0] * len(splits), marker="x", color="red", label="DHT split")
-        axis.set_title(f"{result['mode']}: {result['trainers']} trainers + aux, churn, NAT, 20-150 ms, 20-100 Mbit/s",
-                       fontsize=9)
+        axis.set_title(f"{result['mode']}: {result['trainers']} trainers + aux, churn, NAT, "
+                       f"{span(result['rtt_ms'])} ms, {span(result['rate_mbit'])} Mbit/s", fontsize=9)
         axis.set_xlabel("seconds since the trainers started")
         axis.set_ylabel("trainers")
         axis.grid(alpha=0.3)
@@ -786,6 +793,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--leaves", type=int, default=None, help="trainers stopped during the window (default N/4)")
     parser.add_argument("--joins", type=int, default=None, help="trainers joining during the window (default N/4)")
     parser.add_argument("--speed_spread", type=float, default=10.0, help="fastest / slowest trainer's CPU quota")
+    parser.add_argument("--rate_mbit", type=float, nargs=2, default=[20.0, 100.0], metavar=("LOW", "HIGH"),
+                        help="the range a trainer's link rate is drawn from, in Mbit/s (one rate: LOW = HIGH)")
+    parser.add_argument("--rtt_ms", type=float, nargs=2, default=[20.0, 150.0], metavar=("LOW", "HIGH"),
+                        help="the range a trainer's round trip is drawn from, in ms")
     parser.add_argument("--trainer_cores", type=float, default=1.4,
                         help="CPU cores the initial trainers' quotas add up to (the rest: aux, relays, this script)")
     parser.add_argument("--quota", choices=["training", "peer"], default="training",
@@ -804,6 +815,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--nat_share must be in [0, 1), got {args.nat_share:g}")
     if args.speed_spread < 1:
         parser.error(f"--speed_spread must be >= 1, got {args.speed_spread:g}")
+    for flag, (low, high) in (("--rate_mbit", args.rate_mbit), ("--rtt_ms", args.rtt_ms)):
+        if not 0 < low <= high:
+            parser.error(f"{flag} must be LOW HIGH with 0 < LOW <= HIGH, got {low:g} {high:g}")
     args.leaves = args.trainers // 4 if args.leaves is None else args.leaves
     args.joins = args.trainers // 4 if args.joins is None else args.joins
     if args.leaves >= args.trainers:
