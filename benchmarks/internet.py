@@ -17,7 +17,9 @@ Network (benchmarks/wan.py's :class:`WanNetwork`: a bridge, a namespace per peer
   machine: the quota, not the fight for 2 cores, sets each peer's speed. Its DHT, p2pd and averagers share the rest
   of the box, as on a volunteer's machine, where the GPU sets the training's speed and the host's cores serve the
   network; ``--quota peer`` puts them under the quota too (the slowest of 16 trainers then has 0.02 cores for
-  everything). A peer sent SIGTERM loses its quota: stopping is the host's work;
+  everything), and ``--training_shares`` below 1024 lets them run before the training processes when both wait for
+  a core (the training then gets what is left, up to its quota). A peer sent SIGTERM loses its quota: stopping is
+  the host's work;
 - churn: ``--leaves`` trainers leave during the window (alternately SIGTERM and SIGKILL, each preferring a peer that
   is inside an averaging round), ``--joins`` new ones join through two live full peers' ``--initial_peers`` lines
   (one of them may leave before the newcomer's DHT has reached it).
@@ -101,17 +103,18 @@ class InternetNetwork(WanNetwork):
     def cgroup(self, peer: int) -> Path:
         return self.cgroup_root / f"peer{peer}"
 
-    def limit_cpu(self, peer: int, cores: Optional[float], spare_pids: Sequence[int] = ()) -> None:
-        """Limit every process started by :meth:`command` for ``peer`` (from now on) to ``cores`` CPU cores; None:
-        put them in a cgroup of their own without a limit yet. ``spare_pids`` move to a second cgroup of the peer's,
-        without a limit (see ``--quota``)."""
+    def limit_cpu(self, peer: int, cores: Optional[float], spare_pids: Sequence[int] = (),
+                  shares: int = DEFAULT_SHARES) -> None:
+        """Limit every process started by :meth:`command` for ``peer`` (from now on) to ``cores`` CPU cores, with
+        ``shares`` (cgroup v1 ``cpu.shares``) against other cgroups; None: put them in a cgroup of their own without
+        a limit yet. ``spare_pids`` move to a second cgroup of the peer's, without a limit (see ``--quota``)."""
         path = self.cgroup(peer)
         path.mkdir(parents=True, exist_ok=True)
         (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
         (path / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * CFS_PERIOD_US))))
         # a peer starting up (importing torch and hivemind, joining) does so on its own machine: here it takes
         # precedence over the running swarm's processes, or a newcomer took minutes to print its first line
-        (path / "cpu.shares").write_text(str(STARTUP_SHARES if cores is None else DEFAULT_SHARES))
+        (path / "cpu.shares").write_text(str(STARTUP_SHARES if cores is None else shares))
         if spare_pids:
             spare = self.cgroup_root / f"peer{peer}_spare"
             spare.mkdir(exist_ok=True)
@@ -123,6 +126,7 @@ class InternetNetwork(WanNetwork):
         """Take ``peer``'s quota away (a peer told to stop: see :func:`stop`)."""
         if self.cgroup(peer).exists():
             (self.cgroup(peer) / "cpu.cfs_quota_us").write_text("-1")
+            (self.cgroup(peer) / "cpu.shares").write_text(str(DEFAULT_SHARES))
 
     def command(self, peer: int, argv: Sequence[str]) -> List[str]:
         command = ["ip", "netns", "exec", self.namespaces[peer], *argv]
@@ -228,18 +232,21 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
     slot.started = time.time()
 
 
-def apply_quotas(slots: Sequence[Slot], network: InternetNetwork, quota: str) -> None:
+def apply_quotas(slots: Sequence[Slot], network: InternetNetwork, quota: str,
+                 training_shares: int = DEFAULT_SHARES) -> None:
     """Give each peer that has joined the swarm its CPU quota. Before that it runs unlimited: with a tenth of a core
     from the start, importing torch and hivemind alone takes minutes, which measures this box, not the protocol.
     ``quota`` "training": a trainer's helper processes (its DHT, p2pd and averagers, all started by then) leave the
-    quota for a cgroup without one (why: the module docstring); "peer": the whole peer shares the quota."""
+    quota for a cgroup without one (why: the module docstring), and its training process gets ``training_shares``;
+    "peer": the whole peer shares the quota."""
     for slot in slots:
         if slot.process is not None and slot.limited is None and slot.process.events("joined"):
-            spare = []
+            spare, shares = [], DEFAULT_SHARES
             if quota == "training" and slot.name != "aux":
                 with contextlib.suppress(psutil.NoSuchProcess):
                     spare = [child.pid for child in psutil.Process(slot.process.pid).children(recursive=True)]
-            network.limit_cpu(slot.index, slot.cores, spare)
+                shares = training_shares
+            network.limit_cpu(slot.index, slot.cores, spare, shares)
             slot.limited = time.time()
 
 
@@ -347,7 +354,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
             start_peer(slot, network, mode, aux_peers, args, logdir)
 
         def joined() -> bool:
-            apply_quotas(slots, network, args.quota)
+            apply_quotas(slots, network, args.quota, args.training_shares)
             return all(slot.limited is not None for slot in trainers[:args.trainers] if slot.process.returncode is None)
 
         wait_until(joined, 300, "the initial trainers to join", interval=0.5)
@@ -360,7 +367,7 @@ def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
         while (now := time.time()) < window_start + args.seconds:
             elapsed = now - window_start
             network.pids()  # noted, to remove their shared-memory files at close
-            apply_quotas(slots, network, args.quota)
+            apply_quotas(slots, network, args.quota, args.training_shares)
             if leaves and elapsed >= leaves[0]:
                 leaves.pop(0)
                 live = [s for s in trainers if s.process is not None and s.stopped is None]
@@ -802,6 +809,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--quota", choices=["training", "peer"], default="training",
                         help="what a trainer's CPU quota holds: its training process (default; its DHT, p2pd and "
                              "averagers share the rest of the box) or the whole peer")
+    parser.add_argument("--training_shares", type=int, default=DEFAULT_SHARES,
+                        help="cgroup cpu.shares of a trainer's training process under --quota training, against "
+                             f"{DEFAULT_SHARES} for its DHT, p2pd and averagers (and for every other peer's): lower "
+                             "gives the network's processes precedence, as on a volunteer's host, whose cores do "
+                             "not train")
     parser.add_argument("--target_batch_size", type=int, default=None, help="default 16 x trainers")
     parser.add_argument("--matchmaking_time", type=float, default=CollaborationSettings.matchmaking_time,
                         help="default: the trainer's (%(default)g s)")
@@ -813,6 +825,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--trainers must be at least 2, got {args.trainers}")
     if not 0 <= args.nat_share < 1:
         parser.error(f"--nat_share must be in [0, 1), got {args.nat_share:g}")
+    if not 2 <= args.training_shares <= 262144:  # the kernel's bounds
+        parser.error(f"--training_shares must be in [2, 262144], got {args.training_shares}")
     if args.speed_spread < 1:
         parser.error(f"--speed_spread must be >= 1, got {args.speed_spread:g}")
     for flag, (low, high) in (("--rate_mbit", args.rate_mbit), ("--rtt_ms", args.rtt_ms)):
