@@ -767,13 +767,18 @@ def test_peers_whose_declarations_the_dht_shows_too_late_match_through_declarati
 def test_a_peer_whose_view_of_the_swarm_lags_ends_its_round_when_a_groupmate_begins_the_all_reduce(tmp_path, report):
     """a, b and c prepare a round; a and b end it at T, c's own view of the swarm would end it LATE s later, longer
     than its groupmates wait for its parts. c ends it as soon as the parts of a groupmate reach it
-    (OuterLoop.group_began), and the three average as one group. Before: c's groupmates gave up on it."""
-    results = peer_results(tmp_path, ["group_word"])["group_word"]
-    assert [results[name]["group_size"] for name in "abc"] == [3, 3, 3], results
-    assert results["c"]["learned"] is not None and results["c"]["learned"] < 5.0, results["c"]
-    assert results["a"]["anchor"] == results["b"]["anchor"] == results["c"]["anchor"], results
-    report(f"c learned that the round had ended {results['c']['learned']:.2f} s after a and b ended it (its own view: "
-           f"{LATE:g} s later); group sizes 3, 3, 3, one anchor")
+    (OuterLoop.group_began), and the three average as one group. Before: c's groupmates gave up on it. So too with c
+    in client mode, which no part reaches: it asks a full groupmate (averaging/group_start.py). Before: it learned
+    nothing, trained on, and its groupmates averaged without it."""
+    modes = ["group_word", "group_word_client"]
+    results = peer_results(tmp_path, modes)
+    for mode in modes:
+        assert [results[mode][name]["group_size"] for name in "abc"] == [3, 3, 3], results[mode]
+        assert results[mode]["c"]["learned"] is not None and results[mode]["c"]["learned"] < 5.0, results[mode]
+        assert results[mode]["a"]["anchor"] == results[mode]["b"]["anchor"] == results[mode]["c"]["anchor"]
+    report(f"c learned that the round had ended {results['group_word']['c']['learned']:.2f} s after a and b ended it "
+           f"({results['group_word_client']['c']['learned']:.2f} s in client mode; its own view: {LATE:g} s later); "
+           f"group sizes 3, 3, 3, one anchor")
 
 
 @pytest.mark.swarm
@@ -1080,12 +1085,12 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
 
     from lean_transformer.swarm.averaging.diloco import OuterLoop, PseudoGradientAverager
 
-    client_mode = mode == "prepared_client" and name == "c"
+    client_mode = mode in ("prepared_client", "group_word_client") and name == "c"
     dht = start_dht(role, client_mode=client_mode)
     rendezvous = Path(os.environ["RENDEZVOUS"])
     end = common_time(role)
     # group_word: a part of 1024 values for each member to reduce (hivemind gives a part whole to one reducer)
-    size, part_bytes = (3 * 1024, 4 * 1024) if mode == "group_word" else (3, 2 ** 19)
+    size, part_bytes = (3 * 1024, 4 * 1024) if mode.startswith("group_word") else (3, 2 ** 19)
     weight = torch.nn.Parameter(torch.full((size,), 1.0))
     outer = OuterNesterov([weight], lr=LR, momentum=MOMENTUM)
     matchmaking = FORMED_MATCHMAKING if mode in ("released", "leaving") else MATCHMAKING
@@ -1099,7 +1104,7 @@ def staggered_peer(name: str, mode: str, role: str) -> None:
         time.sleep(max(0.0, end - matchmaking - get_dht_time()))
         rounds.prepare(end)
     served = learned = None
-    if mode == "group_word" and name == "c":  # its own view ends the round LATE s after a and b's
+    if mode.startswith("group_word") and name == "c":  # its own view ends the round LATE s after a and b's
         while get_dht_time() < end + LATE and not rounds.group_began():
             time.sleep(0.05)
         learned = get_dht_time() - end if rounds.group_began() else None
@@ -1371,7 +1376,8 @@ if __name__ == "__main__":
         sparse_peer(sys.argv[1], sys.argv[3])
     elif sys.argv[2] in ("applied", "at_once"):
         newcomer_peer(sys.argv[1], sys.argv[2], sys.argv[3])
-    elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving", "group_word"):
+    elif sys.argv[2] in ("prepared", "unprepared", "prepared_client", "released", "leaving", "group_word",
+                         "group_word_client"):
         staggered_peer(sys.argv[1], sys.argv[2], sys.argv[3])
     elif sys.argv[2] in ("counted", "uncounted"):
         quorum_peer(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -73,6 +73,7 @@ from lean_transformer.swarm.hivemind_fixes.stream_answers import AnswersDelivere
 from lean_transformer.swarm.averaging.round_events import ReportsRounds
 from lean_transformer.swarm.averaging.exclusion import Exclusions, RefusesExcluded
 from lean_transformer.swarm.averaging.group_quorum import RematchesMinorityGroups
+from lean_transformer.swarm.averaging.group_start import TellsGroupStart
 from lean_transformer.swarm.averaging.direct_declarations import DeclaresDirectly
 from lean_transformer.swarm.averaging.outer_history import (HISTORY_BYTES_PER_VALUE, HISTORY_OUTSIDERS, OuterHistory,
                                                             ServesOuterHistory, history_key, path_to)
@@ -339,8 +340,8 @@ def gross_ratio(own_weight: float, weights: Sequence[Any]) -> float:
     return GROSS_RATIO * max(1.0, statistics.median(claimed) / own_weight)
 
 
-class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, DeclaresDirectly, WholeControlMessages,
-               CancelSafe, RefusesExcluded, AnswersDelivered, DecentralizedAverager):
+class _Averager(ServesOuterHistory, ReportsRounds, TellsGroupStart, RematchesMinorityGroups, DeclaresDirectly,
+               WholeControlMessages, CancelSafe, RefusesExcluded, AnswersDelivered, DecentralizedAverager):
     """hivemind's DecentralizedAverager, safe to cancel, reading large control messages whole, its answers delivered
     (also before it shuts down), every peer getting the same average (same wire format), and all of it or
     nothing, in groups that hold at least half of the swarm's trainers where one more match can find such a group
@@ -378,6 +379,7 @@ class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, Decl
         tensors = serving_only(tensors, kwargs, released_too=True)  # CancelSafe's, which this method replaces
         group_id = group_info.group_id if group_id is None else group_id
         self._begun_groups.append(group_id)
+        self.note_group_started(group_id)
         checked, gross = (False, None) if self.aggregation == "mean" else \
             self._answer_checks(group_info, kwargs.get("weight", 1.0))
         if self.topk_fraction is not None:
@@ -420,6 +422,7 @@ class _Averager(ServesOuterHistory, ReportsRounds, RematchesMinorityGroups, Decl
         request = await anext(stream)
         if request.group_id not in self._running_groups and request.group_id not in self._begun_groups:
             self.groupmate_began.value = time.time()
+        self.note_group_started(request.group_id)  # a client-mode groupmate may ask (group_start)
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
@@ -831,8 +834,8 @@ class OuterLoop:
         view is a DHT lookup old, and in benchmarks/internet.py (16 DiLoCo trainers, seed 2) the members of a group
         began its all-reduce up to 28 s apart, the last one usually a peer whose lookups lagged; past 20 s its
         groupmates' reducers give it up as absent (``sparse_allreduce.ABSENT_AFTER``), failing the round for the
-        whole group (a group of 10 and one of 14 in one run). A peer in client mode reduces nothing, receives no
-        parts, and learns nothing here. Only once the group has formed (it awaits this peer's trigger): a stranger's
+        whole group (a group of 10 and one of 14 in one run). A peer in client mode reduces nothing and receives no
+        parts: it asks a full groupmate instead (:mod:`.group_start`). Only once the group has formed (it awaits this peer's trigger): a stranger's
         part, whatever its group ID, ends no round before the swarm's expected end, when the prepared group forms."""
         if self._prepared is None:
             return False
