@@ -6,8 +6,9 @@ trigger; a member pulls it when its own view of the swarm shows the round's end,
 from its groupmates. A client-mode peer (behind NAT) reduces nothing, so no part reaches it: it trained on while its
 groupmates waited for its parts, and after ``sparse_allreduce.ABSENT_AFTER`` (20 s) they averaged without it.
 benchmarks/internet.py (16 DiLoCo trainers, seed 2, every link 20 Mbit/s and 100 ms, DHT lookups of 9 s at the
-median): three of the four client-mode trainers ended their epoch 30-40 s after their group of 13 had begun, were
-dropped as absent, and missed that round (the only trainers below 90% of their rounds in that run).
+median): three of the four client-mode trainers ended their epoch 38-56 s after their group (14 trainers or more)
+had begun, its reducers dropped them as absent, and they missed that round: the only trainers below 90% of their
+rounds in that run.
 
 Here, while its prepared group awaits its trigger, a client-mode peer asks one full groupmate every
 :data:`ASK_EVERY` seconds, in turn, whether the group has begun (``rpc_group_began`` with the group's ID; answered
