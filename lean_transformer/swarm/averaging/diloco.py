@@ -835,8 +835,9 @@ class OuterLoop:
         began its all-reduce up to 28 s apart, the last one usually a peer whose lookups lagged; past 20 s its
         groupmates' reducers give it up as absent (``sparse_allreduce.ABSENT_AFTER``), failing the round for the
         whole group (a group of 10 and one of 14 in one run). A peer in client mode reduces nothing and receives no
-        parts: it asks a full groupmate instead (:mod:`.group_start`). Only once the group has formed (it awaits this peer's trigger): a stranger's
-        part, whatever its group ID, ends no round before the swarm's expected end, when the prepared group forms."""
+        parts: it asks a full groupmate instead (:mod:`.group_start`). Only once the group has formed (it awaits this
+        peer's trigger): a stranger's part, whatever its group ID, ends no round before the swarm's expected end, when
+        the prepared group forms."""
         if self._prepared is None:
             return False
         control, _, since = self._prepared
