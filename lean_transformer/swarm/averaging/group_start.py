@@ -14,8 +14,8 @@ Here, while its prepared group awaits its trigger, a client-mode peer asks one f
 :data:`ASK_EVERY` seconds, in turn, whether the group has begun (``rpc_group_began`` with the group's ID; answered
 ``BEGIN_ALLREDUCE`` once the answering peer began it or a part for it arrived there), and a yes tells its host process
 what an arriving part tells a full peer's. Its price: one small request per client every :data:`ASK_EVERY` seconds
-while its group waits, a few per round. A groupmate that says yes falsely ends the asker's epoch early, as a part it sent early
-would: nothing a groupmate could not do already.
+while its group waits, a few per round. A groupmate that says yes falsely ends the asker's epoch early, as a part it
+sent early would: nothing a groupmate could not do already.
 """
 from __future__ import annotations
 
