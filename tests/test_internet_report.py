@@ -101,26 +101,27 @@ def test_two_trainers_that_see_the_record_of_a_live_third_read_one_dht():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
-def test_two_busy_processes_on_one_core_each_wait_for_it_half_the_time():
+def test_a_busy_process_sharing_its_core_waits_for_it_and_is_never_idle():
     busy = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    core = min(os.sched_getaffinity(0))  # one this test may use (a container may not offer core 0)
     processes = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
     try:
         for process in processes:
-            os.sched_setaffinity(process.pid, {0})
+            os.sched_setaffinity(process.pid, {core})
         slot = Slot(index=1, name="trainer0", rate_mbit=20, rtt_ms=20, cores=1, nat=False, joins_at=0)
         slot.process = processes[0]
         sample_usage([slot])  # its tree: the first process, the main one
         time.sleep(2)
         sample_usage([slot])
-        usage = usage_by_kind(slot)
-        alone = process_times(psutil.Process(processes[1].pid))
+        usage = usage_by_kind(slot)["main"]
+        other = process_times(psutil.Process(processes[1].pid))
     finally:
         for process in processes:
             process.kill()
             process.wait()
     assert process_kind(psutil.Process(os.getpid()), psutil.Process(os.getpid())) == "main"
-    assert set(usage) == {"main"}
-    # one core shared by two busy processes: each runs about half the time and waits the other half
-    assert 0.3 < usage["main"]["cores"] < 0.7 and 0.3 < usage["main"]["waited"] < 0.7, usage
-    assert abs(usage["main"]["cores"] + usage["main"]["waited"] - 1) < 0.15, usage
-    assert alone[2] > 0.3, alone
+    assert set(usage_by_kind(slot)) == {"main"}
+    # the other busy process takes about half of the core (more if the suite's own work shares it): the first waits
+    # at least a third of the time, and a busy thread is always running or runnable, never asleep
+    assert usage["waited"] > 0.3 and abs(usage["cores"] + usage["waited"] - 1) < 0.15, usage
+    assert other[2] > 0.3, other
