@@ -71,13 +71,19 @@ def test_a_daemon_thread_in_torch_does_not_abort_a_clean_exit(report):
 
 ABANDONED = """
 import logging, os, signal, subprocess, sys, threading
+import torch
 from lean_transformer.swarm.monitoring.events import peer_events
 from lean_transformer.swarm.peers.shutdown import GracefulShutdown, errors_wait_for_an_ending, exit_now
 
-# a stand-in for hivemind's DHT process: on the watchdog's SIGTERM it tells the main loop, which then fails, and it
-# outlives the grace period, so the failure comes while the watchdog is still ending the process
-CHILD = "import os, signal, time; signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getppid(), signal.SIGUSR1)); " \\
-        "print('ready', flush=True); time.sleep(60)"
+# a stand-in for hivemind's DHT process: it shares a tensor as hivemind's processes do (file_system strategy); on the
+# watchdog's SIGTERM it tells the main loop, which then fails, and it outlives the grace period, so the failure comes
+# while the watchdog is still ending the process
+CHILD = "import os, signal, time, torch; torch.multiprocessing.set_sharing_strategy('file_system'); " \\
+        "shared = torch.zeros(1000).share_memory_(); " \\
+        "signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getppid(), signal.SIGUSR1)); " \\
+        "print(os.getpid(), flush=True); time.sleep(60)"
+torch.multiprocessing.set_sharing_strategy("file_system")
+shared = torch.zeros(1000).share_memory_()  # as the averagers' tensors in a trainer's main process
 terminated = threading.Event()
 signal.signal(signal.SIGUSR1, lambda *_: terminated.set())
 guard = errors_wait_for_an_ending() if sys.argv[2] == "ours" else open(os.devnull)
@@ -85,7 +91,7 @@ try:  # run_trainer.main's structure
     with guard, peer_events(sys.argv[1], "trainer"):
         shutdown = GracefulShutdown(timeout=0.5)
         child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
-        child.stdout.readline()
+        print(os.getpid(), child.stdout.readline().strip(), flush=True)  # the processes whose shared memory must go
         os.kill(os.getpid(), signal.SIGTERM)  # the step outlasts the budget: the watchdog abandons it
         while not terminated.wait(0.01):
             pass
@@ -97,13 +103,20 @@ except Exception:
 
 
 def test_an_error_of_the_loop_while_the_watchdog_abandons_it_is_not_reported(tmp_path, report):
+    """The watchdog abandons a step and terminates the peer's processes while the main loop runs: the loop's error is
+    not reported, one shutdown event ends the stream, and no shared memory is left behind (torch's files in
+    /dev/shm, which os._exit and SIGKILL leave: the averagers' tensors, GBs for a large model)."""
     from lean_transformer.swarm.monitoring.events import read_events
+    from lean_transformer.swarm.peers.processes import torch_shared_memory
     runs, endings = {}, {}
     for variant in ("unguarded", "ours"):
         events = tmp_path / f"{variant}.jsonl"
         runs[variant] = subprocess.run([sys.executable, "-c", ABANDONED, str(events), variant], capture_output=True,
                                        text=True, timeout=60)
         endings[variant] = [(event["reason"], event["clean"]) for event in read_events(events, "shutdown")]
+        pids = [int(pid) for pid in runs[variant].stdout.split()]
+        assert len(pids) == 2, runs[variant].stdout
+        assert torch_shared_memory(pids) == [], runs[variant].stderr[-2000:]
     ours = runs["ours"]
     assert ours.returncode == 0 and "Abandoning the current step" in ours.stderr, ours.stderr[-2000:]
     assert "Traceback" not in ours.stderr and "Unexpected error" not in ours.stderr, ours.stderr[-2000:]

@@ -4,12 +4,13 @@ The first signal asks the loop to stop after the current step (the peer then lea
 watchdog. A fifth of the time budget later, if the peer is still busy (typically waiting in an averaging round whose
 partners are gone), the watchdog calls ``on_overdue`` (the trainer cancels the rounds in flight). If the graceful
 exit has not finished when the budget is spent, or if a second signal arrives, the step is abandoned: this process's
-children (hivemind's DHT and averager processes and their p2p daemons) are terminated and the process exits with
-code 0, or with code 1 if it was inside a :meth:`GracefulShutdown.critical` section (e.g. writing its final backup),
-whose work is then lost: a supervisor (Docker's ``--stop-timeout``, systemd) must give a peer more time than
-``--shutdown_timeout``. The abandoning thread ends the peer's event stream with its ``shutdown`` event; what the main
-loop raises meanwhile (its calls into the hivemind processes being terminated under it: "Broken pipe") is a
-consequence of that ending, not an error: :func:`errors_wait_for_an_ending` lets the ending thread's exit stand.
+children (hivemind's DHT and averager processes and their p2p daemons) are terminated, the torch shared memory of
+the peer's processes is removed, and the process exits with code 0, or with code 1 if it was inside a
+:meth:`GracefulShutdown.critical` section (e.g. writing its final backup), whose work is then lost: a supervisor
+(Docker's ``--stop-timeout``, systemd) must give a peer more time than ``--shutdown_timeout``. The abandoning thread
+ends the peer's event stream with its ``shutdown`` event; what the main loop raises meanwhile (its calls into the
+hivemind processes being terminated under it: "Broken pipe") is a consequence of that ending, not an error:
+:func:`errors_wait_for_an_ending` lets the ending thread's exit stand.
 """
 from __future__ import annotations
 
@@ -22,16 +23,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Optional
+from typing import Callable, Iterator, List, NoReturn, Optional
 
 from lean_transformer.swarm.monitoring.events import close_events, emit
-from lean_transformer.swarm.peers.processes import descendant_pids
+from lean_transformer.swarm.peers.processes import descendant_pids, torch_shared_memory
 
 logger = logging.getLogger(__name__)
 
 
-def terminate_descendants(grace: float = 2.0) -> None:
-    """SIGTERM every descendant of this process, then SIGKILL those still alive after ``grace`` seconds."""
+def terminate_descendants(grace: float = 2.0) -> List[int]:
+    """SIGTERM every descendant of this process, then SIGKILL those still alive after ``grace`` seconds; returns
+    their pids."""
     pids = descendant_pids(os.getpid())
     for pid in pids:
         try:
@@ -46,6 +48,7 @@ def terminate_descendants(grace: float = 2.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return pids
 
 
 class GracefulShutdown:
@@ -106,11 +109,16 @@ _ENDING = threading.Lock()  # held by the thread that ends this process at once 
 
 def exit_now(code: int) -> NoReturn:
     """Stop this process's children and exit at once, whatever the other threads are doing (hivemind's threads can
-    keep an interpreter from exiting after an error in the main thread). If another thread is already doing so, wait
-    for its exit: its code stands."""
+    keep an interpreter from exiting after an error in the main thread), removing their torch shared-memory files. If
+    another thread is already doing so, wait for its exit: its code stands."""
     if not _ENDING.acquire(blocking=False):
         threading.Event().wait()
-    terminate_descendants()
+    stopped = terminate_descendants()
+    # torch unlinks a shared tensor's file (hivemind's file_system strategy: /dev/shm/torch_PID_*) only as the tensor
+    # is freed, which neither this exit nor a SIGKILL does: left, the averagers' tensors would hold RAM until reboot
+    for path in torch_shared_memory([os.getpid(), *stopped]):
+        with contextlib.suppress(OSError):
+            path.unlink()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
