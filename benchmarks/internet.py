@@ -213,13 +213,14 @@ def start_peer(slot: Slot, network: InternetNetwork, mode: str, initial_peers: S
     logdir.mkdir(parents=True, exist_ok=True)
     if not slot.nat:  # its relay (and an echo server behind it, to measure the round trip), outside its cgroup
         ip = network.peer_ips[slot.index]
-        relay = slot.relay = subprocess.Popen(["ip", "netns", "exec", network.namespaces[slot.index], sys.executable,
+        relay = subprocess.Popen(["ip", "netns", "exec", network.namespaces[slot.index], sys.executable,
                                   str(REPO / "benchmarks" / "latency.py"), "--rtt_ms", str(slot.rtt_ms),
                                   "--forward", f"{ip}:{PORT}", f"127.0.0.1:{PORT}",
                                   "--forward", f"{ip}:{ECHO_PORT}", f"127.0.0.1:{ECHO_PORT + 1}",
                                   "--echo", f"127.0.0.1:{ECHO_PORT + 1}"],
                                  stdout=subprocess.PIPE, stderr=(logdir / f"{slot.name}.relay.log").open("w"),
                                  text=True, start_new_session=True)
+        slot.relay = relay
         if relay.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the delay relay of {slot.name} did not start")
         slot.measured_rtt_ms = 1000 * tcp_round_trip(ip, ECHO_PORT)
@@ -329,12 +330,14 @@ def usage_by_kind(slot: Slot) -> Dict[str, Dict[str, float]]:
         return {}
     seconds = (max(last[0] for _, _, last in slot.times.values())
                - min(first[0] for _, first, _ in slot.times.values()))
-    totals = {kind: [0.0, 0.0] for kind in PROCESS_KINDS if any(kind == each for each, _, _ in slot.times.values())}
+    if seconds <= 0:
+        return {}
+    totals: Dict[str, List[float]] = {}
     for kind, first, last in slot.times.values():
-        totals[kind][0] += last[1] - first[1]
-        totals[kind][1] += last[2] - first[2]
-    return {kind: {"cores": cpu / seconds, "waited": waited / seconds} for kind, (cpu, waited) in totals.items()
-            if seconds > 0}
+        total = totals.setdefault(kind, [0.0, 0.0])
+        total[0] += last[1] - first[1]
+        total[1] += last[2] - first[2]
+    return {kind: {"cores": cpu / seconds, "waited": waited / seconds} for kind, (cpu, waited) in totals.items()}
 
 
 def run_mode(mode: str, args: argparse.Namespace, logdir: Path) -> dict:
